@@ -1,0 +1,18 @@
+#!/usr/bin/env python3
+"""Entry point of one cosyvoice-lb instance: the Gradio UI, the HTTP API and /ping.
+
+supervisord runs ``python app.py --port 7860 --engine espeak ...`` once per slot; see
+``python app.py --help``. Everything lives in ``cosyvoice_lb.server``.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":
+    # Run from a checkout, the package sits beside this file.
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.path.isdir(os.path.join(here, "cosyvoice_lb")):
+        sys.path.insert(0, here)
+    from cosyvoice_lb.server import main
+
+    main()

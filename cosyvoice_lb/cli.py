@@ -1,0 +1,200 @@
+"""The ``cosyvoice-lb`` command: parse, call the cluster functions, print."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__, cluster
+from .planner import PlanError, format_size
+from .render import RenderError
+from .settings import CLUSTER_OPTIONS, PLAN_OPTIONS, Settings, options
+from .supervision import SupervisionError, read_tail
+
+out = Console()
+err = Console(stderr=True)
+USER_ERRORS = (PlanError, RenderError, cluster.ClusterError, SupervisionError)
+
+
+def fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    sys.exit(code)
+
+
+def settings_from(kwargs: dict[str, Any]) -> Settings:
+    return Settings.from_mapping(kwargs)
+
+
+class Command(click.Group):
+    """Turns the user-facing errors into one clear line and a non-zero exit."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except USER_ERRORS as exc:
+            fail(str(exc))
+
+
+@click.group(cls=Command, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="cosyvoice-lb")
+def main() -> None:
+    """One GPU box as a load-balanced CosyVoice3 text-to-speech service.
+
+    Instances under supervisord, nginx in front, a health loop keeping them in rotation.
+    Every option can also be set through its COSYVOICE_LB_* environment variable.
+    """
+
+
+@main.command("plan")
+@options(*PLAN_OPTIONS)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan_command(as_json: bool, **kwargs: Any) -> None:
+    """Show how many instances fit, on which device and port."""
+    settings = settings_from(kwargs)
+    result, source = cluster.make_plan(settings)
+    if as_json:
+        click.echo(json.dumps({**result.as_dict(), "engine": settings.engine, "gpu_source": source}, indent=2))
+        return
+    table = Table(title=f"cosyvoice-lb plan: {len(result.slots)} instance(s), engine {settings.engine}")
+    for column in ("instance", "device", "memory", "port"):
+        table.add_column(column)
+    for slot in result.slots:
+        table.add_row(slot.name, "cpu" if slot.gpu is None else f"gpu{slot.gpu}", format_size(slot.memory),
+                      str(slot.port))
+    out.print(table)
+    fits = Table(title="what fits per device")
+    for column in ("device", "total", "free", "fits by total", "fits by free", "fits", "limited by"):
+        fits.add_column(column)
+    for fit in result.fits:
+        fits.add_row(fit.device, format_size(fit.total), format_size(fit.free), str(fit.by_total),
+                     str(fit.by_free), str(fit.fits), fit.limit)
+    out.print(fits)
+    out.print(f"GPU inventory: {source}", highlight=False)
+    for note in result.notes:
+        out.print(f"note: {note}", highlight=False)
+
+
+@main.command("render")
+@options(*CLUSTER_OPTIONS)
+def render_command(**kwargs: Any) -> None:
+    """Write every config (supervisord, nginx) into the state dir; start nothing."""
+    settings = settings_from(kwargs)
+    result, layout, written = cluster.render_to_disk(settings)
+    for path in written:
+        click.echo(str(path))
+    click.echo(f"{len(result.slots)} instance(s); nginx -t accepts {layout.nginx_conf}")
+
+
+@main.command("up")
+@options(*CLUSTER_OPTIONS)
+def up_command(**kwargs: Any) -> None:
+    """Start the cluster and wait until every instance is ready (safe to run again)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    settings = settings_from(kwargs)
+    started = time.monotonic()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), TextColumn("{task.fields[detail]}"), console=err, transient=True) as bar:
+        task = bar.add_task("instances ready", total=None, detail="starting")
+
+        def report(progress: cluster.Progress) -> None:
+            bar.update(task, total=progress.total, completed=progress.ready, detail=progress.detail[:80])
+
+        current = cluster.up(settings, report)
+    elapsed = time.monotonic() - started
+    click.echo(f"cosyvoice-lb is up: {len(current.instances)} instance(s) ready in {elapsed:.1f}s")
+    click.echo(f"  UI and API: {current.url}/   (API: POST {current.url}/v1/tts, health: {current.url}/ping)")
+    click.echo(f"  state: {cluster.layout_for(settings).root}   stop with: cosyvoice-lb down --state-dir "
+               f"{cluster.layout_for(settings).root}")
+
+
+def state_dir_option(command):
+    return options("state_dir")(command)
+
+
+@main.command("status")
+@state_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status_command(state_dir: str, as_json: bool) -> None:
+    """Exit 0 when all is up and ready, 1 when something falls short, 3 when not running."""
+    current = cluster.status(cluster.layout_for(state_dir))
+    if as_json:
+        click.echo(json.dumps(current.as_dict(), indent=2))
+        sys.exit(current.exit_code)
+    if not current.running:
+        click.echo(f"not running ({cluster.layout_for(state_dir).root})")
+        sys.exit(current.exit_code)
+    table = Table(title=f"cosyvoice-lb at {current.url}")
+    for column in ("name", "port", "device", "pid", "state", "ready", "in rotation", "restarts", "uptime", "note"):
+        table.add_column(column)
+    for i in current.instances:
+        table.add_row(i.name, str(i.port), "cpu" if i.gpu is None else f"gpu{i.gpu}", str(i.pid), i.state,
+                      "yes" if i.ready else "no", "yes" if i.in_rotation else "no", str(i.restarts),
+                      f"{i.uptime:.0f}s", i.reason)
+    for name in cluster.SERVICES:
+        info = getattr(current, name)
+        table.add_row(name, str(info.get("port", "")), "", str(info["pid"]), info["state"], "", "", "", "", "")
+    out.print(table)
+    click.echo("ok" if current.exit_code == 0 else "problems: " + "; ".join(current.problems))
+    sys.exit(current.exit_code)
+
+
+@main.command("down")
+@state_dir_option
+def down_command(state_dir: str) -> None:
+    """Drain and stop everything the cluster started."""
+    layout = cluster.layout_for(state_dir)
+    pids = cluster.down(layout)
+    click.echo(f"stopped {len(pids)} process(es)" if pids else f"not running ({layout.root})")
+
+
+@main.command("restart")
+@state_dir_option
+@click.argument("names", nargs=-1)
+@click.option("--all", "restart_all", is_flag=True, help="Restart every instance.")
+def restart_command(state_dir: str, names: tuple[str, ...], restart_all: bool) -> None:
+    """Restart instances (or nginx, health) by name, or --all instances."""
+    layout = cluster.layout_for(state_dir)
+    if bool(names) == restart_all:
+        fail("name the instances to restart (e.g. instance-0) or pass --all, not both")
+    targets = cluster.instance_names(layout) if restart_all else list(names)
+    for name in cluster.restart(layout, targets):
+        click.echo(f"restarted {name}")
+
+
+@main.command("logs")
+@state_dir_option
+@click.argument("name")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
+@click.option("-n", "--lines", default=50, show_default=True, help="How many lines to show first.")
+def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
+    """Print a program's log: an instance, nginx, nginx-error, nginx-access, health, supervisord."""
+    layout = cluster.layout_for(state_dir)
+    path = layout.log(name)
+    if not path.exists():
+        known = ", ".join(cluster.log_names(layout)) or "none yet"
+        fail(f"no log named {name!r} in {layout.logs} (known: {known})")
+    click.echo("\n".join(read_tail(path, 200 * lines).splitlines()[-lines:]))
+    if not follow:
+        return
+    with open(path, "rb") as handle:
+        handle.seek(0, 2)
+        try:
+            while True:
+                chunk = handle.readline()
+                if chunk:
+                    click.echo(chunk.decode("utf-8", errors="replace"), nl=False)
+                else:
+                    time.sleep(0.2)
+        except KeyboardInterrupt:
+            return
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""NVML adapter: what the box has (GPUs, cores, RAM) as a planner :class:`Inventory`.
+
+Without a GPU or a driver, ``nvmlInit`` raises (``NVMLError_LibraryNotFound`` and
+friends) and the inventory simply has no GPUs; the planner then plans CPU slots.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+from .planner import Gpu, Inventory, PlanError, parse_size
+
+
+def host_inventory(gpus: tuple[Gpu, ...] = (), source: str = "none") -> Inventory:
+    memory = psutil.virtual_memory()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return Inventory(gpus=gpus, cpu_cores=cores, ram_total=memory.total,
+                     ram_available=memory.available, source=source)
+
+
+def parse_gpus(text: str) -> tuple[Gpu, ...]:
+    """``24GiB,24GiB`` -> two hypothetical cards with that much memory, all free."""
+    sizes = [part for part in (p.strip() for p in text.split(",")) if part]
+    if not sizes:
+        raise PlanError("--gpus needs sizes, e.g. --gpus 24GiB,24GiB")
+    return tuple(Gpu(index=i, total=parse_size(s), free=parse_size(s), name="hypothetical")
+                 for i, s in enumerate(sizes))
+
+
+def _visible(count: int) -> list[int]:
+    """NVML indexes allowed by CUDA_VISIBLE_DEVICES (numeric form); all when unset."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None or not value.strip():
+        return list(range(count))
+    picked = []
+    for part in value.split(","):
+        part = part.strip()
+        if part.isdigit() and int(part) < count:
+            picked.append(int(part))
+    return picked
+
+
+def nvml_gpus() -> tuple[tuple[Gpu, ...], str]:
+    """(GPUs as NVML sees them now, a word on where they came from)."""
+    try:
+        import pynvml
+    except ImportError:
+        return (), "none (pynvml is not installed: pip install nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return (), f"none (NVML: {exc})"
+    try:
+        gpus = []
+        for index in _visible(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            gpus.append(Gpu(index=index, total=int(memory.total), free=int(memory.free),
+                            name=name.decode() if isinstance(name, bytes) else str(name)))
+        return tuple(gpus), "nvml"
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def inventory(gpus: str = "") -> Inventory:
+    """The box's inventory; ``gpus`` (``24GiB,24GiB``) plans for a hypothetical box."""
+    if gpus:
+        return host_inventory(parse_gpus(gpus), "--gpus")
+    found, source = nvml_gpus()
+    return host_inventory(found, source)
+
+
+def process_gpu_memory(pids: set[int]) -> dict[int, int]:
+    """GPU memory (bytes) each of ``pids`` holds, summed over all GPUs; {} without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    try:
+        used: dict[int, int] = {}
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid in pids and proc.usedGpuMemory is not None:
+                    used[proc.pid] = used.get(proc.pid, 0) + int(proc.usedGpuMemory)
+        return used
+    finally:
+        pynvml.nvmlShutdown()

@@ -1,0 +1,282 @@
+"""Slot planning: how many instances fit on this box, and where each one goes.
+
+Pure: an :class:`Inventory` (what the box has) and a :class:`Budget` (what one instance
+needs) go in, a :class:`Plan` comes out. No NVML, no file system, no processes, so every
+case is tested without a GPU; ``gpu.py`` builds the inventory on a real box.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+GiB = 1024**3
+MiB = 1024**2
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "K": 1024, "M": MiB, "G": GiB, "T": 1024**4}
+
+
+class PlanError(ValueError):
+    """The request cannot be planned; the message says why and what to change."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``24GiB``, ``24G``, ``24GB``, ``24576MiB`` or a plain byte count.
+
+    Units are binary (``G`` = ``GiB``): GPU memory is reported in MiB by NVML and
+    nvidia-smi, so ``24GB`` on a card's label means the same thing here.
+    """
+    match = _SIZE.match(str(text))
+    if not match:
+        raise PlanError(
+            f"cannot read size {text!r}: write a number with a unit, e.g. 24GiB, 24G or 24576MiB"
+        )
+    number, unit, _suffix = match.groups()
+    return int(float(number) * _UNIT[unit.upper()])
+
+
+def format_size(size: int) -> str:
+    """``5.0 GiB`` / ``512 MiB``: the shortest readable binary form."""
+    if size >= GiB:
+        return f"{size / GiB:.1f} GiB"
+    return f"{size / MiB:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One card as NVML reports it (bytes)."""
+
+    index: int
+    total: int
+    free: int
+    name: str = "GPU"
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What the box has. ``gpus`` is empty on a box without a usable GPU."""
+
+    gpus: tuple[Gpu, ...]
+    cpu_cores: int
+    ram_total: int
+    ram_available: int
+    source: str = "nvml"  # where the GPU list came from: nvml, --gpus, none
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one instance needs and what to keep back.
+
+    ``gpu_footprint`` is GPU memory per instance (on GPU boxes); ``host_footprint`` is
+    host RAM per instance (on CPU-only boxes). ``reserve`` is kept free on every GPU
+    (and in host RAM when planning CPU slots).
+    """
+
+    gpu_footprint: int
+    host_footprint: int
+    reserve: int = 1 * GiB
+    max_instances: int | None = None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One instance: its name, port and the device it is pinned to."""
+
+    index: int
+    port: int
+    gpu: int | None  # NVML index, or None for a CPU slot
+    memory: int  # bytes this slot is budgeted on its device
+
+    @property
+    def name(self) -> str:
+        return f"instance-{self.index}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment that pins the instance to its device."""
+        return {"CUDA_VISIBLE_DEVICES": "" if self.gpu is None else str(self.gpu)}
+
+
+@dataclass(frozen=True)
+class DeviceFit:
+    """How many instances one device holds, and what limits it."""
+
+    device: str  # "gpu0" or "cpu"
+    total: int
+    free: int
+    by_total: int  # fits in (total - reserve)
+    by_free: int  # fits in what is free now
+    fits: int
+    limit: str  # which bound decided: total, free, cores, max-instances
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str  # "gpu" or "cpu"
+    slots: tuple[Slot, ...]
+    fits: tuple[DeviceFit, ...]
+    capacity: int  # how many fit on the box (before --instances)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "capacity": self.capacity,
+            "slots": [
+                {"name": s.name, "index": s.index, "port": s.port, "gpu": s.gpu,
+                 "memory": s.memory, "device": "cpu" if s.gpu is None else f"gpu{s.gpu}"}
+                for s in self.slots
+            ],
+            "devices": [f.__dict__ for f in self.fits],
+            "notes": list(self.notes),
+        }
+
+
+def _fit_gpu(gpu: Gpu, budget: Budget) -> DeviceFit:
+    usable = gpu.total - budget.reserve
+    by_total = max(0, usable // budget.gpu_footprint)
+    # What is free now already excludes other processes' memory; keep the reserve too,
+    # but never demand more headroom than the card has in total.
+    by_free = max(0, (min(gpu.free, usable)) // budget.gpu_footprint)
+    fits = min(by_total, by_free)
+    return DeviceFit(
+        device=f"gpu{gpu.index}", total=gpu.total, free=gpu.free, by_total=by_total,
+        by_free=by_free, fits=fits, limit="free" if by_free < by_total else "total",
+    )
+
+
+def _fit_cpu(inventory: Inventory, budget: Budget) -> DeviceFit:
+    usable = inventory.ram_total - budget.reserve
+    by_total = max(0, usable // budget.host_footprint)
+    by_free = max(0, min(inventory.ram_available, usable) // budget.host_footprint)
+    by_memory = min(by_total, by_free)
+    fits = min(by_memory, max(1, inventory.cpu_cores))
+    if fits < by_memory:
+        limit = "cores"
+    else:
+        limit = "free" if by_free < by_total else "total"
+    return DeviceFit(
+        device="cpu", total=inventory.ram_total, free=inventory.ram_available,
+        by_total=by_total, by_free=by_free, fits=fits, limit=limit,
+    )
+
+
+def plan(
+    inventory: Inventory,
+    budget: Budget,
+    *,
+    base_port: int = 7860,
+    instances: int | None = None,
+    force: bool = False,
+) -> Plan:
+    """Plan slots: as many as fit (``instances=None``), or exactly ``instances``.
+
+    GPUs are filled one instance per card in turn (0, 1, 0, 1, ...) so load and
+    memory spread evenly. Asking for more than fits is refused unless ``force``.
+    """
+    if budget.gpu_footprint <= 0 or budget.host_footprint <= 0:
+        raise PlanError("the footprint must be larger than 0 (e.g. --footprint 5GiB)")
+    if budget.reserve < 0:
+        raise PlanError("the reserve cannot be negative (e.g. --reserve 1GiB)")
+    if budget.max_instances is not None and budget.max_instances < 1:
+        raise PlanError("--max-instances must be at least 1")
+    if instances is not None and instances < 1:
+        raise PlanError("--instances must be at least 1 (or 'auto')")
+    if not 1 <= base_port <= 65535:
+        raise PlanError(f"base port {base_port} is not a TCP port (1-65535)")
+
+    notes: list[str] = []
+    if inventory.gpus:
+        mode = "gpu"
+        fits = [_fit_gpu(g, budget) for g in inventory.gpus]
+        devices = [g.index for g in inventory.gpus]
+        per_slot = budget.gpu_footprint
+        for fit in fits:
+            if fit.fits == 0:
+                notes.append(
+                    f"{fit.device}: no instance fits ({format_size(fit.free)} free, "
+                    f"{format_size(fit.total)} total, {format_size(budget.gpu_footprint)} "
+                    f"per instance + {format_size(budget.reserve)} reserve)"
+                )
+    else:
+        mode = "cpu"
+        fits = [_fit_cpu(inventory, budget)]
+        devices = [None]
+        per_slot = budget.host_footprint
+        notes.append(
+            "no GPU found: planning CPU slots from "
+            f"{inventory.cpu_cores} cores and {format_size(inventory.ram_available)} free RAM"
+        )
+
+    capacity = sum(f.fits for f in fits)
+    if budget.max_instances is not None and capacity > budget.max_instances:
+        notes.append(f"capped at --max-instances {budget.max_instances} (room for {capacity})")
+        capacity = budget.max_instances
+        fits = _cap(fits, budget.max_instances)
+
+    if instances is None:
+        count = capacity
+        if count == 0:
+            raise PlanError(
+                "no instance fits on this box: "
+                + "; ".join(notes or ["lower --footprint or --reserve"])
+                + ". Lower --footprint/--reserve, free memory, or use --instances N --force"
+            )
+    else:
+        count = instances
+        if count > capacity and not force:
+            raise PlanError(
+                f"{count} instances requested but only {capacity} fit "
+                f"({', '.join(f'{f.device}: {f.fits}' for f in fits)}; "
+                f"{format_size(per_slot)} per instance). "
+                "Ask for fewer, lower --footprint, or pass --force to start them anyway"
+            )
+        if count > capacity:
+            notes.append(f"--force: {count} instances where {capacity} fit")
+
+    placement = _place(count, fits, devices)
+    slots = tuple(
+        Slot(index=i, port=base_port + i, gpu=device, memory=per_slot)
+        for i, device in enumerate(placement)
+    )
+    if slots and slots[-1].port > 65535:
+        raise PlanError(f"ports {base_port}..{slots[-1].port} run past 65535: lower --base-port")
+    return Plan(mode=mode, slots=slots, fits=tuple(fits), capacity=capacity, notes=tuple(notes))
+
+
+def _cap(fits: list[DeviceFit], limit: int) -> list[DeviceFit]:
+    """Trim per-device counts to ``limit`` in total, taking round-robin across devices."""
+    taken = [0] * len(fits)
+    left = limit
+    while left:
+        progressed = False
+        for i, fit in enumerate(fits):
+            if left and taken[i] < fit.fits:
+                taken[i] += 1
+                left -= 1
+                progressed = True
+        if not progressed:
+            break
+    return [
+        DeviceFit(**{**f.__dict__, "fits": t, "limit": "max-instances" if t < f.fits else f.limit})
+        for f, t in zip(fits, taken)
+    ]
+
+
+def _place(count: int, fits: list[DeviceFit], devices: list[int | None]) -> list[int | None]:
+    """Round-robin over devices with room; forced extras keep going round-robin."""
+    room = [f.fits for f in fits]
+    placement: list[int | None] = []
+    while len(placement) < count:
+        placed = False
+        for i, device in enumerate(devices):
+            if len(placement) < count and room[i] > 0:
+                placement.append(device)
+                room[i] -= 1
+                placed = True
+        if not placed:  # over capacity (--force): spread the rest evenly
+            for device in devices:
+                if len(placement) < count:
+                    placement.append(device)
+    return placement

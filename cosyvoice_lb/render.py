@@ -1,0 +1,221 @@
+"""Config rendering: a plan and settings in, the cluster's config files out.
+
+Pure: :func:`render` returns ``{relative path: text}`` and writes nothing; the caller
+writes the files (atomically). Templates live in the project's ``templates/`` folder.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from .planner import Plan, Slot
+from .resources import templates_dir
+from .settings import Settings
+
+# AF_UNIX socket paths are limited to 108 bytes on Linux (107 usable).
+MAX_SOCKET_PATH = 107
+
+
+class RenderError(ValueError):
+    """Settings that cannot become a working config; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything of one cluster lives inside its state dir (path arithmetic only)."""
+
+    root: Path
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def nginx_dir(self) -> Path:
+        return self.root / "nginx"
+
+    @property
+    def run(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def cluster_json(self) -> Path:
+        return self.run / "cluster.json"
+
+    @property
+    def health_json(self) -> Path:
+        return self.run / "health.json"
+
+    @property
+    def supervisord_conf(self) -> Path:
+        return self.run / "supervisord.conf"
+
+    @property
+    def socket(self) -> Path:
+        return self.run / "supervisor.sock"
+
+    @property
+    def supervisord_pid(self) -> Path:
+        return self.run / "supervisord.pid"
+
+    @property
+    def nginx_conf(self) -> Path:
+        return self.nginx_dir / "nginx.conf"
+
+    @property
+    def upstreams_conf(self) -> Path:
+        return self.nginx_dir / "upstreams.conf"
+
+    @property
+    def nginx_pid(self) -> Path:
+        return self.run / "nginx.pid"
+
+    @property
+    def nginx_tmp(self) -> Path:
+        return self.nginx_dir / "tmp"
+
+    @property
+    def gradio_tmp(self) -> Path:
+        return self.run / "gradio"
+
+    def nginx_temp(self, kind: str) -> Path:
+        return self.nginx_tmp / kind
+
+    def log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+    def starts(self, name: str) -> Path:
+        return self.run / f"{name}.starts"
+
+    def relative(self, path: Path) -> str:
+        return str(path.relative_to(self.root))
+
+
+@dataclass(frozen=True)
+class Programs:
+    """What the configs run: resolved by the caller (which binary, which user)."""
+
+    app: str  # path of app.py
+    launcher_python: str  # runs the health loop
+    nginx: str
+    run_as_user: str = ""  # nginx `user` when the launcher runs as root
+    worker_processes: int = 2
+
+
+def _quote_nginx(value: object) -> str:
+    text = str(value)
+    if re.fullmatch(r"[\w./:@+-]+", text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _escape_supervisor(value: object) -> str:
+    return str(value).replace("%", "%%")
+
+
+def _supervisor_env(env: dict[str, str]) -> str:
+    def quote(v: str) -> str:
+        return '"' + v.replace("%", "%%").replace('"', '\\"') + '"'
+
+    return ",".join(f"{k}={quote(v)}" for k, v in sorted(env.items()))
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+        keep_trailing_newline=True, autoescape=False,
+    )
+    env.filters.update(nq=_quote_nginx, sv=_escape_supervisor, svenv=_supervisor_env)
+    return env
+
+
+def instance_command(settings: Settings, layout: Layout, programs: Programs, slot: Slot) -> list[str]:
+    return [
+        settings.python, programs.app, "--port", str(slot.port), "--engine", settings.engine,
+        "--max-chars", str(settings.max_chars), "--drain-timeout", str(settings.drain_timeout),
+        "--starts-file", str(layout.starts(slot.name)),
+    ]
+
+
+def instance_env(layout: Layout, slot: Slot) -> dict[str, str]:
+    return {
+        **slot.env,
+        "PYTHONUNBUFFERED": "1",
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "GRADIO_TEMP_DIR": str(layout.gradio_tmp / slot.name),
+    }
+
+
+def check(settings: Settings, layout: Layout) -> None:
+    """Refuse settings that would render a config that cannot work."""
+    if not layout.root.is_absolute():
+        raise RenderError(f"state dir must be an absolute path, got {layout.root}")
+    if len(str(layout.socket)) > MAX_SOCKET_PATH:
+        raise RenderError(
+            f"state dir path is too long for a unix socket ({len(str(layout.socket))} > "
+            f"{MAX_SOCKET_PATH} bytes for {layout.socket}): use a shorter --state-dir"
+        )
+    if not 1 <= settings.port <= 65535:
+        raise RenderError(f"--port {settings.port} is not a TCP port (1-65535)")
+    if settings.probe_interval <= 0 or settings.probe_timeout <= 0:
+        raise RenderError("--probe-interval and --probe-timeout must be above 0 seconds")
+    if settings.fail_threshold < 1 or settings.recover_threshold < 1:
+        raise RenderError("--fail-threshold and --recover-threshold must be at least 1")
+    if settings.retries < 1:
+        raise RenderError("--retries must be at least 1")
+    if settings.max_chars < 1:
+        raise RenderError("--max-chars must be at least 1")
+
+
+def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = frozenset()) -> str:
+    """upstreams.conf: every slot, those out of rotation marked ``down``."""
+    return _environment().get_template("upstreams.conf.j2").render(
+        slots=slots, out_of_rotation=out_of_rotation,
+    )
+
+
+def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs) -> dict[str, str]:
+    """Every config file of the cluster, keyed by its path relative to the state dir."""
+    check(settings, layout)
+    if any(slot.port == settings.port for slot in plan.slots):
+        raise RenderError(
+            f"public port {settings.port} collides with an instance port "
+            f"({plan.slots[0].port}..{plan.slots[-1].port}): change --port or --base-port"
+        )
+    env = _environment()
+    api_read_timeout = int(settings.hang_timeout + 30)
+    context = dict(
+        settings=settings, slots=plan.slots, layout=layout, run_as_user=programs.run_as_user,
+        worker_processes=programs.worker_processes, max_body="20m", api_read_timeout=api_read_timeout,
+        instance_command=lambda slot: shlex.join(instance_command(settings, layout, programs, slot)),
+        instance_env=lambda slot: instance_env(layout, slot),
+        health_command=shlex.join([programs.launcher_python, "-m", "cosyvoice_lb.health",
+                                   "--state-dir", str(layout.root)]),
+        nginx_command=shlex.join([programs.nginx, "-p", str(layout.nginx_dir), "-c", str(layout.nginx_conf),
+                                  "-e", str(layout.log("nginx-error"))]),
+    )
+    return {
+        layout.relative(layout.supervisord_conf): env.get_template("supervisord.conf.j2").render(**context),
+        layout.relative(layout.nginx_conf): env.get_template("nginx.conf.j2").render(**context),
+        layout.relative(layout.upstreams_conf): render_upstreams(plan.slots),
+        layout.relative(layout.cluster_json): cluster_json(settings, plan),
+    }
+
+
+def cluster_json(settings: Settings, plan: Plan) -> str:
+    return json.dumps({"settings": json.loads(settings.to_json()), "plan": plan.as_dict()}, indent=2) + "\n"
+
+
+def read_cluster_json(text: str) -> tuple[Settings, tuple[Slot, ...]]:
+    """Settings and slots back from ``cluster.json`` (what the health loop and status read)."""
+    data = json.loads(text)
+    slots = tuple(Slot(index=s["index"], port=s["port"], gpu=s["gpu"], memory=s["memory"])
+                  for s in data["plan"]["slots"])
+    return Settings.from_mapping(data["settings"]), slots

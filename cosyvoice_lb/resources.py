@@ -1,0 +1,31 @@
+"""Where the templates and app.py are: beside the package in a checkout (or an editable
+install), under ``<prefix>/share/cosyvoice-lb`` after a plain ``pip install .``."""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+from pathlib import Path
+
+_CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def _candidates() -> list[Path]:
+    return [_CHECKOUT, Path(sysconfig.get_path("data")) / "share" / "cosyvoice-lb",
+            Path(sys.prefix) / "share" / "cosyvoice-lb"]
+
+
+def _find(relative: str) -> Path:
+    for base in _candidates():
+        if (base / relative).exists():
+            return base / relative
+    searched = ", ".join(str(b) for b in _candidates())
+    raise FileNotFoundError(f"cosyvoice-lb cannot find {relative} (looked in {searched}): reinstall it")
+
+
+def templates_dir() -> Path:
+    return _find("templates")
+
+
+def app_path() -> Path:
+    return _find("app.py")

@@ -1,0 +1,118 @@
+"""Every setting declared once: field, default, help, flag and environment variable.
+
+The CLI options, the ``COSYVOICE_LB_*`` environment variables, ``cluster.json`` and the
+README's table all come from :class:`Settings`, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import click
+
+ENV_PREFIX = "COSYVOICE_LB_"
+
+# Default memory one instance needs, per engine: GPU memory on GPU boxes, host RAM on
+# CPU-only boxes. The espeak engine uses no GPU: on a GPU box it stands in for
+# CosyVoice3 and is planned with CosyVoice3's footprint, so its plan is the model's plan.
+# CosyVoice3 (plain, no TRT/vLLM): ~4.5 GB peak reported on an RTX 3060 (DESIGN.md §3),
+# rounded up for fragmentation and the warm-up peak.
+ENGINE_FOOTPRINTS: dict[str, dict[str, str]] = {
+    "espeak": {"gpu": "5GiB", "host": "512MiB"},
+}
+
+
+def setting(default: Any, help: str, *, type: Any = None, is_flag: bool = False,
+            choices: tuple[str, ...] | None = None, metavar: str | None = None) -> Any:
+    return field(default=default, metadata={
+        "help": help, "type": type, "is_flag": is_flag, "choices": choices, "metavar": metavar,
+    })
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The whole configuration of one cluster."""
+
+    engine: str = setting("espeak", "Speech engine of every instance.", choices=tuple(ENGINE_FOOTPRINTS))
+    instances: str = setting("auto", "How many instances: a number, or 'auto' for as many as fit.",
+                             metavar="N|auto")
+    gpus: str = setting("", "Plan for these GPUs instead of asking NVML, e.g. 24GiB,24GiB "
+                            "(a card's total; free is taken as total).", metavar="SIZES")
+    footprint: str = setting("", "Memory per instance (GPU memory, or host RAM on a CPU-only box); "
+                                 "default: the engine's.", metavar="SIZE")
+    reserve: str = setting("1GiB", "Memory kept free on every GPU (and in RAM on a CPU-only box).",
+                           metavar="SIZE")
+    max_instances: int = setting(0, "Never plan more than this many instances (0: no cap).", type=int)
+    force: bool = setting(False, "Start --instances N even when fewer fit.", is_flag=True)
+    base_port: int = setting(7860, "Port of the first instance; instance i listens on base+i (127.0.0.1).",
+                             type=int)
+    port: int = setting(8080, "The public port nginx listens on.", type=int)
+    host: str = setting("0.0.0.0", "The address nginx listens on.")
+    state_dir: str = setting(".", "Where configs, logs, sockets and state live.", metavar="DIR")
+    python: str = setting(sys.executable, "Python that runs the instances.", metavar="PATH")
+    nginx: str = setting("nginx", "The nginx binary.", metavar="PATH")
+    max_chars: int = setting(500, "Longest text one request may ask for.", type=int)
+    probe_interval: float = setting(1.0, "Seconds between two health probes of an instance.", type=float)
+    probe_timeout: float = setting(2.0, "Seconds a probe may take before it counts as failed.", type=float)
+    fail_threshold: int = setting(3, "Failed probes in a row that take an instance out and restart it.",
+                                  type=int)
+    recover_threshold: int = setting(2, "Good probes in a row that put an instance back in rotation.",
+                                     type=int)
+    hang_timeout: float = setting(120.0, "A synthesis running longer than this many seconds means the "
+                                         "instance is hung: it is taken out and restarted.", type=float)
+    startup_timeout: float = setting(300.0, "Seconds an instance may take to load before it counts as "
+                                            "failed (never killed for being slow before that).", type=float)
+    drain_timeout: float = setting(30.0, "Seconds in-flight requests get to finish when an instance stops.",
+                                   type=float)
+    start_retries: int = setting(3, "Failed starts in a row before supervisord gives an instance up.",
+                                 type=int)
+    retries: int = setting(3, "Instances nginx tries for one API request (refused, dead or loading).",
+                           type=int)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> "Settings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names and v is not None})
+
+
+def envvar(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def options(*names: str) -> Callable:
+    """Click options for the named settings, each with its ``COSYVOICE_LB_*`` variable."""
+    by_name = {f.name: f for f in dataclasses.fields(Settings)}
+
+    def decorate(command: Callable) -> Callable:
+        for name in reversed(names):
+            f = by_name[name]
+            meta = f.metadata
+            kwargs: dict[str, Any] = {
+                "envvar": envvar(name), "show_envvar": True, "help": meta["help"],
+                "default": f.default, "show_default": not meta["is_flag"] and name != "python",
+            }
+            if meta["is_flag"]:
+                kwargs["is_flag"] = True
+            elif meta["choices"]:
+                kwargs["type"] = click.Choice(meta["choices"])
+            elif meta["type"]:
+                kwargs["type"] = meta["type"]
+            if meta["metavar"]:
+                kwargs["metavar"] = meta["metavar"]
+            command = click.option("--" + name.replace("_", "-"), name, **kwargs)(command)
+        return command
+
+    return decorate
+
+
+PLAN_OPTIONS = ("engine", "instances", "gpus", "footprint", "reserve", "max_instances", "force", "base_port")
+CLUSTER_OPTIONS = PLAN_OPTIONS + tuple(
+    f.name for f in dataclasses.fields(Settings) if f.name not in PLAN_OPTIONS
+)
