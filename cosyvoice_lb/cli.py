@@ -17,8 +17,9 @@ from .render import RenderError
 from .settings import CLUSTER_OPTIONS, PLAN_OPTIONS, Settings, options
 from .supervision import SupervisionError, read_tail
 
-out = Console()
-err = Console(stderr=True)
+# Wide tables and unwrapped messages when piped (rich assumes 80 columns off a terminal).
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, soft_wrap=True)
 USER_ERRORS = (PlanError, RenderError, cluster.ClusterError, SupervisionError)
 
 

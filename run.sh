@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# cosyvoice-lb from a checkout, on a fresh Debian/Ubuntu box.
+#
+#   ./run.sh up [options]     start the service (embedded espeak engine unless told otherwise)
+#   ./run.sh test [args]      run the test suite (args go to pytest)
+#   ./run.sh install          only set things up: system packages, .venv, the package
+#   ./run.sh <command> ...    any other cosyvoice-lb command: plan, render, status, down, ...
+#
+# It installs nginx and espeak-ng with apt when they are missing (as root; otherwise it
+# prints the exact command), makes .venv and installs cosyvoice-lb into it. The checkout
+# is the state dir unless COSYVOICE_LB_STATE_DIR says otherwise: logs/ and nginx/ fill up
+# here, run/ holds sockets and state.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENV="${COSYVOICE_LB_VENV:-$HERE/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+say() { printf '%s\n' "$*" >&2; }
+
+system_packages() {
+    local missing=()
+    command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx)
+    command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)
+    command -v "$PYTHON" >/dev/null 2>&1 || missing+=(python3)
+    if command -v "$PYTHON" >/dev/null 2>&1 && ! "$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+        missing+=(python3-venv)
+    fi
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" -eq 0 ]; then
+        say "installing ${missing[*]} with apt-get"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    else
+        say "cosyvoice-lb needs: ${missing[*]}. Install them with:"
+        say "  sudo apt-get update && sudo apt-get install -y ${missing[*]}"
+        exit 1
+    fi
+}
+
+python_ok() {
+    "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' || {
+        say "cosyvoice-lb needs Python 3.10 or newer; $PYTHON is $("$PYTHON" --version 2>&1)"
+        exit 1
+    }
+}
+
+venv() {
+    python_ok
+    [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+    # Reinstall when the package's metadata changed (editable: code changes need nothing).
+    local stamp="$VENV/.cosyvoice-lb-installed"
+    if [ ! -f "$stamp" ] || [ "$HERE/setup.cfg" -nt "$stamp" ] || [ "$HERE/pyproject.toml" -nt "$stamp" ]; then
+        say "installing cosyvoice-lb and its dependencies into $VENV"
+        "$VENV/bin/python" -m pip install -q --upgrade pip
+        "$VENV/bin/python" -m pip install -q -e "$HERE[test]"
+        touch "$stamp"
+    fi
+}
+
+command="${1:-up}"
+[ $# -gt 0 ] && shift
+system_packages
+venv
+case "$command" in
+    install)
+        say "ready: $VENV/bin/cosyvoice-lb"
+        ;;
+    test)
+        cd "$HERE"
+        exec "$VENV/bin/python" -m pytest "$@"
+        ;;
+    *)
+        export COSYVOICE_LB_STATE_DIR="${COSYVOICE_LB_STATE_DIR:-$HERE}"
+        exec "$VENV/bin/cosyvoice-lb" "$command" "$@"
+        ;;
+esac
