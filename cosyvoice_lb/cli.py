@@ -164,8 +164,7 @@ def restart_command(state_dir: str, names: tuple[str, ...], restart_all: bool) -
     layout = cluster.layout_for(state_dir)
     if bool(names) == restart_all:
         fail("name the instances to restart (e.g. instance-0) or pass --all, not both")
-    targets = cluster.instance_names(layout) if restart_all else list(names)
-    for name in cluster.restart(layout, targets):
+    for name in cluster.restart(layout, None if restart_all else list(names)):
         click.echo(f"restarted {name}")
 
 

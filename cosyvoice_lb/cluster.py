@@ -374,10 +374,13 @@ def down(layout: Layout, timeout: float | None = None) -> list[int]:
     return pids
 
 
-def restart(layout: Layout, names: list[str]) -> list[str]:
+def restart(layout: Layout, names: list[str] | None = None) -> list[str]:
+    """Restart the named programs, or every instance when ``names`` is None."""
     supervisor = Supervisor(layout)
     if not supervisor.running():
         raise ClusterError(f"no cluster runs in {layout.root}: start it with 'cosyvoice-lb up'")
+    if names is None:
+        names = instance_names(layout)
     known = supervisor.processes()
     unknown = [n for n in names if n not in known]
     if unknown:

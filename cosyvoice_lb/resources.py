@@ -1,5 +1,6 @@
 """Where the templates and app.py are: beside the package in a checkout (or an editable
-install), under ``<prefix>/share/cosyvoice-lb`` after a plain ``pip install .``."""
+install), under ``<prefix>/share/cosyvoice-lb`` after a plain ``pip install .``
+(setup.cfg installs them there as data files)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ _CHECKOUT = Path(__file__).resolve().parent.parent
 
 
 def _candidates() -> list[Path]:
-    return [_CHECKOUT, Path(sysconfig.get_path("data")) / "share" / "cosyvoice-lb",
-            Path(sys.prefix) / "share" / "cosyvoice-lb"]
+    # <prefix>/lib/pythonX.Y/site-packages/cosyvoice_lb -> <prefix>/share/cosyvoice-lb, whatever
+    # the prefix (a venv, --user, --prefix); then the interpreter's own data paths.
+    prefixes = [Path(__file__).resolve().parents[i] for i in (3, 4)]
+    prefixes += [Path(sysconfig.get_path("data")), Path(sys.prefix)]
+    return [_CHECKOUT] + [p / "share" / "cosyvoice-lb" for p in prefixes]
 
 
 def _find(relative: str) -> Path:

@@ -1,0 +1,69 @@
+"""`up` refuses clearly and leaves nothing behind when it cannot work."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import psutil
+
+from conftest import cli, free_port_block
+
+
+def cluster_processes(state_dir) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(state_dir) in part for part in (proc.info["cmdline"] or [])):
+            found.append(proc)
+    return found
+
+
+def up(state_dir, port, base, *extra):
+    return cli("up", "--instances", "2", "--force", "--host", "127.0.0.1", "--port", str(port),
+               "--base-port", str(base), "--state-dir", str(state_dir), *extra, timeout=240)
+
+
+def test_public_port_in_use(state_dir):
+    port, base = free_port_block(1), free_port_block(2)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        done = up(state_dir, port, base)
+    assert done.returncode != 0
+    assert f"public port {port} on 127.0.0.1 is not free" in done.stderr and "--port" in done.stderr
+    assert not (state_dir / "run/supervisor.sock").exists()
+
+
+def test_instance_port_in_use(state_dir):
+    port, base = free_port_block(1), free_port_block(2)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", base + 1))
+        holder.listen()
+        done = up(state_dir, port, base)
+    assert done.returncode != 0 and f"instance-1's port {base + 1}" in done.stderr and "--base-port" in done.stderr
+
+
+def test_nginx_missing(state_dir):
+    done = up(state_dir, free_port_block(1), free_port_block(2), "--nginx", "/nonexistent/nginx")
+    assert done.returncode != 0
+    assert "nginx not found" in done.stderr and "apt-get install -y nginx" in done.stderr
+
+
+def test_instance_that_cannot_start_is_reported_with_its_log(state_dir, tmp_path):
+    # A Python without the instance's packages: app.py dies at import, again and again.
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    done = up(state_dir, free_port_block(1), free_port_block(2), "--python", str(bare / "bin/python"),
+              "--start-retries", "1")
+    assert done.returncode != 0
+    assert "could not start" in done.stderr and "ModuleNotFoundError" in done.stderr
+    assert "The cluster was stopped" in done.stderr
+    assert cluster_processes(state_dir) == []
+
+
+def test_state_dir_too_long_for_a_socket(tmp_path):
+    deep = tmp_path / ("x" * 60) / ("y" * 60)
+    deep.mkdir(parents=True)
+    done = up(deep, free_port_block(1), free_port_block(2))
+    assert done.returncode != 0 and "too long for a unix socket" in done.stderr

@@ -1,0 +1,99 @@
+"""The CLI contract that needs no running cluster: plan, render, env vars, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from conftest import cli, clean_env
+
+
+def test_plan_without_gpu_plans_cpu_slots_and_says_so():
+    done = cli("plan", "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["mode"] == "cpu" and plan["slots"]
+    assert all(s["gpu"] is None and s["device"] == "cpu" for s in plan["slots"])
+    assert any("no GPU found" in note for note in plan["notes"])
+    table = cli("plan")
+    assert "no GPU found" in table.stdout and "instance-0" in table.stdout
+
+
+def test_plan_for_a_hypothetical_box():
+    done = cli("plan", "--gpus", "24GiB,24GiB", "--footprint", "5GiB", "--reserve", "1GiB", "--base-port", "9000",
+               "--json")
+    plan = json.loads(done.stdout)
+    assert [(s["gpu"], s["port"]) for s in plan["slots"]] == [
+        (0, 9000), (1, 9001), (0, 9002), (1, 9003), (0, 9004), (1, 9005), (0, 9006), (1, 9007)]
+    capped = json.loads(cli("plan", "--gpus", "24GiB,24GiB", "--footprint", "5GiB", "--max-instances", "3",
+                            "--json").stdout)
+    assert [s["gpu"] for s in capped["slots"]] == [0, 1, 0]
+
+
+def test_every_option_can_come_from_the_environment():
+    env = clean_env(COSYVOICE_LB_GPUS="12GiB", COSYVOICE_LB_FOOTPRINT="5GiB", COSYVOICE_LB_BASE_PORT="9100")
+    plan = json.loads(cli("plan", "--json", env=env).stdout)
+    assert [(s["gpu"], s["port"]) for s in plan["slots"]] == [(0, 9100), (0, 9101)]
+    # a flag beats its variable
+    plan = json.loads(cli("plan", "--json", "--base-port", "9200", env=env).stdout)
+    assert plan["slots"][0]["port"] == 9200
+
+
+def test_sizes_and_counts_are_checked_with_a_clear_message():
+    bad_size = cli("plan", "--footprint", "lots")
+    assert bad_size.returncode != 0 and "cannot read size 'lots'" in bad_size.stderr
+    too_many = cli("plan", "--gpus", "12GiB", "--footprint", "5GiB", "--instances", "5")
+    assert too_many.returncode != 0
+    assert "5 instances requested but only 2 fit" in too_many.stderr and "--force" in too_many.stderr
+    forced = cli("plan", "--gpus", "12GiB", "--footprint", "5GiB", "--instances", "5", "--force", "--json")
+    assert forced.returncode == 0 and len(json.loads(forced.stdout)["slots"]) == 5
+    bad_count = cli("plan", "--instances", "many")
+    assert bad_count.returncode != 0 and "'auto'" in bad_count.stderr
+    nothing_fits = cli("plan", "--gpus", "4GiB", "--footprint", "5GiB")
+    assert nothing_fits.returncode != 0 and "no instance fits" in nothing_fits.stderr
+    engine = cli("plan", "--engine", "nope")
+    assert engine.returncode != 0 and "nope" in engine.stderr
+
+
+def test_render_writes_every_config_and_nginx_accepts_it(state_dir):
+    done = cli("render", "--state-dir", str(state_dir), "--instances", "2", "--force", "--port", "18999",
+               "--base-port", "18990")
+    assert done.returncode == 0, done.stderr
+    for relative in ("run/supervisord.conf", "nginx/nginx.conf", "nginx/upstreams.conf", "run/cluster.json"):
+        assert (state_dir / relative).is_file()
+    assert "nginx -t accepts" in done.stdout
+    test = subprocess.run(["nginx", "-t", "-p", str(state_dir / "nginx"), "-c", str(state_dir / "nginx/nginx.conf"),
+                           "-e", str(state_dir / "logs/nginx-error.log")], capture_output=True, text=True)
+    assert test.returncode == 0, test.stderr
+    assert "listen 0.0.0.0:18999" in (state_dir / "nginx/nginx.conf").read_text()
+    assert not (state_dir / "run/supervisor.sock").exists()  # nothing started
+
+
+def test_commands_on_a_dir_without_a_cluster(state_dir):
+    status = cli("status", "--state-dir", str(state_dir))
+    assert status.returncode == 3 and "not running" in status.stdout
+    assert json.loads(cli("status", "--json", "--state-dir", str(state_dir)).stdout)["running"] is False
+    down = cli("down", "--state-dir", str(state_dir))
+    assert down.returncode == 0 and "not running" in down.stdout
+    restart = cli("restart", "--all", "--state-dir", str(state_dir))
+    assert restart.returncode != 0 and "no cluster runs" in restart.stderr
+    neither = cli("restart", "--state-dir", str(state_dir))
+    assert neither.returncode != 0 and "--all" in neither.stderr
+
+
+def test_help_lists_the_commands_and_env_vars():
+    done = cli("--help")
+    for command in ("plan", "render", "up", "down", "status", "restart", "logs"):
+        assert command in done.stdout
+    assert "COSYVOICE_LB_PORT" in cli("up", "--help").stdout
+
+
+def test_readme_documents_every_setting_with_its_variable():
+    import dataclasses
+
+    from conftest import ROOT
+    from cosyvoice_lb.settings import Settings, envvar
+
+    readme = (ROOT / "README.md").read_text()
+    for f in dataclasses.fields(Settings):
+        assert f"`--{f.name.replace('_', '-')}` | `{envvar(f.name)}`" in readme, f.name

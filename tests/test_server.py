@@ -1,0 +1,110 @@
+"""The instance app in-process (Starlette's test client): validation, /ping, errors."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import soundfile
+from fastapi.testclient import TestClient
+
+from cosyvoice_lb.engines import SynthesisRequest
+from cosyvoice_lb.engines.espeak import EspeakEngine
+from cosyvoice_lb.server import BadRequest, Instance, InstanceState, build_app, make_request, validate_tts
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    instance = Instance(EspeakEngine(), InstanceState(engine_name="espeak", port=7860, max_chars=40))
+    instance.load()
+    return instance
+
+
+@pytest.fixture(scope="module")
+def client(loaded):
+    with TestClient(build_app(loaded), raise_server_exceptions=False) as c:
+        yield c
+
+
+def test_ping_is_200_and_says_ready_after_warm_up(client):
+    r = client.get("/ping")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["ready"] is True and body["engine"] == "espeak" and body["inflight"] == 0
+    assert isinstance(body["pid"], int) and body["busy_seconds"] == 0.0
+
+
+def test_ping_is_503_while_loading():
+    instance = Instance(EspeakEngine(), InstanceState(engine_name="espeak", port=7861))
+    with TestClient(build_app(instance)) as c:
+        r = c.get("/ping")
+        assert r.status_code == 503 and r.json()["state"] == "loading" and r.json()["ready"] is False
+        tts = c.post("/v1/tts", json={"text": "hi"})
+        assert tts.status_code == 503 and "still loading" in tts.json()["error"]["message"]
+
+
+def test_tts_answers_wav_and_counts_it(client, loaded):
+    served = loaded.state.served
+    r = client.post("/v1/tts", json={"text": "Hello world", "speed": 1.2})
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+    audio, rate = soundfile.read(io.BytesIO(r.content))
+    assert rate == 22050 and audio.size > 0.3 * rate
+    assert float(r.headers["X-Audio-Seconds"]) == pytest.approx(audio.size / rate, abs=0.01)
+    assert loaded.state.served == served + 1
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ("", 400, "no body"),
+    ("   ", 400, "no body"),
+    ("{", 400, "not valid JSON"),
+    ("\xff", 400, "not valid JSON"),
+    ("null", 400, "JSON object"),
+    ('"text"', 400, "JSON object"),
+    ('{"text": ""}', 400, "empty"),
+    ('{"text": " \\n\\t "}', 400, "empty"),
+    ('{"text": null}', 400, "missing"),
+    ('{"text": ["a"]}', 400, "must be a string"),
+    ('{"text": "hi", "speed": null}', 400, "must be a number"),
+    ('{"text": "hi", "speed": true}', 400, "must be a number"),
+    ('{"text": "hi", "speed": 0.1}', 400, "between 0.5 and 2.0"),
+    ('{"text": "hi", "speed": 1e400}', 400, "between 0.5 and 2.0"),
+    ('{"text": "hi", "voice": "x"}', 400, "unknown field(s) voice"),
+    (json.dumps({"text": "a" * 41}), 413, "41 characters, more than the limit of 40"),
+])
+def test_bad_requests_are_4xx_with_a_message(client, body, status, words):
+    r = client.post("/v1/tts", content=body.encode("utf-8", errors="surrogateescape") if body != "\xff" else b"\xff",
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == status
+    assert words in r.json()["error"]["message"]
+    assert client.get("/ping").status_code == 200
+
+
+def test_wrong_method_and_unknown_path_are_json_errors(client):
+    r = client.get("/v1/tts")
+    assert r.status_code in (404, 405)
+    assert client.get("/ping").status_code == 200
+
+
+def test_validate_and_make_request_accept_the_documented_shape():
+    assert validate_tts({"text": "hi"}, 10) == SynthesisRequest("hi", 1.0)
+    assert validate_tts({"text": "hi", "speed": 2}, 10) == SynthesisRequest("hi", 2.0)
+    with pytest.raises(BadRequest) as exc:
+        make_request("x" * 11, 1.0, 10)
+    assert exc.value.status == 413
+
+
+def test_inflight_is_tracked_during_a_synthesis(loaded):
+    seen = []
+
+    class Watching:
+        name, sample_rate = "espeak", 22050
+
+        def synthesize(self, request):
+            seen.append(loaded.state.ping()["inflight"])
+            yield np.zeros(10, dtype=np.float32)
+
+    watcher = Instance(Watching(), loaded.state)
+    watcher.synthesize(SynthesisRequest("x"))
+    assert seen == [1] and loaded.state.ping()["inflight"] == 0
