@@ -14,7 +14,8 @@ _CHECKOUT = Path(__file__).resolve().parent.parent
 def _candidates() -> list[Path]:
     # <prefix>/lib/pythonX.Y/site-packages/cosyvoice_lb -> <prefix>/share/cosyvoice-lb, whatever
     # the prefix (a venv, --user, --prefix); then the interpreter's own data paths.
-    prefixes = [Path(__file__).resolve().parents[i] for i in (3, 4)]
+    parents = Path(__file__).resolve().parents
+    prefixes = [parents[i] for i in (3, 4) if i < len(parents)]
     prefixes += [Path(sysconfig.get_path("data")), Path(sys.prefix)]
     return [_CHECKOUT] + [p / "share" / "cosyvoice-lb" for p in prefixes]
 
