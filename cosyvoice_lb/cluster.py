@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,21 +87,47 @@ def programs_for(settings: Settings) -> Programs:
                     worker_processes=max(1, min(4, os.cpu_count() or 1)))
 
 
-def render_to_disk(settings: Settings) -> tuple[Plan, Layout, list[Path]]:
-    """Render every config into the state dir (atomically) and check nginx accepts it."""
-    result, _source = make_plan(settings)
-    layout = layout_for(settings)
-    files = render(settings, result, layout, programs_for(settings))
+def make_dirs(layout: Layout) -> None:
     for directory in (layout.logs, layout.run, layout.nginx_dir, layout.gradio_tmp,
                       *(layout.nginx_temp(k) for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))):
         directory.mkdir(parents=True, exist_ok=True)
     os.chmod(layout.run, 0o700)
-    written = []
+
+
+def out_of_rotation(layout: Layout) -> frozenset[str]:
+    """Instances the running health loop has taken out (kept out when re-rendering)."""
+    try:
+        tracks = json.loads(layout.health_json.read_text())["instances"]
+    except (OSError, ValueError, KeyError):
+        return frozenset()
+    return frozenset(name for name, track in tracks.items() if not track.get("in_rotation"))
+
+
+def render_to_disk(settings: Settings) -> tuple[Plan, Layout, list[Path]]:
+    """Render every config into the state dir; returns the files whose content changed.
+
+    The configs are first rendered into a scratch dir and checked with ``nginx -t``, so a
+    bad setting never replaces a running cluster's files; each file is written atomically.
+    """
+    result, _source = make_plan(settings)
+    layout = layout_for(settings)
+    programs = programs_for(settings)
+    out = out_of_rotation(layout)
+    files = render(settings, result, layout, programs, out)
+    with tempfile.TemporaryDirectory(prefix="cvlb-check-") as scratch:
+        trial = Layout(Path(scratch))
+        make_dirs(trial)
+        for relative, text in render(settings, result, trial, programs, out).items():
+            write_atomic(trial.root / relative, text)
+        check_nginx(settings, trial)
+    make_dirs(layout)
+    changed = []
     for relative, text in files.items():
-        write_atomic(layout.root / relative, text)
-        written.append(layout.root / relative)
-    check_nginx(settings, layout)
-    return result, layout, written
+        path = layout.root / relative
+        if not path.exists() or path.read_text() != text:
+            write_atomic(path, text)
+            changed.append(path)
+    return result, layout, changed
 
 
 def check_nginx(settings: Settings, layout: Layout) -> None:
@@ -110,7 +137,8 @@ def check_nginx(settings: Settings, layout: Layout) -> None:
         capture_output=True, text=True, check=False,
     )
     if done.returncode != 0:
-        raise ClusterError(f"nginx rejects the rendered config {layout.nginx_conf}:\n{done.stderr.strip()}")
+        raise ClusterError(f"nginx rejects the rendered config:\n{done.stderr.strip()}\n"
+                           "check --host and --port; nothing was changed")
 
 
 def port_owner(port: int) -> str:
@@ -277,15 +305,20 @@ def up(settings: Settings, on_progress: Callable[[Progress], None] = lambda p: N
         result, _ = make_plan(settings)
         for slot in result.slots:
             check_port("127.0.0.1", slot.port, f"{slot.name}'s", "choose another range with --base-port")
-    result, layout, _ = render_to_disk(settings)
-    if already:
-        changed = supervisor.update()
-        supervisor.signal("nginx", "HUP")
-        on_progress(Progress(0, len(result.slots), f"cluster already running; config updated {changed}"))
-    else:
-        for slot in result.slots:  # restarts are counted from this up
-            layout.starts(slot.name).unlink(missing_ok=True)
+        for name in [p.stem for p in layout.run.glob("*.starts")]:  # restarts count from this up
+            layout.starts(name).unlink(missing_ok=True)
         layout.health_json.unlink(missing_ok=True)
+    result, layout, changed = render_to_disk(settings)
+    if already:
+        if changed:
+            applied = supervisor.update()
+            # The health loop reads the slots at start: restart it to pick up the new set;
+            # it re-publishes the rotation, and nginx reloads gracefully.
+            supervisor.stop("health")
+            supervisor.start("health")
+            supervisor.signal("nginx", "HUP")
+            on_progress(Progress(0, len(result.slots), f"updated running cluster: {applied}"))
+    else:
         supervisor.start_daemon()
     try:
         return wait_ready(layout, settings, len(result.slots), on_progress, poll)

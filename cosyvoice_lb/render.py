@@ -181,8 +181,13 @@ def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = 
     )
 
 
-def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs) -> dict[str, str]:
-    """Every config file of the cluster, keyed by its path relative to the state dir."""
+def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs,
+           out_of_rotation: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Every config file of the cluster, keyed by its path relative to the state dir.
+
+    ``out_of_rotation`` keeps instances the health loop has taken out marked ``down`` when a
+    running cluster is re-rendered.
+    """
     check(settings, layout)
     if any(slot.port == settings.port for slot in plan.slots):
         raise RenderError(
@@ -204,7 +209,7 @@ def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs) -
     return {
         layout.relative(layout.supervisord_conf): env.get_template("supervisord.conf.j2").render(**context),
         layout.relative(layout.nginx_conf): env.get_template("nginx.conf.j2").render(**context),
-        layout.relative(layout.upstreams_conf): render_upstreams(plan.slots),
+        layout.relative(layout.upstreams_conf): render_upstreams(plan.slots, out_of_rotation),
         layout.relative(layout.cluster_json): cluster_json(settings, plan),
     }
 

@@ -219,6 +219,21 @@ def test_up_again_is_safe(cluster):
     assert after == before  # nothing restarted
 
 
+def test_up_again_with_new_settings_applies_them_without_restarting_instances(cluster):
+    state_dir = cluster["state_dir"]
+    _, before = status(state_dir)
+    done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--force", "--base-port",
+               str(cluster["base"]), "--state-dir", str(state_dir), "--hang-timeout", "100", env=cluster["env"],
+               timeout=120)
+    assert done.returncode == 0, done.stderr
+    _, after = status(state_dir)
+    assert [i["pid"] for i in after["instances"]] == [i["pid"] for i in before["instances"]]
+    assert after["health"]["pid"] != before["health"]["pid"]  # re-read the new settings
+    assert json.loads((state_dir / "run/cluster.json").read_text())["settings"]["hang_timeout"] == 100
+    assert "proxy_read_timeout 130s;" in (state_dir / "nginx/nginx.conf").read_text()
+    assert requests.post(cluster["url"] + "/v1/tts", json={"text": "still here"}, timeout=30).status_code == 200
+
+
 def instance(state_dir: Path, name: str) -> dict:
     return next(i for i in status(state_dir)[1]["instances"] if i["name"] == name)
 
