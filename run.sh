@@ -52,9 +52,13 @@ venv() {
     # Reinstall when the package's metadata changed (editable: code changes need nothing).
     local stamp="$VENV/.cosyvoice-lb-installed"
     if [ ! -f "$stamp" ] || [ "$HERE/setup.cfg" -nt "$stamp" ] || [ "$HERE/pyproject.toml" -nt "$stamp" ]; then
-        say "installing cosyvoice-lb and its dependencies into $VENV"
-        "$VENV/bin/python" -m pip install -q --upgrade pip
-        "$VENV/bin/python" -m pip install -q -e "$HERE[test]"
+        say "installing cosyvoice-lb and its dependencies into $VENV (log: $VENV/install.log)"
+        if ! { "$VENV/bin/python" -m pip install --upgrade pip &&
+               "$VENV/bin/python" -m pip install -e "$HERE[test]"; } >"$VENV/install.log" 2>&1; then
+            tail -n 30 "$VENV/install.log" >&2
+            say "pip could not install cosyvoice-lb; the full log is $VENV/install.log"
+            exit 1
+        fi
         touch "$stamp"
     fi
 }
