@@ -25,6 +25,7 @@ import requests
 
 from .files import write_atomic
 from .gpu import inventory
+from .health import LOOPBACK
 from .planner import Budget, Plan, PlanError, parse_size, plan
 from .render import Layout, Programs, read_cluster_json, render
 from .resources import app_path
@@ -224,7 +225,7 @@ def count_restarts(layout: Layout, name: str) -> int:
 
 def ping(port: int, timeout: float = 2.0) -> dict:
     try:
-        response = requests.get(f"http://127.0.0.1:{port}/ping", timeout=timeout)
+        response = LOOPBACK.get(f"http://127.0.0.1:{port}/ping", timeout=timeout)
         body = response.json()
         return body if isinstance(body, dict) else {}
     except (requests.RequestException, ValueError):
@@ -233,8 +234,12 @@ def ping(port: int, timeout: float = 2.0) -> dict:
 
 def public_url(settings: Settings) -> str:
     host = settings.host
-    if host in ("0.0.0.0", "*", "", "::"):
+    if host in ("0.0.0.0", "*", ""):
         host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "[::1]"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
     return f"http://{host}:{settings.port}"
 
 
@@ -370,7 +375,7 @@ def _last_lines(supervisor: Supervisor, name: str, lines: int = 20) -> str:
 
 def _nginx_answers(settings: Settings) -> bool:
     try:
-        return requests.get(public_url(settings) + "/ping", timeout=settings.probe_timeout + 1).status_code == 200
+        return LOOPBACK.get(public_url(settings) + "/ping", timeout=settings.probe_timeout + 1).status_code == 200
     except requests.RequestException:
         return False
 

@@ -108,10 +108,20 @@ def _restart(track: Track, reason: str) -> Verdict:
                                        restarts=track.restarts + 1), restart=reason)
 
 
+def loopback_session() -> requests.Session:
+    """HTTP to 127.0.0.1 only: no proxies from the environment (they would see no instance)."""
+    session = requests.Session()
+    session.trust_env = False
+    return session
+
+
+LOOPBACK = loopback_session()
+
+
 def probe(port: int, timeout: float) -> Probe:
-    """GET /ping on one instance."""
+    """GET /ping on one instance. Any answer other than a well-formed one counts as failed."""
     try:
-        response = requests.get(f"http://127.0.0.1:{port}/ping", timeout=timeout)
+        response = LOOPBACK.get(f"http://127.0.0.1:{port}/ping", timeout=timeout)
     except requests.Timeout:
         return Probe("failed", detail=f"/ping did not answer within {timeout:g}s")
     except requests.RequestException as exc:
@@ -119,9 +129,14 @@ def probe(port: int, timeout: float) -> Probe:
     try:
         body = response.json()
     except ValueError:
-        body = {}
-    if response.status_code == 200 and body.get("ready"):
-        return Probe("ready", busy_seconds=float(body.get("busy_seconds", 0.0)))
+        body = None
+    if not isinstance(body, dict):
+        return Probe("failed", detail=f"/ping answered {response.status_code}")
+    if response.status_code == 200 and body.get("ready") is True:
+        busy = body.get("busy_seconds", 0.0)
+        if isinstance(busy, bool) or not isinstance(busy, (int, float)):
+            return Probe("failed", detail=f"/ping answered busy_seconds={busy!r}, not a number")
+        return Probe("ready", busy_seconds=float(busy))
     if response.status_code == 503 and body.get("state") == "loading":
         return Probe("loading")
     return Probe("failed", detail=f"/ping answered {response.status_code}")

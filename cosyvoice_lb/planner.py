@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 GiB = 1024**3
 MiB = 1024**2
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(?:IB|I|B)?|B)?\s*$", re.IGNORECASE)
 _UNIT = {"": 1, "K": 1024, "M": MiB, "G": GiB, "T": 1024**4}
 
 
@@ -32,8 +32,8 @@ def parse_size(text: str) -> int:
         raise PlanError(
             f"cannot read size {text!r}: write a number with a unit, e.g. 24GiB, 24G or 24576MiB"
         )
-    number, unit, _suffix = match.groups()
-    return int(float(number) * _UNIT[unit.upper()])
+    number, unit = match.groups()
+    return int(float(number) * _UNIT[(unit or "").upper()])
 
 
 def format_size(size: int) -> str:
@@ -235,13 +235,14 @@ def plan(
         if count > capacity:
             notes.append(f"--force: {count} instances where {capacity} fit")
 
+    if base_port + count - 1 > 65535:  # before placing: a tiny footprint can "fit" billions
+        raise PlanError(f"ports {base_port}..{base_port + count - 1} run past 65535: "
+                        "lower --base-port, or check --footprint (plain numbers are bytes)")
     placement = _place(count, fits, devices)
     slots = tuple(
         Slot(index=i, port=base_port + i, gpu=device, memory=per_slot)
         for i, device in enumerate(placement)
     )
-    if slots and slots[-1].port > 65535:
-        raise PlanError(f"ports {base_port}..{slots[-1].port} run past 65535: lower --base-port")
     return Plan(mode=mode, slots=slots, fits=tuple(fits), capacity=capacity, notes=tuple(notes))
 
 

@@ -7,6 +7,7 @@ writes the files (atomically). Templates live in the project's ``templates/`` fo
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -157,9 +158,14 @@ def check(settings: Settings, layout: Layout) -> None:
     """Refuse settings that would render a config that cannot work."""
     if not layout.root.is_absolute():
         raise RenderError(f"state dir must be an absolute path, got {layout.root}")
-    if len(str(layout.socket)) > MAX_SOCKET_PATH:
+    if "%" in str(layout.root):
+        # supervisord expands %(...)s in paths, some of them twice: no escape is reliable.
+        raise RenderError(f"state dir {layout.root} contains '%', which supervisord cannot take in a path: "
+                          "choose a --state-dir without it")
+    socket_bytes = len(os.fsencode(str(layout.socket)))
+    if socket_bytes > MAX_SOCKET_PATH:
         raise RenderError(
-            f"state dir path is too long for a unix socket ({len(str(layout.socket))} > "
+            f"state dir path is too long for a unix socket ({socket_bytes} > "
             f"{MAX_SOCKET_PATH} bytes for {layout.socket}): use a shorter --state-dir"
         )
     if not 1 <= settings.port <= 65535:
@@ -172,6 +178,13 @@ def check(settings: Settings, layout: Layout) -> None:
         raise RenderError("--retries must be at least 1")
     if settings.max_chars < 1:
         raise RenderError("--max-chars must be at least 1")
+
+
+def listen_address(host: str, port: int) -> str:
+    """nginx's ``listen`` argument: IPv6 addresses go in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
 
 
 def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = frozenset()) -> str:
@@ -197,7 +210,7 @@ def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs,
     env = _environment()
     api_read_timeout = int(settings.hang_timeout + 30)
     context = dict(
-        settings=settings, slots=plan.slots, layout=layout, run_as_user=programs.run_as_user,
+        settings=settings, slots=plan.slots, layout=layout, listen=listen_address(settings.host, settings.port), run_as_user=programs.run_as_user,
         worker_processes=programs.worker_processes, max_body="20m", api_read_timeout=api_read_timeout,
         instance_command=lambda slot: shlex.join(instance_command(settings, layout, programs, slot)),
         instance_env=lambda slot: instance_env(layout, slot),

@@ -76,7 +76,7 @@ def test_parse_size(text, expected):
 
 @pytest.mark.parametrize("text", [
     "", "   ", "GiB", "abc", "-1GiB", "+5G", "24XB", "24PB", "1e9", "1,5GiB", "24 GiB extra",
-    "24GiBs", "5 GiB/s", "0x10", "1.GiB", ".5G", "five",
+    "24GiBs", "5 GiB/s", "0x10", "1.GiB", ".5G", "five", "24i", "5 iB", "24iB",
 ])
 def test_parse_size_rejects_with_a_helpful_message(text):
     with pytest.raises(PlanError) as caught:
@@ -399,6 +399,12 @@ def test_ports_past_65535_are_refused(base_port, ok):
     else:
         with pytest.raises(PlanError, match=f"ports {base_port}\\.\\.{base_port + 7} run past 65535"):
             plan(cards(24, 24), budget(), base_port=base_port)
+
+
+def test_a_tiny_footprint_is_refused_before_placing_billions_of_slots():
+    # plain numbers are bytes: "--footprint 5" means five bytes
+    with pytest.raises(PlanError, match="plain numbers are bytes"):
+        plan(cards(12, 4), Budget(gpu_footprint=5, host_footprint=512 * MiB))
 
 
 def test_one_slot_on_the_last_port():
