@@ -2,7 +2,7 @@
 # cosyvoice-lb from a checkout, on a fresh Debian/Ubuntu box.
 #
 #   ./run.sh up [options]     start the service (embedded espeak engine unless told otherwise)
-#   ./run.sh test [args]      run the test suite (args go to pytest)
+#   ./run.sh test [args]      run the test suite (args go to pytest; also installs chromium)
 #   ./run.sh install          only set things up: system packages, .venv, the package
 #   ./run.sh <command> ...    any other cosyvoice-lb command: plan, render, status, down, ...
 #
@@ -20,6 +20,10 @@ say() { printf '%s\n' "$*" >&2; }
 
 system_packages() {
     local missing=()
+    # The tests drive the UI in a real headless browser.
+    if [ "${1:-}" = test ]; then
+        command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    fi
     command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx)
     command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)
     command -v "$PYTHON" >/dev/null 2>&1 || missing+=(python3)
@@ -65,7 +69,7 @@ venv() {
 
 command="${1:-up}"
 [ $# -gt 0 ] && shift
-system_packages
+system_packages "$command"
 venv
 case "$command" in
     install)
