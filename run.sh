@@ -35,7 +35,7 @@ system_packages() {
         say "installing ${missing[*]} with apt-get"
         export DEBIAN_FRONTEND=noninteractive
         apt-get update -qq
-        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+        apt-get install -y -qq "${missing[@]}" >/dev/null
     else
         say "cosyvoice-lb needs: ${missing[*]}. Install them with:"
         say "  sudo apt-get update && sudo apt-get install -y ${missing[*]}"
