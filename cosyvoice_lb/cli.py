@@ -130,6 +130,8 @@ def status_command(state_dir: str, as_json: bool) -> None:
         sys.exit(current.exit_code)
     if not current.running:
         click.echo(f"not running ({cluster.layout_for(state_dir).root})")
+        for problem in current.problems[1:]:
+            click.echo(problem)
         sys.exit(current.exit_code)
     table = Table(title=f"cosyvoice-lb at {current.url}")
     for column in ("name", "port", "device", "pid", "state", "ready", "in rotation", "restarts", "uptime", "note"):

@@ -10,7 +10,6 @@ import json
 import os
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -246,7 +245,12 @@ def public_url(settings: Settings) -> str:
 def status(layout: Layout) -> ClusterStatus:
     supervisor = Supervisor(layout, timeout=5.0)
     if not supervisor.running():
-        return ClusterStatus(running=False, problems=[f"no cluster runs in {layout.root}"])
+        problems = [f"no cluster runs in {layout.root}"]
+        strays = stray_processes(layout)
+        if strays:
+            problems.append(f"{len(strays)} process(es) of it outlived supervisord "
+                            f"(pids {', '.join(str(p.pid) for p in strays)}): 'cosyvoice-lb down' stops them")
+        return ClusterStatus(running=False, problems=problems)
     settings, slots = read_cluster_json(layout.cluster_json.read_text())
     processes = supervisor.processes()
     try:
@@ -382,32 +386,75 @@ def _nginx_answers(settings: Settings) -> bool:
 
 # --- down, restart, logs ---------------------------------------------------------------
 
-def down(layout: Layout, timeout: float | None = None) -> list[int]:
-    """Stop everything the cluster started; returns the pids that were stopped."""
-    supervisor = Supervisor(layout)
-    if not supervisor.running():
-        return []
+def stray_processes(layout: Layout) -> list[psutil.Process]:
+    """Processes of this cluster that outlived their supervisord (e.g. it was SIGKILLed).
+
+    Found by their command lines (every program names a path in the state dir) and, for
+    nginx workers, whose command line names nothing, by the public port they listen on.
+    """
+    inside = (str(layout.run) + os.sep, str(layout.nginx_dir) + os.sep)
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        args = proc.info["cmdline"] or []
+        if any(a.startswith(inside) for a in args) or any(
+                a == "--state-dir" and b == str(layout.root) for a, b in zip(args, args[1:])):
+            found[proc.pid] = proc
     try:
         settings, _ = read_cluster_json(layout.cluster_json.read_text())
-        drain = settings.drain_timeout
-    except (OSError, ValueError, KeyError):
-        drain = 30.0
-    if timeout is None:
-        timeout = drain * 2 + 30
-    root_pid = supervisor.pid()
-    try:
-        tree = [psutil.Process(root_pid)] + psutil.Process(root_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    pids = [p.pid for p in tree]
-    supervisor.shutdown()  # stops programs by priority: nginx (graceful), health, instances
-    _gone, alive = psutil.wait_procs(tree, timeout=timeout)
-    for proc in alive:  # anything that outlived the drain (e.g. a stuck child)
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.pid and conn.laddr and conn.laddr.port == settings.port and conn.status == psutil.CONN_LISTEN:
+                proc = psutil.Process(conn.pid)
+                if "nginx" in proc.name():
+                    found[proc.pid] = proc
+    except (OSError, ValueError, KeyError, psutil.Error):
+        pass
+    found.pop(os.getpid(), None)
+    return list(found.values())
+
+
+def _terminate(procs: list[psutil.Process], timeout: float) -> None:
+    for proc in procs:
         try:
-            proc.send_signal(signal.SIGKILL)
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    for proc in alive:
+        try:
+            proc.kill()
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5)
+
+
+def down(layout: Layout, timeout: float | None = None) -> list[int]:
+    """Stop everything the cluster started; returns the pids that were stopped."""
+    supervisor = Supervisor(layout)
+    pids: list[int] = []
+    if supervisor.running():
+        try:
+            settings, _ = read_cluster_json(layout.cluster_json.read_text())
+            drain = settings.drain_timeout
+        except (OSError, ValueError, KeyError):
+            drain = 30.0
+        root_pid = supervisor.pid()
+        try:
+            tree = [psutil.Process(root_pid)] + psutil.Process(root_pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        pids = [p.pid for p in tree]
+        supervisor.shutdown()  # stops programs by priority: nginx (graceful), health, instances
+        _gone, alive = psutil.wait_procs(tree, timeout=drain * 2 + 30 if timeout is None else timeout)
+        for proc in alive:  # anything that outlived the drain (e.g. a stuck child)
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+    strays = stray_processes(layout)
+    if strays:
+        pids += [p.pid for p in strays]
+        _terminate(strays, timeout=10)
     layout.socket.unlink(missing_ok=True)
     return pids
 

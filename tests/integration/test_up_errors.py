@@ -67,3 +67,27 @@ def test_state_dir_too_long_for_a_socket(tmp_path):
     deep.mkdir(parents=True)
     done = up(deep, free_port_block(1), free_port_block(2))
     assert done.returncode != 0 and "too long for a unix socket" in done.stderr
+
+
+def test_down_cleans_up_after_a_killed_supervisord(state_dir):
+    import json
+    import os
+    import signal
+
+    port, base = free_port_block(1), free_port_block(2)
+    done = up(state_dir, port, base)
+    assert done.returncode == 0, done.stderr
+    supervisord = int((state_dir / "run/supervisord.pid").read_text())
+    ours = cluster_processes(state_dir)
+    os.kill(supervisord, signal.SIGKILL)
+    psutil.wait_procs([psutil.Process(supervisord)], timeout=10)
+    status = cli("status", "--state-dir", str(state_dir))
+    assert status.returncode == 3 and "outlived supervisord" in status.stdout
+    assert json.loads(cli("status", "--json", "--state-dir", str(state_dir)).stdout)["running"] is False
+    down = cli("down", "--state-dir", str(state_dir))
+    assert down.returncode == 0, down.stderr
+    assert [p for p in ours if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    assert cluster_processes(state_dir) == []
+    from conftest import port_free
+
+    assert port_free(port) and port_free(base) and port_free(base + 1)
