@@ -210,10 +210,15 @@ def plan(
         )
 
     capacity = sum(f.fits for f in fits)
+    # Memory is a hard limit (out of memory kills); CPU cores only share time. So an explicit
+    # --instances N is refused past what fits in memory, and only noted past the core count.
+    room = sum(min(f.by_total, f.by_free) for f in fits)
     if budget.max_instances is not None and capacity > budget.max_instances:
         notes.append(f"capped at --max-instances {budget.max_instances} (room for {capacity})")
         capacity = budget.max_instances
         fits = _cap(fits, budget.max_instances)
+    if budget.max_instances is not None:
+        room = min(room, budget.max_instances)
 
     if instances is None:
         count = capacity
@@ -225,15 +230,17 @@ def plan(
             )
     else:
         count = instances
-        if count > capacity and not force:
+        if count > room and not force:
             raise PlanError(
-                f"{count} instances requested but only {capacity} fit "
-                f"({', '.join(f'{f.device}: {f.fits}' for f in fits)}; "
+                f"{count} instances requested but only {room} fit "
+                f"({', '.join(f'{f.device}: {min(f.by_total, f.by_free)}' for f in fits)}; "
                 f"{format_size(per_slot)} per instance). "
                 "Ask for fewer, lower --footprint, or pass --force to start them anyway"
             )
-        if count > capacity:
-            notes.append(f"--force: {count} instances where {capacity} fit")
+        if count > room:
+            notes.append(f"--force: {count} instances where {room} fit")
+        elif count > capacity and mode == "cpu":
+            notes.append(f"{count} instances on {inventory.cpu_cores} cores: they share the CPU")
 
     if base_port + count - 1 > 65535:  # before placing: a tiny footprint can "fit" billions
         raise PlanError(f"ports {base_port}..{base_port + count - 1} run past 65535: "

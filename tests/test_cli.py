@@ -56,7 +56,7 @@ def test_sizes_and_counts_are_checked_with_a_clear_message():
 
 
 def test_render_writes_every_config_and_nginx_accepts_it(state_dir):
-    done = cli("render", "--state-dir", str(state_dir), "--instances", "2", "--force", "--port", "18999",
+    done = cli("render", "--state-dir", str(state_dir), "--instances", "2", "--port", "18999",
                "--base-port", "18990")
     assert done.returncode == 0, done.stderr
     for relative in ("run/supervisord.conf", "nginx/nginx.conf", "nginx/upstreams.conf", "run/cluster.json"):

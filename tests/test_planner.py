@@ -360,9 +360,13 @@ def test_cpu_plan_without_ram_is_refused():
 
 def test_cpu_plan_instances_and_force():
     assert devices(plan(cpu_box(cores=2), budget(), instances=2)) == [None, None]
-    with pytest.raises(PlanError, match="3 instances requested but only 2 fit \\(cpu: 2; 512 MiB per instance\\)"):
-        plan(cpu_box(cores=2), budget(), instances=3)
-    assert devices(plan(cpu_box(cores=2), budget(), instances=3, force=True)) == [None] * 3
+    # More instances than cores is allowed (they share time), and said.
+    more = plan(cpu_box(cores=2), budget(), instances=3)
+    assert devices(more) == [None] * 3 and "3 instances on 2 cores: they share the CPU" in more.notes
+    # More than fits in RAM is refused unless forced.
+    with pytest.raises(PlanError, match="5 instances requested but only 4 fit \\(cpu: 4; 512 MiB per instance\\)"):
+        plan(cpu_box(cores=2, ram_gib=3), budget(), instances=5)
+    assert devices(plan(cpu_box(cores=2, ram_gib=3), budget(), instances=5, force=True)) == [None] * 5
 
 
 def test_cpu_plan_max_instances():

@@ -24,7 +24,7 @@ playwright = pytest.importorskip("playwright.sync_api")
 def cluster():
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
     port, base = free_port_block(1), free_port_block(2)
-    done = cli("up", "--instances", "2", "--force", "--host", "127.0.0.1", "--port", str(port),
+    done = cli("up", "--instances", "2", "--host", "127.0.0.1", "--port", str(port),
                "--base-port", str(base), "--state-dir", str(state_dir), timeout=300)
     assert done.returncode == 0, done.stderr
     yield {"url": f"http://127.0.0.1:{port}/", "state_dir": state_dir}

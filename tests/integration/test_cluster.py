@@ -89,7 +89,7 @@ def cluster(tmp_path_factory):
     # Options through the environment on purpose: every option has its COSYVOICE_LB_* twin.
     env = clean_env(COSYVOICE_LB_PORT=str(port), COSYVOICE_LB_HOST="127.0.0.1")
     started = time.monotonic()
-    done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--force", "--base-port", str(base),
+    done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--base-port", str(base),
                "--state-dir", str(state_dir), env=env, timeout=300)
     info = {"state_dir": state_dir, "port": port, "base": base, "url": f"http://127.0.0.1:{port}",
             "up": done, "up_seconds": time.monotonic() - started, "env": env}
@@ -212,7 +212,7 @@ def test_ui_has_a_primary_generate_button(cluster):
 
 def test_up_again_is_safe(cluster):
     before = {i["name"]: i["pid"] for i in status(cluster["state_dir"])[1]["instances"]}
-    done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--force", "--base-port", str(cluster["base"]),
+    done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--base-port", str(cluster["base"]),
                "--state-dir", str(cluster["state_dir"]), env=cluster["env"], timeout=120)
     assert done.returncode == 0, done.stderr
     after = {i["name"]: i["pid"] for i in status(cluster["state_dir"])[1]["instances"]}
@@ -222,7 +222,7 @@ def test_up_again_is_safe(cluster):
 def test_up_again_with_new_settings_applies_them_without_restarting_instances(cluster):
     state_dir = cluster["state_dir"]
     _, before = status(state_dir)
-    done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--force", "--base-port",
+    done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--base-port",
                str(cluster["base"]), "--state-dir", str(state_dir), "--hang-timeout", "100", env=cluster["env"],
                timeout=120)
     assert done.returncode == 0, done.stderr

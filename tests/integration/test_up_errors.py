@@ -20,7 +20,7 @@ def cluster_processes(state_dir) -> list[psutil.Process]:
 
 
 def up(state_dir, port, base, *extra):
-    return cli("up", "--instances", "2", "--force", "--host", "127.0.0.1", "--port", str(port),
+    return cli("up", "--instances", "2", "--host", "127.0.0.1", "--port", str(port),
                "--base-port", str(base), "--state-dir", str(state_dir), *extra, timeout=240)
 
 
