@@ -100,12 +100,24 @@ def up_command(**kwargs: Any) -> None:
 
     settings = settings_from(kwargs)
     started = time.monotonic()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), TextColumn("{task.fields[detail]}"), console=err, transient=True) as bar:
-        task = bar.add_task("instances ready", total=None, detail="starting")
+    if err.is_terminal:
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                      TextColumn("{task.fields[detail]}"), console=err, transient=True) as bar:
+            task = bar.add_task("instances ready", total=None, detail="starting")
+
+            def report(progress: cluster.Progress) -> None:
+                bar.update(task, total=progress.total, completed=progress.ready, detail=progress.detail[:80])
+
+            current = cluster.up(settings, report)
+    else:  # a log, not a screen: one line whenever something changes
+        last = [""]
 
         def report(progress: cluster.Progress) -> None:
-            bar.update(task, total=progress.total, completed=progress.ready, detail=progress.detail[:80])
+            line = f"{progress.ready}/{progress.total} ready: {progress.detail}"
+            if line != last[0]:
+                click.echo(f"[{time.monotonic() - started:5.1f}s] {line}", err=True)
+                last[0] = line
 
         current = cluster.up(settings, report)
     elapsed = time.monotonic() - started
