@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import click
 from rich.console import Console
@@ -54,7 +55,8 @@ def main() -> None:
 
 @main.command("plan")
 @options(*PLAN_OPTIONS)
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--json", "as_json", is_flag=True, envvar="COSYVOICE_LB_JSON", show_envvar=True,
+              help="Print the plan as JSON.")
 def plan_command(as_json: bool, **kwargs: Any) -> None:
     """Show how many instances fit, on which device and port."""
     settings = settings_from(kwargs)
@@ -86,7 +88,7 @@ def plan_command(as_json: bool, **kwargs: Any) -> None:
 def render_command(**kwargs: Any) -> None:
     """Write every config (supervisord, nginx) into the state dir; start nothing."""
     settings = settings_from(kwargs)
-    result, layout, written = cluster.render_to_disk(settings)
+    result, layout, written = cluster.render_only(settings)
     for path in written:
         click.echo(str(path))
     click.echo(f"{len(result.slots)} instance(s); nginx -t accepts {layout.nginx_conf}")
@@ -110,21 +112,26 @@ def up_command(**kwargs: Any) -> None:
                 bar.update(task, total=progress.total, completed=progress.ready, detail=progress.detail[:80])
 
             current = cluster.up(settings, report)
-    else:  # a log, not a screen: one line whenever something changes
-        last = [""]
-
-        def report(progress: cluster.Progress) -> None:
-            line = f"{progress.ready}/{progress.total} ready: {progress.detail}"
-            if line != last[0]:
-                click.echo(f"[{time.monotonic() - started:5.1f}s] {line}", err=True)
-                last[0] = line
-
-        current = cluster.up(settings, report)
+    else:  # a log, not a screen
+        current = cluster.up(settings, line_reporter(started))
     elapsed = time.monotonic() - started
     click.echo(f"cosyvoice-lb is up: {len(current.instances)} instance(s) ready in {elapsed:.1f}s")
     click.echo(f"  UI and API: {current.url}/   (API: POST {current.url}/v1/tts, health: {current.url}/ping)")
     click.echo(f"  state: {cluster.layout_for(settings).root}   stop with: cosyvoice-lb down --state-dir "
                f"{cluster.layout_for(settings).root}")
+
+
+def line_reporter(started: float) -> Callable[[cluster.Progress], None]:
+    """Progress as plain lines on stderr, one whenever something changes."""
+    last = [""]
+
+    def report(progress: cluster.Progress) -> None:
+        line = f"{progress.ready}/{progress.total} ready: {progress.detail}"
+        if line != last[0]:
+            click.echo(f"[{time.monotonic() - started:5.1f}s] {line}", err=True)
+            last[0] = line
+
+    return report
 
 
 def state_dir_option(command):
@@ -133,7 +140,8 @@ def state_dir_option(command):
 
 @main.command("status")
 @state_dir_option
-@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.option("--json", "as_json", is_flag=True, envvar="COSYVOICE_LB_JSON", show_envvar=True,
+              help="Print the status as JSON.")
 def status_command(state_dir: str, as_json: bool) -> None:
     """Exit 0 when all is up and ready, 1 when something falls short, 3 when not running."""
     current = cluster.status(cluster.layout_for(state_dir))
@@ -172,21 +180,25 @@ def down_command(state_dir: str) -> None:
 @main.command("restart")
 @state_dir_option
 @click.argument("names", nargs=-1)
-@click.option("--all", "restart_all", is_flag=True, help="Restart every instance.")
+@click.option("--all", "restart_all", is_flag=True, envvar="COSYVOICE_LB_ALL", show_envvar=True,
+              help="Restart every instance.")
 def restart_command(state_dir: str, names: tuple[str, ...], restart_all: bool) -> None:
-    """Restart instances (or nginx, health) by name, or --all instances."""
+    """Restart instances (or nginx, health) by name, or --all instances: one at a time,
+    each serving again before the next goes down."""
     layout = cluster.layout_for(state_dir)
     if bool(names) == restart_all:
         fail("name the instances to restart (e.g. instance-0) or pass --all, not both")
-    for name in cluster.restart(layout, None if restart_all else list(names)):
+    for name in cluster.restart(layout, None if restart_all else list(names), line_reporter(time.monotonic())):
         click.echo(f"restarted {name}")
 
 
 @main.command("logs")
 @state_dir_option
 @click.argument("name")
-@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
-@click.option("-n", "--lines", default=50, show_default=True, help="How many lines to show first.")
+@click.option("-f", "--follow", is_flag=True, envvar="COSYVOICE_LB_FOLLOW", show_envvar=True,
+              help="Keep printing new lines.")
+@click.option("-n", "--lines", default=50, show_default=True, envvar="COSYVOICE_LB_LINES", show_envvar=True,
+              help="How many lines to show first.")
 def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
     """Print a program's log: an instance, nginx, nginx-error, nginx-access, health, supervisord."""
     layout = cluster.layout_for(state_dir)
@@ -197,17 +209,32 @@ def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
     click.echo("\n".join(read_tail(path, 200 * lines).splitlines()[-lines:]))
     if not follow:
         return
-    with open(path, "rb") as handle:
-        handle.seek(0, 2)
-        try:
-            while True:
-                chunk = handle.readline()
-                if chunk:
-                    click.echo(chunk.decode("utf-8", errors="replace"), nl=False)
-                else:
-                    time.sleep(0.2)
-        except KeyboardInterrupt:
-            return
+    follow_file(path)
+
+
+def follow_file(path) -> None:
+    """Print lines as they are appended; reopen when supervisord rotates the log."""
+    handle = open(path, "rb")
+    handle.seek(0, 2)
+    try:
+        while True:
+            chunk = handle.readline()
+            if chunk:
+                click.echo(chunk.decode("utf-8", errors="replace"), nl=False)
+                continue
+            time.sleep(0.2)
+            try:
+                rotated = os.stat(path).st_ino != os.fstat(handle.fileno()).st_ino or \
+                    os.stat(path).st_size < handle.tell()
+            except FileNotFoundError:
+                continue  # between the rename and the new file
+            if rotated:
+                handle.close()
+                handle = open(path, "rb")
+    except KeyboardInterrupt:
+        return
+    finally:
+        handle.close()
 
 
 if __name__ == "__main__":

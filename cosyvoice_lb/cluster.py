@@ -10,7 +10,6 @@ import json
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,14 +21,15 @@ from typing import Callable
 import psutil
 import requests
 
+from . import processes
 from .files import write_atomic
 from .gpu import inventory
 from .health import LOOPBACK
-from .planner import Budget, Plan, PlanError, parse_size, plan
+from .planner import Budget, Plan, PlanError, Slot, parse_size, plan, with_own_slots
 from .render import Layout, Programs, read_cluster_json, render
 from .resources import app_path
 from .settings import ENGINE_FOOTPRINTS, Settings
-from .supervision import ProcessInfo, Supervisor, read_tail
+from .supervision import Supervisor, read_tail
 
 SERVICES = ("nginx", "health")
 
@@ -38,10 +38,32 @@ class ClusterError(RuntimeError):
     """A user-facing failure: the message says what went wrong and what to do."""
 
 
+Report = Callable[["Progress"], None]
+
+
+@dataclass
+class Progress:
+    """What `up` and `restart` report while they wait."""
+
+    ready: int
+    total: int
+    detail: str
+
+
 def layout_for(settings_or_dir: Settings | str) -> Layout:
     state_dir = settings_or_dir.state_dir if isinstance(settings_or_dir, Settings) else settings_or_dir
     return Layout(Path(state_dir).expanduser().resolve())
 
+
+def recorded(layout: Layout) -> tuple[Settings, tuple[Slot, ...]] | None:
+    """The settings and slots the cluster in ``layout`` was last rendered with."""
+    try:
+        return read_cluster_json(layout.cluster_json.read_text())
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+# --- planning and rendering ----------------------------------------------------------------
 
 def parse_instances(value: str) -> int | None:
     text = str(value).strip().lower()
@@ -52,8 +74,11 @@ def parse_instances(value: str) -> int | None:
     return int(text)
 
 
-def make_plan(settings: Settings) -> tuple[Plan, str]:
-    """The plan for these settings on this box, and where the GPU list came from."""
+def make_plan(settings: Settings, own: tuple[Slot, ...] = ()) -> tuple[Plan, str]:
+    """The plan for these settings on this box, and where the GPU list came from.
+
+    ``own``: the slots of the cluster already running here, whose memory is theirs to keep.
+    """
     defaults = ENGINE_FOOTPRINTS[settings.engine]
     footprint = settings.footprint
     budget = Budget(
@@ -62,7 +87,7 @@ def make_plan(settings: Settings) -> tuple[Plan, str]:
         reserve=parse_size(settings.reserve),
         max_instances=settings.max_instances or None,
     )
-    box = inventory(settings.gpus)
+    box = with_own_slots(inventory(settings.gpus), own)
     result = plan(box, budget, base_port=settings.base_port, instances=parse_instances(settings.instances),
                   force=settings.force)
     return result, box.source
@@ -82,9 +107,8 @@ def programs_for(settings: Settings) -> Programs:
     # As root, nginx's workers would drop to 'nobody' and could not write request-body
     # temp files in a private state dir; run them as the launcher's own user instead.
     user = pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() == 0 else ""
-    return Programs(app=str(app_path()), launcher_python=sys.executable,
-                    nginx=find_nginx(settings.nginx), run_as_user=user,
-                    worker_processes=max(1, min(4, os.cpu_count() or 1)))
+    return Programs(app=str(app_path()), launcher_python=sys.executable, nginx=find_nginx(settings.nginx),
+                    run_as_user=user, worker_processes=max(1, min(4, os.cpu_count() or 1)))
 
 
 def make_dirs(layout: Layout) -> None:
@@ -103,13 +127,13 @@ def out_of_rotation(layout: Layout) -> frozenset[str]:
     return frozenset(name for name, track in tracks.items() if not track.get("in_rotation"))
 
 
-def render_to_disk(settings: Settings) -> tuple[Plan, Layout, list[Path]]:
+def render_to_disk(settings: Settings, own: tuple[Slot, ...] = ()) -> tuple[Plan, Layout, list[Path]]:
     """Render every config into the state dir; returns the files whose content changed.
 
     The configs are first rendered into a scratch dir and checked with ``nginx -t``, so a
     bad setting never replaces a running cluster's files; each file is written atomically.
     """
-    result, _source = make_plan(settings)
+    result, _source = make_plan(settings, own)
     layout = layout_for(settings)
     programs = programs_for(settings)
     out = out_of_rotation(layout)
@@ -130,6 +154,15 @@ def render_to_disk(settings: Settings) -> tuple[Plan, Layout, list[Path]]:
     return result, layout, changed
 
 
+def render_only(settings: Settings) -> tuple[Plan, Layout, list[Path]]:
+    """`cosyvoice-lb render`: never touches the files of a running cluster."""
+    layout = layout_for(settings)
+    if Supervisor(layout).running():
+        raise ClusterError(f"a cluster runs in {layout.root}: 'cosyvoice-lb up' applies new settings to it; "
+                           "to look at a config, render into another --state-dir")
+    return render_to_disk(settings)
+
+
 def check_nginx(settings: Settings, layout: Layout) -> None:
     done = subprocess.run(
         [find_nginx(settings.nginx), "-t", "-q", "-p", str(layout.nginx_dir), "-c", str(layout.nginx_conf),
@@ -137,41 +170,28 @@ def check_nginx(settings: Settings, layout: Layout) -> None:
         capture_output=True, text=True, check=False,
     )
     if done.returncode != 0:
-        raise ClusterError(f"nginx rejects the rendered config:\n{done.stderr.strip()}\n"
-                           "check --host and --port; nothing was changed")
-
-
-def port_owner(port: int) -> str:
-    try:
-        for conn in psutil.net_connections(kind="tcp"):
-            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
-                try:
-                    proc = psutil.Process(conn.pid)
-                    return f" by pid {conn.pid} ({' '.join(proc.cmdline()[:3]) or proc.name()})"
-                except psutil.Error:
-                    return f" by pid {conn.pid}"
-    except (psutil.Error, OSError):
-        pass
-    return ""
-
-
-def check_port(host: str, port: int, what: str, hint: str) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise ClusterError(f"{what} port {port} on {host} is not free ({exc.strerror}){port_owner(port)}: "
-                               f"{hint}") from None
+        raise ClusterError(f"nginx rejects the rendered config, nothing was changed:\n{done.stderr.strip()}")
 
 
 def check_tools(settings: Settings) -> None:
+    find_nginx(settings.nginx)
     if settings.engine == "espeak" and not shutil.which("espeak-ng"):
         raise ClusterError("espeak-ng not found: the embedded engine needs it; install it with "
                            "'sudo apt-get install -y espeak-ng'")
     if not Path(settings.python).exists():
         raise ClusterError(f"--python {settings.python} does not exist: name the Python that runs instances")
+
+
+def check_ports(settings: Settings, slots: tuple[Slot, ...], held: set[int]) -> None:
+    """Refuse ports someone else holds (``held``: the running cluster's own)."""
+    wanted = [(settings.host, settings.port, "public", "stop what holds it or choose another with --port")]
+    wanted += [("127.0.0.1", s.port, f"{s.name}'s", "choose another range with --base-port") for s in slots]
+    for host, port, what, hint in wanted:
+        if port in held:
+            continue
+        why = processes.port_taken(host, port)
+        if why:
+            raise ClusterError(f"{what} port {port} on {host} is not free ({why}): {hint}")
 
 
 # --- status ----------------------------------------------------------------------------
@@ -206,6 +226,9 @@ class ClusterStatus:
             return 3
         return 1 if self.problems else 0
 
+    def instance(self, name: str) -> InstanceStatus | None:
+        return next((i for i in self.instances if i.name == name), None)
+
     def as_dict(self) -> dict:
         return {
             "running": self.running, "ok": self.running and not self.problems, "url": self.url,
@@ -214,18 +237,17 @@ class ClusterStatus:
         }
 
 
-def count_restarts(layout: Layout, name: str) -> int:
+def count_starts(layout: Layout, name: str) -> int:
     try:
-        starts = sum(1 for line in layout.starts(name).read_text().splitlines() if line.strip())
+        return sum(1 for line in layout.starts(name).read_text().splitlines() if line.strip())
     except FileNotFoundError:
         return 0
-    return max(0, starts - 1)
 
 
 def ping(port: int, timeout: float = 2.0) -> dict:
+    """An instance's /ping body ({} when it does not answer with one)."""
     try:
-        response = LOOPBACK.get(f"http://127.0.0.1:{port}/ping", timeout=timeout)
-        body = response.json()
+        body = LOOPBACK.get(f"http://127.0.0.1:{port}/ping", timeout=timeout).json()
         return body if isinstance(body, dict) else {}
     except (requests.RequestException, ValueError):
         return {}
@@ -242,17 +264,30 @@ def public_url(settings: Settings) -> str:
     return f"http://{host}:{settings.port}"
 
 
+def nginx_answer(settings: Settings) -> int:
+    """HTTP status of /ping through nginx (0: nginx does not answer)."""
+    try:
+        return LOOPBACK.get(public_url(settings) + "/ping", timeout=settings.probe_timeout + 1).status_code
+    except requests.RequestException:
+        return 0
+
+
+def health_stale_after(settings: Settings) -> float:
+    return max(10.0, 5 * settings.probe_interval + 2 * settings.probe_timeout)
+
+
 def status(layout: Layout) -> ClusterStatus:
     supervisor = Supervisor(layout, timeout=5.0)
-    if not supervisor.running():
+    record = recorded(layout)
+    if not supervisor.running() or record is None:
         problems = [f"no cluster runs in {layout.root}"]
-        strays = stray_processes(layout)
+        strays = processes.stray_processes(layout, record[0].port if record else None)
         if strays:
             problems.append(f"{len(strays)} process(es) of it outlived supervisord "
                             f"(pids {', '.join(str(p.pid) for p in strays)}): 'cosyvoice-lb down' stops them")
         return ClusterStatus(running=False, problems=problems)
-    settings, slots = read_cluster_json(layout.cluster_json.read_text())
-    processes = supervisor.processes()
+    settings, slots = record
+    programs = supervisor.processes()
     try:
         health = json.loads(layout.health_json.read_text())
     except (OSError, ValueError):
@@ -260,7 +295,7 @@ def status(layout: Layout) -> ClusterStatus:
     tracks = health.get("instances", {})
     result = ClusterStatus(running=True, url=public_url(settings))
     for slot in slots:
-        proc = processes.get(slot.name)
+        proc = programs.get(slot.name)
         body = ping(slot.port, timeout=settings.probe_timeout) if proc and proc.state == "RUNNING" else {}
         track = tracks.get(slot.name, {})
         ready = bool(body.get("ready"))
@@ -268,8 +303,8 @@ def status(layout: Layout) -> ClusterStatus:
         item = InstanceStatus(
             name=slot.name, port=slot.port, gpu=slot.gpu, pid=proc.pid if proc else 0,
             state=proc.state if proc else "MISSING", ready=ready, in_rotation=in_rotation,
-            restarts=count_restarts(layout, slot.name), uptime=round(proc.uptime, 1) if proc else 0.0,
-            reason=track.get("reason", "") if not in_rotation else "", inflight=int(body.get("inflight", 0)),
+            restarts=max(0, count_starts(layout, slot.name) - 1), uptime=round(proc.uptime, 1) if proc else 0.0,
+            reason="" if in_rotation else track.get("reason", ""), inflight=int(body.get("inflight", 0)),
         )
         result.instances.append(item)
         if item.state != "RUNNING" or not ready:
@@ -277,213 +312,182 @@ def status(layout: Layout) -> ClusterStatus:
         elif not in_rotation:
             result.problems.append(f"{slot.name} is ready but not in nginx's rotation yet")
     for name in SERVICES:
-        proc = processes.get(name)
+        proc = programs.get(name)
         info = {"state": proc.state if proc else "MISSING", "pid": proc.pid if proc else 0}
-        if name == "nginx":
-            info["port"] = settings.port
-            info["url"] = result.url
-        else:
-            info["updated"] = health.get("updated", 0)
         setattr(result, name, info)
         if info["state"] != "RUNNING":
             result.problems.append(f"{name} is {info['state'].lower()}")
+    answer = nginx_answer(settings)
+    result.nginx.update(port=settings.port, url=result.url, answers=answer)
+    if result.nginx["state"] == "RUNNING" and answer == 0:
+        result.problems.append(f"nginx does not answer on {result.url}")
+    age = time.time() - float(health.get("updated", 0))
+    result.health["updated_seconds_ago"] = round(age, 1) if health else None
+    if result.health["state"] == "RUNNING" and age > health_stale_after(settings):
+        result.problems.append(f"the health loop has not reported for {age:.0f}s (hung?)")
     return result
 
 
-# --- up --------------------------------------------------------------------------------
+# --- waiting ---------------------------------------------------------------------------
 
-@dataclass
-class Progress:
-    """What `up` reports while it waits."""
+def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progress: Report,
+                 poll: float = 0.25) -> ClusterStatus:
+    """Wait until the named instances are ready and in rotation (and nginx answers).
 
-    ready: int
-    total: int
-    detail: str
-
-
-def up(settings: Settings, on_progress: Callable[[Progress], None] = lambda p: None,
-       poll: float = 0.25) -> ClusterStatus:
-    """Start the cluster (or bring a running one to these settings) and wait until all ready."""
-    layout = layout_for(settings)
-    find_nginx(settings.nginx)
-    check_tools(settings)
+    Fails fast on an instance that cannot start: FATAL in supervisord, or started more
+    than --start-retries + 1 times without ever getting ready (a crash loop after start).
+    """
     supervisor = Supervisor(layout)
-    already = supervisor.running()
-    if not already:
-        check_port(settings.host, settings.port, "public", "stop what holds it or choose another with --port")
-        result, _ = make_plan(settings)
-        for slot in result.slots:
-            check_port("127.0.0.1", slot.port, f"{slot.name}'s", "choose another range with --base-port")
-        for name in [p.stem for p in layout.run.glob("*.starts")]:  # restarts count from this up
-            layout.starts(name).unlink(missing_ok=True)
-        layout.health_json.unlink(missing_ok=True)
-    result, layout, changed = render_to_disk(settings)
-    if already:
-        if changed:
-            applied = supervisor.update()
-            # The health loop reads the slots at start: restart it to pick up the new set;
-            # it re-publishes the rotation, and nginx reloads gracefully.
-            supervisor.stop("health")
-            supervisor.start("health")
-            supervisor.signal("nginx", "HUP")
-            on_progress(Progress(0, len(result.slots), f"updated running cluster: {applied}"))
-    else:
-        supervisor.start_daemon()
-    try:
-        return wait_ready(layout, settings, len(result.slots), on_progress, poll)
-    except ClusterError:
-        if not already:
-            down(layout)
-        raise
-
-
-def wait_ready(layout: Layout, settings: Settings, total: int, on_progress: Callable[[Progress], None],
-               poll: float) -> ClusterStatus:
-    supervisor = Supervisor(layout)
+    baseline = {name: count_starts(layout, name) for name in names}
     deadline = time.monotonic() + settings.startup_timeout + 30
     while True:
         current = status(layout)
-        ready = [i for i in current.instances if i.ready and i.in_rotation]
-        failed = [i for i in current.instances if i.state == "FATAL"]
-        if failed:
-            name = failed[0].name
-            raise ClusterError(
-                f"{name} could not start (gave up after {settings.start_retries} tries); last log lines of "
-                f"{layout.log(name)}:\n{_last_lines(supervisor, name)}\nThe cluster was stopped."
-            )
-        if current.exit_code == 0 and len(ready) == total and _nginx_answers(settings):
-            on_progress(Progress(len(ready), total, "all ready"))
-            return current
+        waiting = [i for i in current.instances if i.name in names and not (i.ready and i.in_rotation)]
+        for item in waiting:
+            looping = count_starts(layout, item.name) - max(1, baseline[item.name]) > settings.start_retries
+            if item.state == "FATAL" or looping:
+                raise ClusterError(
+                    f"{item.name} could not start ({'gave up after ' if item.state == 'FATAL' else ''}"
+                    f"{count_starts(layout, item.name) or settings.start_retries + 1} tries); last lines of "
+                    f"{layout.log(item.name)}:\n{last_lines(supervisor, item.name)}"
+                )
         for service in SERVICES:
-            proc = getattr(current, service)
-            if proc.get("state") in ("FATAL", "BACKOFF", "EXITED"):
-                raise ClusterError(f"{service} does not stay up ({proc['state']}); last log lines:\n"
-                                   f"{_last_lines(supervisor, service)}\nThe cluster was stopped.")
-        waiting = [i.name + (f" ({i.reason})" if i.reason else "") for i in current.instances if i not in ready]
-        on_progress(Progress(len(ready), total, "waiting for " + ", ".join(waiting) if waiting else "nginx"))
+            state = getattr(current, service).get("state")
+            if state in ("FATAL", "BACKOFF", "EXITED", "MISSING"):
+                raise ClusterError(f"{service} does not stay up ({state}); last log lines:\n"
+                                   f"{last_lines(supervisor, service)}")
+        if not waiting and current.nginx.get("answers") == 200:
+            on_progress(Progress(len(names), len(names), "all ready"))
+            return current
+        detail = ", ".join(i.name + (f" ({i.reason})" if i.reason else "") for i in waiting) or "nginx"
+        on_progress(Progress(len(names) - len(waiting), len(names), "waiting for " + detail))
         if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {i.name} ({layout.log(i.name)}):\n{last_lines(supervisor, i.name, 8)}"
+                              for i in waiting)
             raise ClusterError(
-                f"not all instances were ready within {settings.startup_timeout:.0f}s "
-                f"(--startup-timeout): {'; '.join(current.problems)}. The cluster was stopped; "
-                f"see the logs in {layout.logs}"
+                f"not ready within --startup-timeout {settings.startup_timeout:.0f}s: "
+                f"{'; '.join(current.problems) or 'nginx does not answer /ping with 200'}\n{tails}"
             )
         time.sleep(poll)
 
 
-def _last_lines(supervisor: Supervisor, name: str, lines: int = 20) -> str:
+def last_lines(supervisor: Supervisor, name: str, lines: int = 20) -> str:
     text = supervisor.tail(name, 8000)
     if name == "nginx":
         text += read_tail(supervisor.layout.log("nginx-error"), 4000)
     return "\n".join(text.strip().splitlines()[-lines:]) or "(empty log)"
 
 
-def _nginx_answers(settings: Settings) -> bool:
-    try:
-        return LOOPBACK.get(public_url(settings) + "/ping", timeout=settings.probe_timeout + 1).status_code == 200
-    except requests.RequestException:
-        return False
+# --- up --------------------------------------------------------------------------------
 
-
-# --- down, restart, logs ---------------------------------------------------------------
-
-def stray_processes(layout: Layout) -> list[psutil.Process]:
-    """Processes of this cluster that outlived their supervisord (e.g. it was SIGKILLed).
-
-    Found by their command lines (every program names a path in the state dir) and, for
-    nginx workers, whose command line names nothing, by the public port they listen on.
-    """
-    inside = (str(layout.run) + os.sep, str(layout.nginx_dir) + os.sep)
-    found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        args = proc.info["cmdline"] or []
-        if any(a.startswith(inside) for a in args) or any(
-                a == "--state-dir" and b == str(layout.root) for a, b in zip(args, args[1:])):
-            found[proc.pid] = proc
-    try:
-        settings, _ = read_cluster_json(layout.cluster_json.read_text())
-        for conn in psutil.net_connections(kind="tcp"):
-            if conn.pid and conn.laddr and conn.laddr.port == settings.port and conn.status == psutil.CONN_LISTEN:
-                proc = psutil.Process(conn.pid)
-                if "nginx" in proc.name():
-                    found[proc.pid] = proc
-    except (OSError, ValueError, KeyError, psutil.Error):
-        pass
-    found.pop(os.getpid(), None)
-    return list(found.values())
-
-
-def _terminate(procs: list[psutil.Process], timeout: float) -> None:
-    for proc in procs:
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-
-
-def down(layout: Layout, timeout: float | None = None) -> list[int]:
-    """Stop everything the cluster started; returns the pids that were stopped."""
+def up(settings: Settings, on_progress: Report = lambda p: None) -> ClusterStatus:
+    """Start the cluster, or bring a running one to these settings; wait until all ready."""
+    layout = layout_for(settings)
+    check_tools(settings)
     supervisor = Supervisor(layout)
-    pids: list[int] = []
-    if supervisor.running():
-        try:
-            settings, _ = read_cluster_json(layout.cluster_json.read_text())
-            drain = settings.drain_timeout
-        except (OSError, ValueError, KeyError):
-            drain = 30.0
-        root_pid = supervisor.pid()
-        try:
-            tree = [psutil.Process(root_pid)] + psutil.Process(root_pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            tree = []
-        pids = [p.pid for p in tree]
-        supervisor.shutdown()  # stops programs by priority: nginx (graceful), health, instances
-        _gone, alive = psutil.wait_procs(tree, timeout=drain * 2 + 30 if timeout is None else timeout)
-        for proc in alive:  # anything that outlived the drain (e.g. a stuck child)
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
-    strays = stray_processes(layout)
-    if strays:
-        pids += [p.pid for p in strays]
-        _terminate(strays, timeout=10)
-    layout.socket.unlink(missing_ok=True)
-    return pids
+    previous = recorded(layout) if supervisor.running() else None
+    if previous is None:
+        return _start(settings, layout, supervisor, on_progress)
+    return _update(settings, layout, supervisor, previous, on_progress)
 
 
-def restart(layout: Layout, names: list[str] | None = None) -> list[str]:
-    """Restart the named programs, or every instance when ``names`` is None."""
+def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progress: Report) -> ClusterStatus:
+    result, _ = make_plan(settings)
+    check_ports(settings, result.slots, held=set())
+    if layout.run.is_dir():  # restarts are counted from this up
+        for stale in layout.run.glob("*.starts"):
+            stale.unlink()
+    layout.health_json.unlink(missing_ok=True)
+    result, layout, _ = render_to_disk(settings)
+    supervisor.start_daemon()
+    try:
+        return wait_serving(layout, settings, [s.name for s in result.slots], on_progress)
+    except ClusterError as exc:
+        down(layout)
+        raise ClusterError(f"{exc}\nThe cluster was stopped; logs are in {layout.logs}") from None
+
+
+def _update(settings: Settings, layout: Layout, supervisor: Supervisor,
+            previous: tuple[Settings, tuple[Slot, ...]], on_progress: Report) -> ClusterStatus:
+    """Apply new settings to a running cluster, one instance at a time."""
+    old_settings, old_slots = previous
+    result, _ = make_plan(settings, own=old_slots)
+    check_ports(settings, result.slots, held={old_settings.port, *(s.port for s in old_slots)})
+    result, layout, changed = render_to_disk(settings, own=old_slots)
+    names = [s.name for s in result.slots]
+    if changed:
+        added, groups_changed, removed = supervisor.reload()
+        # The health loop reads its slots at start; it re-publishes the rotation at once.
+        supervisor.stop("health")
+        supervisor.start("health")
+        for name in removed:
+            supervisor.remove_group(name)
+            layout.starts(name).unlink(missing_ok=True)
+        for name in added:
+            supervisor.add_group(name)
+        supervisor.signal("nginx", "HUP")
+        # Changed instances are replaced one after another, each serving before the next.
+        for name in [n for n in groups_changed if n not in SERVICES]:
+            on_progress(Progress(0, len(names), f"replacing {name} with its new settings"))
+            supervisor.remove_group(name)
+            supervisor.add_group(name)
+            wait_serving(layout, settings, [name], on_progress)
+        if "nginx" in groups_changed:
+            supervisor.remove_group("nginx")
+            supervisor.add_group("nginx")
+    return wait_serving(layout, settings, names, on_progress)
+
+
+# --- restart, down, logs ---------------------------------------------------------------
+
+def restart(layout: Layout, names: list[str] | None = None, on_progress: Report = lambda p: None) -> list[str]:
+    """Restart the named programs (every instance when ``names`` is None), one at a time:
+    each instance is serving again before the next goes down."""
     supervisor = Supervisor(layout)
-    if not supervisor.running():
+    record = recorded(layout)
+    if not supervisor.running() or record is None:
         raise ClusterError(f"no cluster runs in {layout.root}: start it with 'cosyvoice-lb up'")
-    if names is None:
-        names = instance_names(layout)
+    settings, slots = record
+    instances = [s.name for s in slots]
+    names = instances if names is None else names
     known = supervisor.processes()
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ClusterError(f"no program named {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     for name in names:
+        on_progress(Progress(0, 1, f"restarting {name}"))
         supervisor.stop(name)
         supervisor.start(name)
+        if name in instances:
+            wait_serving(layout, settings, [name], on_progress)
     return names
 
 
+def down(layout: Layout, timeout: float | None = None) -> list[int]:
+    """Stop everything the cluster started; returns the pids that were stopped."""
+    supervisor = Supervisor(layout)
+    record = recorded(layout)
+    pids: list[int] = []
+    if supervisor.running():
+        drain = record[0].drain_timeout if record else 30.0
+        root = psutil.Process(supervisor.pid())
+        tree = [root] + root.children(recursive=True)
+        pids = [p.pid for p in tree]
+        # Stops by priority: the health loop, then the instances (each drains), then nginx.
+        supervisor.shutdown()
+        processes.stop(tree, timeout=drain * 2 + 30 if timeout is None else timeout, term=False)
+    strays = processes.stray_processes(layout, record[0].port if record else None)
+    if strays:
+        pids += [p.pid for p in strays]
+        processes.stop(strays, timeout=10)
+    layout.socket.unlink(missing_ok=True)
+    return pids
+
+
 def instance_names(layout: Layout) -> list[str]:
-    _settings, slots = read_cluster_json(layout.cluster_json.read_text())
-    return [s.name for s in slots]
+    record = recorded(layout)
+    return [s.name for s in record[1]] if record else []
 
 
 def log_names(layout: Layout) -> list[str]:
     return sorted(p.stem for p in layout.logs.glob("*.log"))
-
-
-def process_info(layout: Layout) -> dict[str, ProcessInfo]:
-    return Supervisor(layout).processes()

@@ -29,17 +29,32 @@ def parse_gpus(text: str) -> tuple[Gpu, ...]:
                  for i, s in enumerate(sizes))
 
 
-def _visible(count: int) -> list[int]:
-    """NVML indexes allowed by CUDA_VISIBLE_DEVICES (numeric form); all when unset."""
-    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+def visible_indexes(uuids: list[str], value: str | None) -> list[int]:
+    """NVML indexes that CUDA_VISIBLE_DEVICES (``value``) allows; all when unset.
+
+    Entries are indexes (``0,2``) or GPU UUIDs, whole or a unique prefix (``GPU-8932f937``),
+    as CUDA accepts them. Pure, so it is tested without a GPU.
+    """
     if value is None or not value.strip():
-        return list(range(count))
-    picked = []
-    for part in value.split(","):
-        part = part.strip()
-        if part.isdigit() and int(part) < count:
-            picked.append(int(part))
+        return list(range(len(uuids)))
+    picked: list[int] = []
+    for part in (p.strip() for p in value.split(",")):
+        if part.isdigit():
+            index = int(part)
+        else:
+            matches = [i for i, uuid in enumerate(uuids) if part and uuid.startswith(part)]
+            if len(matches) != 1:
+                break  # CUDA stops at the first entry it cannot resolve
+            index = matches[0]
+        if index >= len(uuids):
+            break
+        if index not in picked:
+            picked.append(index)
     return picked
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def nvml_gpus() -> tuple[tuple[Gpu, ...], str]:
@@ -53,13 +68,14 @@ def nvml_gpus() -> tuple[tuple[Gpu, ...], str]:
     except pynvml.NVMLError as exc:
         return (), f"none (NVML: {exc})"
     try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        uuids = [_text(pynvml.nvmlDeviceGetUUID(h)) for h in handles]
         gpus = []
-        for index in _visible(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for index in visible_indexes(uuids, os.environ.get("CUDA_VISIBLE_DEVICES")):
+            handle = handles[index]
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             name = pynvml.nvmlDeviceGetName(handle)
-            gpus.append(Gpu(index=index, total=int(memory.total), free=int(memory.free),
-                            name=name.decode() if isinstance(name, bytes) else str(name)))
+            gpus.append(Gpu(index=index, total=int(memory.total), free=int(memory.free), name=_text(name)))
         return tuple(gpus), "nvml"
     finally:
         pynvml.nvmlShutdown()

@@ -23,6 +23,7 @@ from pathlib import Path
 import requests
 
 from .files import write_atomic
+from .processes import orphan_nginx, stop
 from .render import Layout, read_cluster_json, render_upstreams
 from .settings import Settings
 from .supervision import ProcessInfo, Supervisor
@@ -168,6 +169,7 @@ class HealthLoop:
 
     def step(self) -> None:
         processes = self.supervisor.processes()
+        self.clear_orphan_nginx(processes.get("nginx"))
         probes = dict(zip(
             [s.name for s in self.slots],
             self.pool.map(lambda s: probe(s.port, self.settings.probe_timeout), self.slots),
@@ -187,6 +189,17 @@ class HealthLoop:
         for name in restarts:
             self._kill(name)
         self.save()
+
+    def clear_orphan_nginx(self, nginx: ProcessInfo | None) -> None:
+        """Workers of a SIGKILLed nginx master keep the public port, so the master that
+        supervisord starts next can never bind it: stop them."""
+        if nginx is None or nginx.state == "RUNNING":
+            return
+        orphans = orphan_nginx(self.settings.port, nginx.pid)
+        if orphans:
+            log.warning("nginx: stopping %d orphaned worker(s) holding port %d (pids %s)", len(orphans),
+                        self.settings.port, ", ".join(str(p.pid) for p in orphans))
+            stop(orphans, timeout=5)
 
     def _kill(self, name: str) -> None:
         try:

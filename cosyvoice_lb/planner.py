@@ -94,8 +94,13 @@ class Slot:
 
     @property
     def env(self) -> dict[str, str]:
-        """Environment that pins the instance to its device."""
-        return {"CUDA_VISIBLE_DEVICES": "" if self.gpu is None else str(self.gpu)}
+        """Environment that pins the instance to its device.
+
+        NVML numbers cards by PCI bus; CUDA's default order is fastest first, so the index
+        only means the same card with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+        """
+        return {"CUDA_VISIBLE_DEVICES": "" if self.gpu is None else str(self.gpu),
+                "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 @dataclass(frozen=True)
@@ -288,3 +293,16 @@ def _place(count: int, fits: list[DeviceFit], devices: list[int | None]) -> list
                 if len(placement) < count:
                     placement.append(device)
     return placement
+
+
+def with_own_slots(inventory: Inventory, slots: tuple[Slot, ...]) -> Inventory:
+    """The inventory as a running cluster's own re-plan must see it: the memory its slots
+    hold counts as free again (else every re-plan of a running cluster would shrink it)."""
+    gpus = tuple(
+        Gpu(index=g.index, total=g.total, name=g.name,
+            free=min(g.total, g.free + sum(s.memory for s in slots if s.gpu == g.index)))
+        for g in inventory.gpus
+    )
+    ram = inventory.ram_available + sum(s.memory for s in slots if s.gpu is None)
+    return Inventory(gpus=gpus, cpu_cores=inventory.cpu_cores, ram_total=inventory.ram_total,
+                     ram_available=min(inventory.ram_total, ram), source=inventory.source)

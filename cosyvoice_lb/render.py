@@ -170,14 +170,19 @@ def check(settings: Settings, layout: Layout) -> None:
         )
     if not 1 <= settings.port <= 65535:
         raise RenderError(f"--port {settings.port} is not a TCP port (1-65535)")
-    if settings.probe_interval <= 0 or settings.probe_timeout <= 0:
-        raise RenderError("--probe-interval and --probe-timeout must be above 0 seconds")
-    if settings.fail_threshold < 1 or settings.recover_threshold < 1:
-        raise RenderError("--fail-threshold and --recover-threshold must be at least 1")
-    if settings.retries < 1:
-        raise RenderError("--retries must be at least 1")
-    if settings.max_chars < 1:
-        raise RenderError("--max-chars must be at least 1")
+    positive = {"--probe-interval": settings.probe_interval, "--probe-timeout": settings.probe_timeout,
+                "--hang-timeout": settings.hang_timeout, "--startup-timeout": settings.startup_timeout}
+    for flag, value in positive.items():
+        if not value > 0:
+            raise RenderError(f"{flag} must be above 0 seconds, got {value}")
+    if settings.drain_timeout < 0:
+        raise RenderError(f"--drain-timeout cannot be negative, got {settings.drain_timeout}")
+    at_least = {"--fail-threshold": (settings.fail_threshold, 1), "--recover-threshold": (settings.recover_threshold, 1),
+                "--retries": (settings.retries, 1), "--max-chars": (settings.max_chars, 1),
+                "--start-retries": (settings.start_retries, 0)}
+    for flag, (value, least) in at_least.items():
+        if value < least:
+            raise RenderError(f"{flag} must be at least {least}, got {value}")
 
 
 def listen_address(host: str, port: int) -> str:
@@ -228,7 +233,12 @@ def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs,
 
 
 def cluster_json(settings: Settings, plan: Plan) -> str:
-    return json.dumps({"settings": json.loads(settings.to_json()), "plan": plan.as_dict()}, indent=2) + "\n"
+    """What the health loop and status read back: the settings and the slots (nothing that
+    changes between two renders of the same cluster, such as free memory)."""
+    slots = [{k: v for k, v in slot.items() if k in ("name", "index", "port", "gpu", "memory")}
+             for slot in plan.as_dict()["slots"]]
+    return json.dumps({"settings": json.loads(settings.to_json()), "plan": {"mode": plan.mode, "slots": slots}},
+                      indent=2) + "\n"
 
 
 def read_cluster_json(text: str) -> tuple[Settings, tuple[Slot, ...]]:

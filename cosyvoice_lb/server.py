@@ -34,6 +34,12 @@ log = logging.getLogger("cosyvoice_lb.instance")
 
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
 JSON_FIELDS = ("text", "speed")
+NOT_READY = {
+    "loading": "this instance is still loading its model: retry shortly",
+    "draining": "this instance is shutting down: retry (another instance will answer)",
+    "failed": "this instance failed to load its model: see its log",
+    "ready": "this instance is not ready: retry shortly",
+}
 
 
 class BadRequest(ValueError):
@@ -52,7 +58,7 @@ class InstanceState:
     port: int
     max_chars: int = 500
     ready: bool = False
-    phase: str = "loading"  # loading, ready, failed
+    phase: str = "loading"  # loading, ready, draining, failed
     error: str = ""
     started: float = field(default_factory=time.time)
     served: int = 0
@@ -115,6 +121,8 @@ class Instance:
         warm = self.synthesize(SynthesisRequest(text="Warm-up."), count=False)
         if warm.size == 0:
             raise EngineError("the warm-up synthesis returned no audio")
+        if self.state.phase != "loading":  # stopped while loading: stay out
+            return
         self.state.ready, self.state.phase = True, "ready"
         log.info("ready: engine %s loaded and warmed up in %.1fs", self.engine.name, time.monotonic() - t0)
 
@@ -161,7 +169,7 @@ def build_app(instance: Instance):
         extra = hint.get(exc.status_code)
         return error_response(exc.status_code, f"{detail}: {extra}" if extra else detail)
 
-    @app.get("/ping")
+    @app.api_route("/ping", methods=["GET", "HEAD"])
     async def ping():
         return JSONResponse(state.ping(), status_code=200 if state.ready else 503)
 
@@ -179,7 +187,7 @@ def build_app(instance: Instance):
         except BadRequest as exc:
             return error_response(exc.status, str(exc))
         if not state.ready:
-            return error_response(503, "this instance is still loading its model: retry shortly")
+            return error_response(503, NOT_READY[state.phase])
         try:
             audio = await run_in_threadpool(instance.synthesize, synthesis)
         except EngineError as exc:
@@ -191,6 +199,17 @@ def build_app(instance: Instance):
             "X-Audio-Seconds": f"{audio.size / instance.engine.sample_rate:.3f}",
         })
 
+    # Gradio is mounted at "/" and would answer everything else under /v1/ with its own 404.
+    @app.api_route("/v1/tts", methods=["GET", "PUT", "DELETE", "PATCH"])
+    async def tts_wrong_method(request: Request):
+        return JSONResponse({"error": {"message": f"{request.method} is not allowed on /v1/tts: POST JSON like "
+                                                  '{"text": "Hello"}', "status": 405}},
+                            status_code=405, headers={"Allow": "POST"})
+
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def v1_unknown(path: str):
+        return error_response(404, f"no endpoint /v1/{path}: the API is POST /v1/tts")
+
     @app.exception_handler(Exception)
     async def unexpected(_request, exc: Exception):
         log.exception("unexpected error")
@@ -198,7 +217,7 @@ def build_app(instance: Instance):
 
     def generate(text: str, speed: float):
         if not state.ready:
-            raise gr.Error("This instance is still loading its model: try again in a moment.")
+            raise gr.Error(NOT_READY[state.phase])
         try:
             synthesis = make_request(text, float(speed), state.max_chars)
         except BadRequest as exc:
@@ -220,6 +239,37 @@ def build_app(instance: Instance):
         button.click(generate, inputs=[text, speed], outputs=audio, api_name="generate")
 
     return gr.mount_gradio_app(app, ui, path="/")
+
+
+def draining_server(config, state: InstanceState, drain_timeout: float):
+    """A uvicorn server that, on SIGTERM/SIGINT, first stops taking work and lets the
+    syntheses in flight finish (at most ``drain_timeout``), then shuts down.
+
+    Waiting for syntheses rather than for connections matters: a browser tab keeps
+    Gradio's heartbeat stream open forever, and that must not hold a stop for the full
+    drain time.
+    """
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if state.phase == "draining":  # a second signal: stop now
+                return super().handle_exit(sig, frame)
+            state.ready, state.phase = False, "draining"
+            log.info("stopping: draining %d synthesis(es) in flight (at most %gs)",
+                     len(state.inflight), drain_timeout)
+
+            def drain() -> None:
+                deadline = time.monotonic() + drain_timeout
+                while state.inflight and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if state.inflight:
+                    log.warning("drain timeout: %d synthesis(es) still running", len(state.inflight))
+                super(DrainingServer, self).handle_exit(sig, frame)
+
+            threading.Thread(target=drain, name="drain", daemon=True).start()
+
+    return DrainingServer(config)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -259,5 +309,7 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(3)
 
     threading.Thread(target=load, name="engine-load", daemon=True).start()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.drain_timeout, access_log=False)
+    # After the drain, connections that are only streams (Gradio heartbeats) get 2 s.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=2, access_log=False)
+    draining_server(config, state, args.drain_timeout).run()

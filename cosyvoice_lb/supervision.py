@@ -109,16 +109,25 @@ class Supervisor:
         path = self.layout.log(name)
         return read_tail(path, length)
 
-    def update(self) -> dict[str, list[str]]:
-        """Re-read the config and apply it like ``supervisorctl update``."""
-        rpc = self.rpc
-        added, changed, removed = rpc.supervisor.reloadConfig()[0]
-        for name in removed + changed:
-            self.stop_group(name)
-            rpc.supervisor.removeProcessGroup(name)
-        for name in changed + added:
-            rpc.supervisor.addProcessGroup(name)
-        return {"added": added, "changed": changed, "removed": removed}
+    def reload(self) -> tuple[list[str], list[str], list[str]]:
+        """Re-read the config file; (added, changed, removed) groups, not yet applied."""
+        added, changed, removed = self.rpc.supervisor.reloadConfig()[0]
+        return added, changed, removed
+
+    def add_group(self, name: str) -> None:
+        try:
+            self.rpc.supervisor.addProcessGroup(name)
+        except xmlrpc.client.Fault as fault:
+            if "ALREADY_ADDED" not in fault.faultString:
+                raise
+
+    def remove_group(self, name: str) -> None:
+        self.stop_group(name)
+        try:
+            self.rpc.supervisor.removeProcessGroup(name)
+        except xmlrpc.client.Fault as fault:
+            if "BAD_NAME" not in fault.faultString:
+                raise
 
     def stop_group(self, name: str) -> None:
         try:

@@ -97,3 +97,35 @@ def test_readme_documents_every_setting_with_its_variable():
     readme = (ROOT / "README.md").read_text()
     for f in dataclasses.fields(Settings):
         assert f"`--{f.name.replace('_', '-')}` | `{envvar(f.name)}`" in readme, f.name
+
+
+def test_logs_follow_keeps_going_across_a_rotation(state_dir):
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    logs = state_dir / "logs"
+    logs.mkdir()
+    log = logs / "instance-0.log"
+    log.write_text("old line\n")
+    follower = subprocess.Popen([sys.executable, "-m", "cosyvoice_lb.cli", "logs", "instance-0", "-f", "-n", "5",
+                                 "--state-dir", str(state_dir)], stdout=subprocess.PIPE, text=True,
+                                cwd=str(ROOT), env=clean_env())
+    try:
+        time.sleep(1.5)
+        with open(log, "a") as handle:
+            handle.write("before rotation\n")
+        time.sleep(0.8)
+        log.rename(logs / "instance-0.log.1")  # what supervisord does at logfile_maxbytes
+        log.write_text("after rotation\n")
+        time.sleep(1.5)
+    finally:
+        follower.terminate()
+        out, _ = follower.communicate(timeout=10)
+    assert out.splitlines() == ["old line", "before rotation", "after rotation"]
+
+
+def test_status_and_plan_json_can_come_from_the_environment(state_dir):
+    done = cli("status", "--state-dir", str(state_dir), env=clean_env(COSYVOICE_LB_JSON="1"))
+    assert json.loads(done.stdout)["running"] is False

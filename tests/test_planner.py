@@ -173,7 +173,8 @@ def test_slots_get_consecutive_ports_names_and_a_pinned_device():
     assert [s.port for s in p.slots] == list(range(9000, 9008))
     assert [s.index for s in p.slots] == list(range(8))
     assert [s.name for s in p.slots] == [f"instance-{i}" for i in range(8)]
-    assert [s.env for s in p.slots] == [{"CUDA_VISIBLE_DEVICES": str(i % 2)} for i in range(8)]
+    assert [s.env for s in p.slots] == [{"CUDA_VISIBLE_DEVICES": str(i % 2), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+                                        for i in range(8)]
 
 
 def test_slot_env_pins_the_nvml_index_not_the_position():
@@ -323,7 +324,7 @@ def test_cpu_plan_is_limited_by_cores():
     assert p.capacity == 4
     assert devices(p) == [None] * 4
     assert [s.memory for s in p.slots] == [512 * MiB] * 4  # host footprint, not GPU footprint
-    assert [s.env for s in p.slots] == [{"CUDA_VISIBLE_DEVICES": ""}] * 4
+    assert [s.env for s in p.slots] == [{"CUDA_VISIBLE_DEVICES": "", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}] * 4
     (fit,) = p.fits
     assert (fit.device, fit.fits, fit.limit) == ("cpu", 4, "cores")
     assert fit.by_total == 126 and fit.by_free == 126  # (64 GiB - 1 GiB) / 512 MiB
@@ -447,6 +448,24 @@ def test_as_dict_cpu_slots():
 
 def test_slot_name_and_env_properties():
     assert Slot(index=7, port=7867, gpu=2, memory=GiB).name == "instance-7"
-    assert Slot(index=0, port=7860, gpu=2, memory=GiB).env == {"CUDA_VISIBLE_DEVICES": "2"}
-    assert Slot(index=0, port=7860, gpu=0, memory=GiB).env == {"CUDA_VISIBLE_DEVICES": "0"}
-    assert Slot(index=0, port=7860, gpu=None, memory=GiB).env == {"CUDA_VISIBLE_DEVICES": ""}
+    assert Slot(index=0, port=7860, gpu=2, memory=GiB).env == {"CUDA_VISIBLE_DEVICES": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert Slot(index=0, port=7860, gpu=0, memory=GiB).env == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert Slot(index=0, port=7860, gpu=None, memory=GiB).env == {"CUDA_VISIBLE_DEVICES": "", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def test_a_running_cluster_counts_its_own_memory_as_free_when_re_planned():
+    from cosyvoice_lb.planner import with_own_slots
+
+    # Four 5 GiB instances run on a 24 GiB card: 4 GiB is free now.
+    busy = Inventory(gpus=(Gpu(index=0, total=24 * GiB, free=4 * GiB),), cpu_cores=8, ram_total=64 * GiB,
+                     ram_available=60 * GiB)
+    first = plan(cards(24), budget())
+    with pytest.raises(PlanError):
+        plan(busy, budget())
+    again = plan(with_own_slots(busy, first.slots), budget())
+    assert [s.gpu for s in again.slots] == [s.gpu for s in first.slots]
+    # CPU slots give their RAM back the same way, capped at the total.
+    box = cpu_box(cores=4, ram_gib=4, available_gib=1)
+    own = plan(cpu_box(cores=4, ram_gib=4), budget(reserve_gib=0), instances=4).slots
+    assert with_own_slots(box, own).ram_available == 3 * GiB
+    assert with_own_slots(cpu_box(ram_gib=4, available_gib=4), own).ram_available == 4 * GiB

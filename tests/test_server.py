@@ -108,3 +108,51 @@ def test_inflight_is_tracked_during_a_synthesis(loaded):
     watcher = Instance(Watching(), loaded.state)
     watcher.synthesize(SynthesisRequest("x"))
     assert seen == [1] and loaded.state.ping()["inflight"] == 0
+
+
+def test_a_stop_signal_drains_syntheses_in_flight_before_the_server_exits():
+    import signal
+    import time
+
+    import uvicorn
+
+    from cosyvoice_lb.server import draining_server
+
+    state = InstanceState(engine_name="espeak", port=7862, ready=True, phase="ready")
+    state.inflight["busy"] = time.monotonic()
+    server = draining_server(uvicorn.Config(app=lambda *a: None), state, drain_timeout=5.0)
+    server.handle_exit(signal.SIGTERM, None)
+    assert state.phase == "draining" and state.ready is False  # /ping now says so; no new work
+    time.sleep(0.3)
+    assert server.should_exit is False  # still waiting for the synthesis
+    del state.inflight["busy"]
+    deadline = time.monotonic() + 2
+    while not server.should_exit and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.should_exit is True
+
+
+def test_the_drain_is_bounded():
+    import signal
+    import time
+
+    import uvicorn
+
+    from cosyvoice_lb.server import draining_server
+
+    state = InstanceState(engine_name="espeak", port=7863, ready=True, phase="ready")
+    state.inflight["stuck"] = time.monotonic()
+    server = draining_server(uvicorn.Config(app=lambda *a: None), state, drain_timeout=0.3)
+    server.handle_exit(signal.SIGTERM, None)
+    deadline = time.monotonic() + 3
+    while not server.should_exit and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.should_exit is True and "stuck" in state.inflight
+
+
+def test_draining_instance_answers_503_so_nginx_tries_another(loaded):
+    state = InstanceState(engine_name="espeak", port=7864, phase="draining")
+    with TestClient(build_app(Instance(loaded.engine, state))) as c:
+        r = c.post("/v1/tts", json={"text": "hi"})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        assert c.get("/ping").json()["state"] == "draining"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import tempfile
 from pathlib import Path
 
@@ -63,3 +64,23 @@ def test_two_browsers_generate_speech_through_nginx(cluster):
     assert len(upstreams) >= 4
     assert all(len(servers) == 1 for servers in upstreams.values()), upstreams
     print(f"browser visitors served by: {sorted(served_by)}")
+
+
+def test_down_does_not_wait_for_an_open_browser_tab(cluster):
+    # An open tab keeps Gradio's heartbeat stream open forever; a stop must not wait on it.
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.goto(cluster["url"], wait_until="networkidle")
+            page.get_by_label("Text").fill("Still here.")
+            page.get_by_role("button", name="Generate").click()
+            page.get_by_role("button", name="Download").wait_for(timeout=30000)
+            started = time.monotonic()
+            done = cli("down", "--state-dir", str(cluster["state_dir"]), timeout=120)
+            took = time.monotonic() - started
+        finally:
+            browser.close()
+    assert done.returncode == 0, done.stderr
+    print(f"down with a tab open: {took:.1f}s")
+    assert took < 15, f"down waited {took:.0f}s on an idle browser tab (drain timeout is 30 s)"

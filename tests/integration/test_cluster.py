@@ -190,6 +190,26 @@ def test_bad_input_gets_a_clear_4xx_and_the_instances_stay_up(cluster, body, con
     assert requests.get(cluster["url"] + "/ping", timeout=5).status_code == 200
 
 
+def test_wrong_methods_paths_and_huge_bodies_get_json_errors_through_nginx(cluster):
+    url = cluster["url"]
+    get = requests.get(url + "/v1/tts", timeout=10)
+    assert get.status_code == 405 and "POST" in get.json()["error"]["message"]
+    unknown = requests.post(url + "/v1/speak", json={"text": "hi"}, timeout=10)
+    assert unknown.status_code == 404 and "/v1/tts" in unknown.json()["error"]["message"]
+    assert requests.head(url + "/ping", timeout=10).status_code == 200
+    huge = requests.post(url + "/v1/tts", data=b"x" * (21 * 2**20), headers={"Content-Type": "application/json"},
+                         timeout=60)
+    assert huge.status_code == 413 and "larger than" in huge.json()["error"]["message"]
+    assert requests.get(url + "/ping", timeout=5).status_code == 200
+
+
+def test_render_refuses_to_touch_a_running_cluster(cluster):
+    before = (cluster["state_dir"] / "run/cluster.json").read_text()
+    done = cli("render", "--instances", "1", "--state-dir", str(cluster["state_dir"]))
+    assert done.returncode != 0 and "a cluster runs in" in done.stderr
+    assert (cluster["state_dir"] / "run/cluster.json").read_text() == before
+
+
 def test_gradio_client_works_through_nginx_with_several_instances(cluster):
     from gradio_client import Client
 
@@ -295,6 +315,50 @@ def test_restart_command_restarts_one_instance(cluster):
     assert instance(state_dir, "instance-0")["restarts"] == before["restarts"] + 1
     bad = cli("restart", "instance-9", "--state-dir", str(state_dir))
     assert bad.returncode != 0 and "no program named instance-9" in bad.stderr
+
+
+def test_restart_all_is_rolling_and_loses_no_request(cluster):
+    state_dir = cluster["state_dir"]
+    before = {i["name"]: i for i in status(state_dir)[1]["instances"]}
+    with Load(cluster["url"], threads=3, limit=3000, seconds=90) as load:
+        done = cli("restart", "--all", "--state-dir", str(state_dir), timeout=180)
+    assert done.returncode == 0, done.stderr
+    code, after = status(state_dir)
+    assert code == 0
+    for inst in after["instances"]:
+        assert inst["pid"] != before[inst["name"]]["pid"]
+        assert inst["restarts"] == before[inst["name"]]["restarts"] + 1
+    print(f"restart --all under load: {load.ok} ok, {len(load.failures)} failed")
+    assert load.failures == [] and load.ok > 20
+
+
+def test_a_killed_nginx_comes_back_and_serves(cluster):
+    state_dir = cluster["state_dir"]
+    _, before = status(state_dir)
+    os.kill(before["nginx"]["pid"], signal.SIGKILL)  # its workers live on, holding the port
+
+    def serving_again():
+        code, now = status(state_dir)
+        return code == 0 and now["nginx"]["pid"] != before["nginx"]["pid"]
+
+    assert wait_for(serving_again, timeout=40), status(state_dir)[1]["problems"]
+    r = requests.post(cluster["url"] + "/v1/tts", json={"text": "back"}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_status_notices_a_hung_health_loop(cluster):
+    state_dir = cluster["state_dir"]
+    pid = status(state_dir)[1]["health"]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        def flagged():
+            code, body = status(state_dir)
+            return code == 1 and any("health loop has not reported" in p for p in body["problems"])
+
+        assert wait_for(flagged, timeout=30)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert wait_for(lambda: status(state_dir)[0] == 0, timeout=20)
 
 
 def test_logs_command_prints_an_instance_log(cluster):

@@ -62,6 +62,19 @@ def test_instance_that_cannot_start_is_reported_with_its_log(state_dir, tmp_path
     assert cluster_processes(state_dir) == []
 
 
+def test_instance_that_dies_after_starting_is_reported_quickly(state_dir, tmp_path):
+    # The instance imports fine, then its engine cannot find espeak-ng and it exits;
+    # supervisord restarts it forever, so `up` must notice the loop itself.
+    wrapper = tmp_path / "python-without-espeak"
+    wrapper.write_text(f"#!/bin/sh\nPATH=/nonexistent exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    done = up(state_dir, free_port_block(1), free_port_block(2), "--python", str(wrapper), "--start-retries", "1")
+    assert done.returncode != 0
+    assert "could not start" in done.stderr and "espeak-ng not found" in done.stderr
+    assert "The cluster was stopped" in done.stderr
+    assert cluster_processes(state_dir) == []
+
+
 def test_state_dir_too_long_for_a_socket(tmp_path):
     deep = tmp_path / ("x" * 60) / ("y" * 60)
     deep.mkdir(parents=True)

@@ -1,0 +1,112 @@
+"""Process and port facts from the OS (psutil): who holds a port, what a cluster left behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import psutil
+
+from .render import Layout
+
+
+def listeners(port: int) -> list[psutil.Process]:
+    """Processes listening on a TCP port (any address)."""
+    found: dict[int, psutil.Process] = {}
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.pid and conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+                try:
+                    found[conn.pid] = psutil.Process(conn.pid)
+                except psutil.NoSuchProcess:
+                    pass
+    except (psutil.Error, OSError):
+        pass
+    return list(found.values())
+
+
+def port_owner(port: int) -> str:
+    """`` by pid N (command)`` for the first listener on ``port``, or ``""``."""
+    for proc in listeners(port):
+        try:
+            return f" by pid {proc.pid} ({' '.join(proc.cmdline()[:3]) or proc.name()})"
+        except psutil.Error:
+            return f" by pid {proc.pid}"
+    return ""
+
+
+def port_taken(host: str, port: int) -> str:
+    """Why ``port`` cannot be bound on ``host`` (``""`` when it can)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]"), port))
+        except OSError as exc:
+            return f"{exc.strerror}{port_owner(port)}"
+    return ""
+
+
+def is_cluster_program(args: list[str], layout: Layout) -> bool:
+    """True for the command line of a program the cluster in ``layout`` runs.
+
+    Each program names its own file in the state dir: supervisord and nginx their config
+    (``-c``), an instance its ``--starts-file``, the health loop ``cosyvoice_lb.health
+    --state-dir``. Nothing else matches, not even a ``cosyvoice-lb logs -f`` on the dir.
+    """
+    pairs = list(zip(args, args[1:]))
+    if ("-c", str(layout.supervisord_conf)) in pairs or ("-c", str(layout.nginx_conf)) in pairs:
+        return True
+    if any(flag == "--starts-file" and value.startswith(str(layout.run) + os.sep) for flag, value in pairs):
+        return True
+    return "cosyvoice_lb.health" in args and ("--state-dir", str(layout.root)) in pairs
+
+
+def orphan_nginx(port: int, master_pid: int) -> list[psutil.Process]:
+    """nginx processes that still hold ``port`` though they are not ``master_pid``'s.
+
+    When an nginx master is SIGKILLed its workers live on and keep the port, so the master
+    supervisord starts next can never bind it.
+    """
+    orphans = []
+    for proc in listeners(port):
+        try:
+            if "nginx" in proc.name() and proc.pid != master_pid and proc.ppid() != master_pid:
+                orphans.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return orphans
+
+
+def stray_processes(layout: Layout, public_port: int | None) -> list[psutil.Process]:
+    """Programs of this cluster that outlived their supervisord (e.g. it was SIGKILLed)."""
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        if is_cluster_program(proc.info["cmdline"] or [], layout):
+            found[proc.pid] = proc
+    if public_port:  # nginx workers name nothing; they hold the public port
+        for proc in listeners(public_port):
+            try:
+                if "nginx" in proc.name():
+                    found[proc.pid] = proc
+            except psutil.NoSuchProcess:
+                pass
+    found.pop(os.getpid(), None)
+    return list(found.values())
+
+
+def stop(procs: list[psutil.Process], timeout: float, term: bool = True) -> None:
+    """TERM (unless ``term`` is False), wait up to ``timeout``, then KILL what is left."""
+    if term:
+        for proc in procs:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
