@@ -76,6 +76,12 @@ case "$command" in
         say "ready: $VENV/bin/cosyvoice-lb"
         ;;
     test)
+        # The contract fake of upstream CosyVoice yields torch tensors: a CPU torch is enough.
+        if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+            say "installing a CPU torch for the CosyVoice contract tests (log: $VENV/install.log)"
+            "$VENV/bin/python" -m pip install "torch==2.13.0" >>"$VENV/install.log" 2>&1 || {
+                tail -n 20 "$VENV/install.log" >&2; exit 1; }
+        fi
         cd "$HERE"
         exec "$VENV/bin/python" -m pytest "$@"
         ;;

@@ -30,7 +30,7 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def settings_from(kwargs: dict[str, Any]) -> Settings:
-    return Settings.from_mapping(kwargs)
+    return cluster.absolute(Settings.from_mapping(kwargs))
 
 
 class Command(click.Group):
@@ -62,9 +62,11 @@ def plan_command(as_json: bool, **kwargs: Any) -> None:
     settings = settings_from(kwargs)
     result, source = cluster.make_plan(settings)
     if as_json:
-        click.echo(json.dumps({**result.as_dict(), "engine": settings.engine, "gpu_source": source}, indent=2))
+        click.echo(json.dumps({**result.as_dict(), "engine": settings.resolved_engine, "gpu_source": source,
+                               "footprint_source": cluster.budget_for(settings, cluster.layout_for(settings))[1]},
+                              indent=2))
         return
-    table = Table(title=f"cosyvoice-lb plan: {len(result.slots)} instance(s), engine {settings.engine}")
+    table = Table(title=f"cosyvoice-lb plan: {len(result.slots)} instance(s), engine {settings.resolved_engine}")
     for column in ("instance", "device", "memory", "port"):
         table.add_column(column)
     for slot in result.slots:
@@ -78,7 +80,8 @@ def plan_command(as_json: bool, **kwargs: Any) -> None:
         fits.add_row(fit.device, format_size(fit.total), format_size(fit.free), str(fit.by_total),
                      str(fit.by_free), str(fit.fits), fit.limit)
     out.print(fits)
-    out.print(f"GPU inventory: {source}", highlight=False)
+    out.print(f"GPU inventory: {source}; footprint: "
+              f"{cluster.budget_for(settings, cluster.layout_for(settings))[1]}", highlight=False)
     for note in result.notes:
         out.print(f"note: {note}", highlight=False)
 
@@ -132,6 +135,17 @@ def line_reporter(started: float) -> Callable[[cluster.Progress], None]:
             last[0] = line
 
     return report
+
+
+@main.command("calibrate")
+@options(*CLUSTER_OPTIONS)
+def calibrate_command(**kwargs: Any) -> None:
+    """Measure one instance's peak GPU memory (NVML) and keep it as the footprint to plan with."""
+    settings = settings_from(kwargs)
+    entry = cluster.calibrate(settings, line_reporter(time.monotonic()))
+    click.echo(f"peak GPU memory of one {cluster.flags_key(settings)} instance: {format_size(entry['peak_bytes'])}; "
+               f"planning with {format_size(entry['gpu_bytes'])} (+10 %) from now on "
+               f"({cluster.layout_for(settings).footprint_json})")
 
 
 def state_dir_option(command):

@@ -6,6 +6,7 @@ nginx, supervisord and HTTP. The CLI calls these functions and prints what they 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pwd
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +29,8 @@ from .gpu import inventory
 from .health import LOOPBACK
 from .planner import Budget, Plan, PlanError, Slot, parse_size, plan, with_own_slots
 from .render import Layout, Programs, read_cluster_json, render
-from .resources import app_path
-from .settings import ENGINE_FOOTPRINTS, Settings
+from .resources import instance_files
+from .settings import ENGINE_FOOTPRINTS, TRT_EXTRA, VLLM_CARD_FRACTION, Settings
 from .supervision import Supervisor, read_tail
 
 SERVICES = ("nginx", "health")
@@ -74,19 +76,56 @@ def parse_instances(value: str) -> int | None:
     return int(text)
 
 
+def absolute(settings: Settings) -> Settings:
+    """Paths made absolute now: supervisord runs everything from the state dir."""
+    paths = {}
+    for name in ("model_dir", "cosyvoice_root", "outputs_dir"):
+        value = getattr(settings, name)
+        if value:
+            paths[name] = str(Path(value).expanduser().resolve())
+    return dataclasses.replace(settings, **paths)
+
+
+def flags_key(settings: Settings) -> str:
+    """Which calibration a footprint belongs to: the engine and the flags that change memory."""
+    flags = [f for f in ("load_trt", "load_vllm", "fp16") if getattr(settings, f)]
+    return "+".join([settings.resolved_engine, *flags])
+
+
+def calibrated(layout: Layout, settings: Settings) -> dict | None:
+    """The footprint `cosyvoice-lb calibrate` measured for this engine and these flags."""
+    try:
+        return json.loads(layout.footprint_json.read_text()).get(flags_key(settings))
+    except (OSError, ValueError):
+        return None
+
+
+def budget_for(settings: Settings, layout: Layout) -> tuple[Budget, str]:
+    """Memory per instance, and where the figure came from."""
+    engine = settings.resolved_engine
+    defaults = ENGINE_FOOTPRINTS[engine]
+    gpu, host, fraction, source = parse_size(defaults["gpu"]), parse_size(defaults["host"]), 0.0, "default"
+    if engine == "cosyvoice3":
+        if settings.load_trt:
+            gpu += parse_size(TRT_EXTRA)
+        if settings.load_vllm:
+            fraction = VLLM_CARD_FRACTION
+    measured = calibrated(layout, settings)
+    if measured:
+        gpu, fraction, source = int(measured["gpu_bytes"]), 0.0, f"calibrated {measured.get('when', '')}".strip()
+    if settings.footprint:
+        gpu = host = parse_size(settings.footprint)
+        fraction, source = 0.0, "--footprint"
+    return Budget(gpu_footprint=gpu, host_footprint=host, reserve=parse_size(settings.reserve),
+                  max_instances=settings.max_instances or None, gpu_fraction=fraction), source
+
+
 def make_plan(settings: Settings, own: tuple[Slot, ...] = ()) -> tuple[Plan, str]:
     """The plan for these settings on this box, and where the GPU list came from.
 
     ``own``: the slots of the cluster already running here, whose memory is theirs to keep.
     """
-    defaults = ENGINE_FOOTPRINTS[settings.engine]
-    footprint = settings.footprint
-    budget = Budget(
-        gpu_footprint=parse_size(footprint or defaults["gpu"]),
-        host_footprint=parse_size(footprint or defaults["host"]),
-        reserve=parse_size(settings.reserve),
-        max_instances=settings.max_instances or None,
-    )
+    budget, _ = budget_for(settings, layout_for(settings))
     box = with_own_slots(inventory(settings.gpus), own)
     result = plan(box, budget, base_port=settings.base_port, instances=parse_instances(settings.instances),
                   force=settings.force)
@@ -107,7 +146,8 @@ def programs_for(settings: Settings) -> Programs:
     # As root, nginx's workers would drop to 'nobody' and could not write request-body
     # temp files in a private state dir; run them as the launcher's own user instead.
     user = pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() == 0 else ""
-    return Programs(app=str(app_path()), launcher_python=sys.executable, nginx=find_nginx(settings.nginx),
+    return Programs(app=str(layout_for(settings).instance_lib / "app.py"), launcher_python=sys.executable,
+                    nginx=find_nginx(settings.nginx),
                     run_as_user=user, worker_processes=max(1, min(4, os.cpu_count() or 1)))
 
 
@@ -146,7 +186,8 @@ def render_to_disk(settings: Settings, own: tuple[Slot, ...] = ()) -> tuple[Plan
         check_nginx(settings, trial)
     make_dirs(layout)
     changed = []
-    for relative, text in files.items():
+    staged = {layout.relative(layout.instance_lib / name): text for name, text in instance_files().items()}
+    for relative, text in {**files, **staged}.items():
         path = layout.root / relative
         if not path.exists() or path.read_text() != text:
             write_atomic(path, text)
@@ -160,6 +201,8 @@ def render_only(settings: Settings) -> tuple[Plan, Layout, list[Path]]:
     if Supervisor(layout).running():
         raise ClusterError(f"a cluster runs in {layout.root}: 'cosyvoice-lb up' applies new settings to it; "
                            "to look at a config, render into another --state-dir")
+    if settings.resolved_engine == "cosyvoice3":
+        check_model(settings)
     return render_to_disk(settings)
 
 
@@ -173,13 +216,87 @@ def check_nginx(settings: Settings, layout: Layout) -> None:
         raise ClusterError(f"nginx rejects the rendered config, nothing was changed:\n{done.stderr.strip()}")
 
 
+# Run by the instances' Python: which of the modules an instance imports are missing there.
+ENV_PROBE = """
+import importlib.util, json, sys
+sys.path[:0] = [p for p in sys.argv[2:] if p]
+missing, versions = [], {}
+for name in sys.argv[1].split(","):
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except Exception:
+        found = False
+    if not found:
+        missing.append(name)
+try:
+    import gradio
+    versions["gradio"] = gradio.__version__
+except Exception:
+    pass
+print(json.dumps({"missing": missing, "python": sys.version.split()[0], "versions": versions}))
+"""
+# module -> what to pip install
+INSTANCE_NEEDS = {"numpy": "numpy", "soundfile": "soundfile", "fastapi": "fastapi", "uvicorn": "uvicorn",
+                  "gradio": "gradio", "multipart": "python-multipart"}
+ENGINE_NEEDS = {"espeak": {"pypinyin": "pypinyin"}, "cosyvoice3": {"torch": "torch"}}
+
+
+def check_instance_env(settings: Settings) -> dict:
+    """Ask the instances' Python what it lacks; refuse with the exact install command."""
+    engine = settings.resolved_engine
+    needs = {**INSTANCE_NEEDS, **ENGINE_NEEDS[engine]}
+    modules = list(needs) + (["cosyvoice.cli.cosyvoice"] if engine == "cosyvoice3" else [])
+    roots = []
+    if settings.cosyvoice_root:
+        root = Path(settings.cosyvoice_root)
+        roots = [str(root), str(root / "third_party" / "Matcha-TTS")]
+    try:
+        done = subprocess.run([settings.python, "-c", ENV_PROBE, ",".join(modules), *roots], capture_output=True,
+                              text=True, timeout=120, check=False)
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
+        raise ClusterError(f"--python {settings.python} could not be run to check its packages ({exc})") from None
+    missing = [m for m in report["missing"] if m in needs]
+    if missing:
+        packages = " ".join(sorted({needs[m] for m in missing}))
+        raise ClusterError(f"the instances' Python ({settings.python}, Python {report['python']}) lacks "
+                           f"{', '.join(missing)}: install with '{settings.python} -m pip install {packages}' "
+                           "(nothing was started)")
+    if "cosyvoice.cli.cosyvoice" in report["missing"]:
+        raise ClusterError("the instances' Python cannot import upstream CosyVoice (cosyvoice.cli.cosyvoice): "
+                           "pass --cosyvoice-root with the checkout that holds cosyvoice/ and "
+                           "third_party/Matcha-TTS (nothing was started)")
+    return report
+
+
 def check_tools(settings: Settings) -> None:
+    """Everything `up` needs before it starts anything."""
     find_nginx(settings.nginx)
-    if settings.engine == "espeak" and not shutil.which("espeak-ng"):
-        raise ClusterError("espeak-ng not found: the embedded engine needs it; install it with "
-                           "'sudo apt-get install -y espeak-ng'")
     if not Path(settings.python).exists():
         raise ClusterError(f"--python {settings.python} does not exist: name the Python that runs instances")
+    if settings.resolved_engine == "espeak" and not shutil.which("espeak-ng"):
+        raise ClusterError("espeak-ng not found: the embedded engine needs it; install it with "
+                           "'sudo apt-get install -y espeak-ng'")
+    if settings.resolved_engine == "cosyvoice3":
+        check_model(settings)
+    check_instance_env(settings)
+
+
+def check_model(settings: Settings) -> None:
+    from .engines.cosyvoice import model_version
+
+    if not settings.model_dir:
+        raise ClusterError("--engine cosyvoice3 needs --model-dir: a local CosyVoice model dir")
+    try:
+        model_version(settings.model_dir)
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
+    if settings.cosyvoice_root:
+        root = Path(settings.cosyvoice_root)
+        lacking = [p for p in ("cosyvoice", "third_party/Matcha-TTS") if not (root / p).is_dir()]
+        if lacking:
+            raise ClusterError(f"--cosyvoice-root {root} lacks {', '.join(lacking)}: point it at a checkout of "
+                               "FunAudioLLM/CosyVoice with its submodules (git submodule update --init)")
 
 
 def check_ports(settings: Settings, slots: tuple[Slot, ...], held: set[int]) -> None:
@@ -401,6 +518,11 @@ def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progre
     result, layout, _ = render_to_disk(settings)
     supervisor.start_daemon()
     try:
+        if settings.stagger:  # one model load at a time: each instance serves before the next starts
+            for slot in result.slots:
+                on_progress(Progress(slot.index, len(result.slots), f"starting {slot.name} (--stagger)"))
+                supervisor.start(slot.name)
+                wait_serving(layout, settings, [slot.name], on_progress)
         return wait_serving(layout, settings, [s.name for s in result.slots], on_progress)
     except ClusterError as exc:
         down(layout)
@@ -426,6 +548,9 @@ def _update(settings: Settings, layout: Layout, supervisor: Supervisor,
         for name in added:
             supervisor.add_group(name)
         supervisor.signal("nginx", "HUP")
+        # New instance code (staged in run/lib) means every instance is "changed".
+        if any(layout.instance_lib in path.parents for path in changed):
+            groups_changed = sorted(set(groups_changed) | (set(names) - set(added)))
         # Changed instances are replaced one after another, each serving before the next.
         for name in [n for n in groups_changed if n not in SERVICES]:
             on_progress(Progress(0, len(names), f"replacing {name} with its new settings"))
@@ -491,3 +616,63 @@ def instance_names(layout: Layout) -> list[str]:
 
 def log_names(layout: Layout) -> list[str]:
     return sorted(p.stem for p in layout.logs.glob("*.log"))
+
+
+# --- calibrate ---------------------------------------------------------------------------
+
+def calibrate(settings: Settings, on_progress: Report = lambda p: None, requests_per_mode: int = 2) -> dict:
+    """Measure one instance's peak GPU memory (NVML, per process) through load, warm-up and a
+    few syntheses per mode, and store it as the footprint `plan` and `up` use from then on."""
+    from .gpu import nvml_gpus, process_gpu_memory
+
+    gpus, source = nvml_gpus()
+    if not gpus:
+        raise ClusterError(
+            f"cannot calibrate: no GPU is visible to NVML ({source}). The footprint is measured per process "
+            "on a GPU; here plan and up keep the defaults (see 'cosyvoice-lb plan'). Run calibrate on the GPU box")
+    layout = layout_for(settings)
+    scratch = layout.root / "calibrate"
+    trial = dataclasses.replace(settings, state_dir=str(scratch), instances="1", force=True, gpus="",
+                                port=settings.port + 1000, base_port=settings.base_port + 1000)
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            record = recorded(layout_for(trial))
+            pids = {p.pid for p in psutil.process_iter() if record and _is_instance(p, layout_for(trial))}
+            for used in process_gpu_memory(pids).values():
+                peak[0] = max(peak[0], used)
+            stop.wait(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        current = up(trial, on_progress)
+        url = current.url + "/v1/tts"
+        for _ in range(requests_per_mode):
+            LOOPBACK.post(url, json={"text": "Calibrating the memory this instance needs for one synthesis."},
+                          timeout=settings.hang_timeout)
+    finally:
+        stop.set()
+        sampler.join(timeout=5)
+        down(layout_for(trial))
+    if not peak[0]:
+        raise ClusterError("the instance ran but NVML reported no GPU memory for it: is it pinned to a GPU?")
+    headroom = int(peak[0] * 1.1)
+    entry = {"gpu_bytes": headroom, "peak_bytes": peak[0], "gpu": gpus[0].name,
+             "when": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        stored = json.loads(layout.footprint_json.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    stored[flags_key(settings)] = entry
+    make_dirs(layout)
+    write_atomic(layout.footprint_json, json.dumps(stored, indent=2) + "\n")
+    return entry
+
+
+def _is_instance(proc: psutil.Process, layout: Layout) -> bool:
+    try:
+        return "--starts-file" in proc.cmdline() and processes.is_cluster_program(proc.cmdline(), layout)
+    except psutil.Error:
+        return False

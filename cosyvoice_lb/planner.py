@@ -77,6 +77,11 @@ class Budget:
     host_footprint: int
     reserve: int = 1 * GiB
     max_instances: int | None = None
+    gpu_fraction: float = 0.0  # added per instance as a share of the card (vLLM reserves 0.2)
+
+    def on_card(self, gpu: Gpu) -> int:
+        """GPU memory one instance takes on this card."""
+        return self.gpu_footprint + int(self.gpu_fraction * gpu.total)
 
 
 @dataclass(frozen=True)
@@ -140,10 +145,11 @@ class Plan:
 
 def _fit_gpu(gpu: Gpu, budget: Budget) -> DeviceFit:
     usable = gpu.total - budget.reserve
-    by_total = max(0, usable // budget.gpu_footprint)
+    each = budget.on_card(gpu)
+    by_total = max(0, usable // each)
     # What is free now already excludes other processes' memory; keep the reserve too,
     # but never demand more headroom than the card has in total.
-    by_free = max(0, (min(gpu.free, usable)) // budget.gpu_footprint)
+    by_free = max(0, (min(gpu.free, usable)) // each)
     fits = min(by_total, by_free)
     return DeviceFit(
         device=f"gpu{gpu.index}", total=gpu.total, free=gpu.free, by_total=by_total,
@@ -196,18 +202,20 @@ def plan(
         mode = "gpu"
         fits = [_fit_gpu(g, budget) for g in inventory.gpus]
         devices = [g.index for g in inventory.gpus]
-        per_slot = budget.gpu_footprint
+        per_device = {g.index: budget.on_card(g) for g in inventory.gpus}
+        per_slot = max(per_device.values())
         for fit in fits:
             if fit.fits == 0:
                 notes.append(
                     f"{fit.device}: no instance fits ({format_size(fit.free)} free, "
-                    f"{format_size(fit.total)} total, {format_size(budget.gpu_footprint)} "
+                    f"{format_size(fit.total)} total, {format_size(max(per_device.values()))} "
                     f"per instance + {format_size(budget.reserve)} reserve)"
                 )
     else:
         mode = "cpu"
         fits = [_fit_cpu(inventory, budget)]
         devices = [None]
+        per_device = {None: budget.host_footprint}
         per_slot = budget.host_footprint
         notes.append(
             "no GPU found: planning CPU slots from "
@@ -252,7 +260,7 @@ def plan(
                         "lower --base-port, or check --footprint (plain numbers are bytes)")
     placement = _place(count, fits, devices)
     slots = tuple(
-        Slot(index=i, port=base_port + i, gpu=device, memory=per_slot)
+        Slot(index=i, port=base_port + i, gpu=device, memory=per_device[device])
         for i, device in enumerate(placement)
     )
     return Plan(mode=mode, slots=slots, fits=tuple(fits), capacity=capacity, notes=tuple(notes))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jinja2
 
-from .planner import Plan, Slot
+from .planner import Plan, PlanError, Slot, parse_size
 from .resources import templates_dir
 from .settings import Settings
 
@@ -91,6 +91,19 @@ class Layout:
     def log(self, name: str) -> Path:
         return self.logs / f"{name}.log"
 
+    @property
+    def instance_lib(self) -> Path:
+        """The staged copy of app.py and the instance modules."""
+        return self.run / "lib"
+
+    @property
+    def outputs(self) -> Path:
+        return self.root / "outputs"
+
+    @property
+    def footprint_json(self) -> Path:
+        return self.run / "footprint.json"
+
     def starts(self, name: str) -> Path:
         return self.run / f"{name}.starts"
 
@@ -138,11 +151,25 @@ def _environment() -> jinja2.Environment:
 
 
 def instance_command(settings: Settings, layout: Layout, programs: Programs, slot: Slot) -> list[str]:
-    return [
-        settings.python, programs.app, "--port", str(slot.port), "--engine", settings.engine,
+    engine = settings.resolved_engine
+    command = [
+        settings.python, programs.app, "--port", str(slot.port), "--engine", engine,
         "--max-chars", str(settings.max_chars), "--drain-timeout", str(settings.drain_timeout),
         "--starts-file", str(layout.starts(slot.name)),
+        "--max-prompt-seconds", str(settings.max_prompt_seconds),
+        "--max-upload-mib", f"{parse_size(settings.max_upload) / 2**20:g}",
+        "--instance-concurrency", str(settings.instance_concurrency),
+        "--outputs-dir", settings.outputs_dir or str(layout.outputs),
+        "--outputs-max-age", str(settings.outputs_max_age),
+        "--outputs-max-mib", f"{parse_size(settings.outputs_max_size) / 2**20:g}",
     ]
+    if engine == "cosyvoice3":
+        command += ["--model-dir", settings.model_dir]
+        if settings.cosyvoice_root:
+            command += ["--cosyvoice-root", settings.cosyvoice_root]
+        command += [f"--{flag.replace('_', '-')}" for flag in ("load_trt", "load_vllm", "fp16")
+                    if getattr(settings, flag)]
+    return command
 
 
 def instance_env(layout: Layout, slot: Slot) -> dict[str, str]:
@@ -183,6 +210,17 @@ def check(settings: Settings, layout: Layout) -> None:
     for flag, (value, least) in at_least.items():
         if value < least:
             raise RenderError(f"{flag} must be at least {least}, got {value}")
+    if settings.instance_concurrency < 1:
+        raise RenderError(f"--instance-concurrency must be at least 1, got {settings.instance_concurrency}")
+    if not settings.max_prompt_seconds > 0 or not settings.outputs_max_age > 0:
+        raise RenderError("--max-prompt-seconds and --outputs-max-age must be above 0")
+    for flag, size in (("--max-upload", settings.max_upload), ("--outputs-max-size", settings.outputs_max_size)):
+        try:
+            parse_size(size)
+        except PlanError as exc:
+            raise RenderError(f"{flag}: {exc}") from None
+    if settings.resolved_engine == "cosyvoice3" and not settings.model_dir:
+        raise RenderError("--engine cosyvoice3 needs --model-dir (a local CosyVoice model dir)")
 
 
 def listen_address(host: str, port: int) -> str:

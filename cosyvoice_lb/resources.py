@@ -34,3 +34,18 @@ def templates_dir() -> Path:
 
 def app_path() -> Path:
     return _find("app.py")
+
+
+# What an instance runs: staged into the state dir, so the instance imports its own copy
+# from any Python (the user's CosyVoice env has no cosyvoice-lb installed).
+INSTANCE_MODULES = ("__init__.py", "server.py", "audio.py", "engines/__init__.py", "engines/espeak.py",
+                    "engines/cosyvoice.py")
+
+
+def instance_files() -> dict[str, str]:
+    """{path relative to the staging dir: text} for app.py and the instance modules."""
+    package = Path(__file__).resolve().parent
+    files = {"app.py": app_path().read_text(encoding="utf-8")}
+    for name in INSTANCE_MODULES:
+        files[f"cosyvoice_lb/{name}"] = (package / name).read_text(encoding="utf-8")
+    return files

@@ -23,7 +23,16 @@ ENV_PREFIX = "COSYVOICE_LB_"
 # rounded up for fragmentation and the warm-up peak.
 ENGINE_FOOTPRINTS: dict[str, dict[str, str]] = {
     "espeak": {"gpu": "5GiB", "host": "512MiB"},
+    # CosyVoice3 on CPU (no GPU): weights plus activations in host RAM.
+    "cosyvoice3": {"gpu": "5GiB", "host": "6GiB"},
 }
+# Added per instance by CosyVoice's engine flags (DESIGN notes, upstream issues):
+# one TensorRT context of the flow decoder ~4.5 GB (v2 reports; trt_concurrent=1);
+# vLLM is started with gpu_memory_utilization=0.2 (upstream cli/model.py), i.e. it
+# reserves a fifth of the card per instance whatever the model needs.
+TRT_EXTRA = "4.5GiB"
+VLLM_CARD_FRACTION = 0.2
+ENGINES = ("auto", "espeak", "cosyvoice3")
 
 
 def setting(default: Any, help: str, *, type: Any = None, is_flag: bool = False,
@@ -37,7 +46,18 @@ def setting(default: Any, help: str, *, type: Any = None, is_flag: bool = False,
 class Settings:
     """The whole configuration of one cluster."""
 
-    engine: str = setting("espeak", "Speech engine of every instance.", choices=tuple(ENGINE_FOOTPRINTS))
+    engine: str = setting("auto", "Speech engine of every instance: cosyvoice3 (with --model-dir; v2 and v1 model "
+                                  "dirs work too), espeak (embedded, no weights); auto picks cosyvoice3 when "
+                                  "--model-dir is given.", choices=ENGINES)
+    model_dir: str = setting("", "CosyVoice model dir (local, holding cosyvoice3.yaml, cosyvoice2.yaml or "
+                                 "cosyvoice.yaml).", metavar="DIR")
+    cosyvoice_root: str = setting("", "Upstream CosyVoice checkout (holds cosyvoice/ and third_party/Matcha-TTS); "
+                                      "not needed when --python's env imports cosyvoice already.", metavar="DIR")
+    load_trt: bool = setting(False, "CosyVoice: TensorRT flow decoder (more GPU memory per instance).",
+                             is_flag=True)
+    load_vllm: bool = setting(False, "CosyVoice2/3: vLLM for the LLM (reserves 0.2 x the card per instance).",
+                              is_flag=True)
+    fp16: bool = setting(False, "CosyVoice: half precision.", is_flag=True)
     instances: str = setting("auto", "How many instances: a number, or 'auto' for as many as fit.",
                              metavar="N|auto")
     gpus: str = setting("", "Plan for these GPUs instead of asking NVML, e.g. 24GiB,24GiB "
@@ -56,6 +76,18 @@ class Settings:
     python: str = setting(sys.executable, "Python that runs the instances.", metavar="PATH")
     nginx: str = setting("nginx", "The nginx binary.", metavar="PATH")
     max_chars: int = setting(500, "Longest text one request may ask for.", type=int)
+    max_prompt_seconds: float = setting(15.0, "Longer prompt audio is trimmed to this many seconds (with a notice).",
+                                        type=float)
+    max_upload: str = setting("10MiB", "Largest prompt audio upload.", metavar="SIZE")
+    instance_concurrency: int = setting(1, "Syntheses one instance runs at once (upstream's streaming shares "
+                                           "state between requests: scale with instances instead).", type=int)
+    outputs_dir: str = setting("", "Where instances keep every result (default: outputs/ in the state dir).",
+                               metavar="DIR")
+    outputs_max_age: float = setting(86400.0, "Results older than this many seconds are deleted.", type=float)
+    outputs_max_size: str = setting("2GiB", "The outputs dir is kept under this size (oldest deleted first).",
+                                    metavar="SIZE")
+    stagger: bool = setting(False, "Start instances one after another, each loaded before the next "
+                                   "(N model loads at once can exhaust host memory).", is_flag=True)
     probe_interval: float = setting(1.0, "Seconds between two health probes of an instance.", type=float)
     probe_timeout: float = setting(2.0, "Seconds a probe may take before it counts as failed.", type=float)
     fail_threshold: int = setting(3, "Failed probes in a row that take an instance out and restart it.",
@@ -72,6 +104,12 @@ class Settings:
                                  type=int)
     retries: int = setting(3, "Instances nginx tries for one API request (refused, dead or loading).",
                            type=int)
+
+    @property
+    def resolved_engine(self) -> str:
+        if self.engine != "auto":
+            return self.engine
+        return "cosyvoice3" if self.model_dir else "espeak"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -112,7 +150,21 @@ def options(*names: str) -> Callable:
     return decorate
 
 
-PLAN_OPTIONS = ("engine", "instances", "gpus", "footprint", "reserve", "max_instances", "force", "base_port")
+PLAN_OPTIONS = ("engine", "model_dir", "load_trt", "load_vllm", "fp16", "instances", "gpus", "footprint", "reserve",
+                "max_instances", "force", "base_port", "state_dir")
 CLUSTER_OPTIONS = PLAN_OPTIONS + tuple(
     f.name for f in dataclasses.fields(Settings) if f.name not in PLAN_OPTIONS
 )
+
+
+def markdown_table() -> str:
+    """The README's settings table (``python -m cosyvoice_lb.settings`` prints it)."""
+    rows = ["| flag | environment | default | what |", "|---|---|---|---|"]
+    for f in dataclasses.fields(Settings):
+        default = "the launcher's Python" if f.name == "python" else (f.default if f.default != "" else "—")
+        rows.append(f"| `--{f.name.replace('_', '-')}` | `{envvar(f.name)}` | `{default}` | {f.metadata['help']} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -12,12 +12,13 @@ from fastapi.testclient import TestClient
 
 from cosyvoice_lb.engines import SynthesisRequest
 from cosyvoice_lb.engines.espeak import EspeakEngine
-from cosyvoice_lb.server import BadRequest, Instance, InstanceState, build_app, make_request, validate_tts
+from cosyvoice_lb.server import BadRequest, Instance, InstanceState, Limits, build_app, form_payload, make_request
 
 
 @pytest.fixture(scope="module")
 def loaded():
-    instance = Instance(EspeakEngine(), InstanceState(engine_name="espeak", port=7860, max_chars=40))
+    instance = Instance(EspeakEngine(), InstanceState(engine_name="espeak", port=7860, max_chars=40),
+                        Limits(max_chars=40))
     instance.load()
     return instance
 
@@ -71,6 +72,13 @@ def test_tts_answers_wav_and_counts_it(client, loaded):
     ('{"text": "hi", "speed": 0.1}', 400, "between 0.5 and 2.0"),
     ('{"text": "hi", "speed": 1e400}', 400, "between 0.5 and 2.0"),
     ('{"text": "hi", "voice": "x"}', 400, "unknown field(s) voice"),
+    ('{"text": "hi", "mode": "karaoke"}', 400, "unknown mode 'karaoke'"),
+    ('{"text": "hi", "mode": "zero_shot"}', 400, "not available with this model: choose one of sft"),
+    ('{"text": "hi", "seed": -1}', 400, '"seed" must be a whole number'),
+    ('{"text": "hi", "seed": 1.5}', 400, '"seed" must be a whole number'),
+    ('{"text": "hi", "stream": "yes"}', 400, '"stream" must be true or false'),
+    ('{"text": "hi", "stream": true, "speed": 1.5}', 400, "only without streaming"),
+    ('{"text": "hi", "speaker": "nobody"}', 400, "unknown speaker 'nobody'"),
     (json.dumps({"text": "a" * 41}), 413, "41 characters, more than the limit of 40"),
 ])
 def test_bad_requests_are_4xx_with_a_message(client, body, status, words):
@@ -87,19 +95,49 @@ def test_wrong_method_and_unknown_path_are_json_errors(client):
     assert client.get("/ping").status_code == 200
 
 
-def test_validate_and_make_request_accept_the_documented_shape():
-    assert validate_tts({"text": "hi"}, 10) == SynthesisRequest("hi", 1.0)
-    assert validate_tts({"text": "hi", "speed": 2}, 10) == SynthesisRequest("hi", 2.0)
+def test_make_request_accepts_the_documented_shape():
+    espeak = dict(limits=Limits(max_chars=10), modes=("sft",), speakers=[], has_prompt=False)
+    assert make_request({"text": "hi"}, **espeak) == SynthesisRequest("hi", 1.0)
+    assert make_request({"text": "hi", "speed": 2, "seed": 7}, **espeak) == SynthesisRequest("hi", 2.0, seed=7)
     with pytest.raises(BadRequest) as exc:
-        make_request("x" * 11, 1.0, 10)
+        make_request({"text": "x" * 11}, **espeak)
     assert exc.value.status == 413
+
+
+@pytest.mark.parametrize("payload, has_prompt, words", [
+    ({"text": "hi", "mode": "zero_shot", "prompt_text": "hello"}, False, "needs prompt_audio"),
+    ({"text": "hi", "mode": "zero_shot"}, True, "needs prompt_text"),
+    ({"text": "hi", "mode": "cross_lingual"}, False, "needs prompt_audio"),
+    ({"text": "hi", "mode": "instruct"}, True, "needs instruct_text"),
+    ({"text": "hi", "mode": "sft"}, False, "not available with this model"),
+])
+def test_cloning_modes_check_what_they_need(payload, has_prompt, words):
+    v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
+    with pytest.raises(BadRequest, match=words):
+        make_request(payload, has_prompt=has_prompt, **v3)
+
+
+def test_a_complete_clone_request_passes():
+    v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
+    request = make_request({"text": "hi", "mode": "zero_shot", "prompt_text": "the transcript", "seed": 3},
+                           has_prompt=True, **v3)
+    assert (request.mode, request.prompt_text, request.seed) == ("zero_shot", "the transcript", 3)
+
+
+def test_form_fields_get_their_types():
+    assert form_payload({"text": "hi", "speed": "1.5", "seed": "42", "stream": "true", "mode": ""}) == {
+        "text": "hi", "speed": 1.5, "seed": 42, "stream": True}
+    with pytest.raises(BadRequest, match='"speed" must be a number'):
+        form_payload({"speed": "fast"})
+    with pytest.raises(BadRequest, match='"stream" must be true or false'):
+        form_payload({"stream": "maybe"})
 
 
 def test_inflight_is_tracked_during_a_synthesis(loaded):
     seen = []
 
     class Watching:
-        name, sample_rate = "espeak", 22050
+        name, sample_rate, modes = "espeak", 22050, ("sft",)
 
         def synthesize(self, request):
             seen.append(loaded.state.ping()["inflight"])

@@ -7,16 +7,29 @@ audio chunks at ``sample_rate``. The instance server knows nothing else about it
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 import numpy as np
 
 
+MODES = ("zero_shot", "cross_lingual", "instruct", "sft")
+
+
 @dataclass(frozen=True)
 class SynthesisRequest:
+    """One synthesis. ``prompt_wav`` is a path to a prepared (mono, >= 16 kHz, trimmed) WAV."""
+
     text: str
     speed: float = 1.0
+    mode: str = ""  # "" means the engine's default mode
+    prompt_text: str = ""
+    prompt_wav: str = ""
+    instruct_text: str = ""
+    speaker: str = ""
+    seed: int | None = None
+    stream: bool = False
 
 
 class EngineError(RuntimeError):
@@ -26,6 +39,10 @@ class EngineError(RuntimeError):
 class Engine(Protocol):
     name: str
     sample_rate: int
+    modes: tuple[str, ...]  # what this engine (and its model) can do, the default first
+
+    def speakers(self) -> list[str]:
+        """Built-in speakers (for mode ``sft``)."""
 
     def load(self) -> None:
         """Load models or check tools; raises when the engine cannot work here."""
@@ -37,13 +54,17 @@ class Engine(Protocol):
 # name -> "module:Class"; imported on demand so an engine's dependencies load only when used.
 ENGINES = {
     "espeak": "cosyvoice_lb.engines.espeak:EspeakEngine",
+    "cosyvoice3": "cosyvoice_lb.engines.cosyvoice:CosyVoiceEngine",
 }
 
 
 def create_engine(name: str, **options) -> Engine:
+    """The named engine, given only the options its constructor takes."""
     try:
         target = ENGINES[name]
     except KeyError:
         raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(sorted(ENGINES))}") from None
     module_name, class_name = target.split(":")
-    return getattr(importlib.import_module(module_name), class_name)(**options)
+    cls = getattr(importlib.import_module(module_name), class_name)
+    accepted = inspect.signature(cls).parameters
+    return cls(**{k: v for k, v in options.items() if k in accepted})

@@ -46,6 +46,10 @@ def split_runs(text: str) -> list[tuple[str, str]]:
 class EspeakEngine:
     name = "espeak"
     sample_rate = SAMPLE_RATE
+    modes = ("sft",)  # one built-in voice per language; no cloning
+
+    def speakers(self) -> list[str]:
+        return []
 
     def __init__(self, binary: str = "espeak-ng", timeout: float = 60.0):
         self.binary = binary

@@ -30,4 +30,9 @@ def test_plain_install_finds_its_templates_and_app(tmp_path):
                           timeout=60)
     assert done.returncode == 0, done.stderr
     conf = (state / "run" / "supervisord.conf").read_text()
-    assert str(share / "app.py") in conf
+    # instances run a staged copy of the installed app and instance modules
+    staged = state / "run" / "lib"
+    assert str(staged / "app.py") in conf
+    assert (staged / "app.py").read_text() == (share / "app.py").read_text()
+    installed = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages" / "cosyvoice_lb"
+    assert (staged / "cosyvoice_lb" / "server.py").read_text() == (installed / "server.py").read_text()

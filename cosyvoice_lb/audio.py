@@ -1,0 +1,156 @@
+"""Audio in and out of an instance: prompt uploads, WAV answers, the outputs dir.
+
+Instance side: numpy and soundfile only (both are in every CosyVoice environment).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import soundfile
+
+MIN_PROMPT_RATE = 16000  # upstream's load_wav refuses anything below
+FORMATS = "WAV, FLAC, MP3 or OGG"
+
+
+class PromptError(ValueError):
+    """An upload that cannot be a voice prompt; the message says what to send instead."""
+
+
+@dataclass
+class Prompt:
+    audio: np.ndarray  # mono float32
+    rate: int
+    notices: list[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return self.audio.size / self.rate
+
+
+def read_prompt(data: bytes, max_seconds: float) -> Prompt:
+    """Decode an upload into a mono prompt of at most ``max_seconds`` (trimmed, with a notice).
+
+    Refuses, with what to do: nothing sent, not audio or corrupt, below 16 kHz (upsampling
+    cannot add the detail cloning needs, so it is refused rather than upsampled), silence.
+    """
+    if not data:
+        raise PromptError(f"prompt_audio is empty: upload a {FORMATS} file of 3-{max_seconds:g} s of speech")
+    try:
+        audio, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (RuntimeError, soundfile.LibsndfileError, TypeError, ValueError) as exc:
+        raise PromptError(f"prompt_audio is not audio this server can read ({exc}): upload {FORMATS}") from None
+    if audio.size == 0:
+        raise PromptError("prompt_audio has no samples: upload a recording of 3 s or more")
+    if rate < MIN_PROMPT_RATE:
+        raise PromptError(f"prompt_audio is sampled at {rate} Hz: CosyVoice needs 16 kHz or more "
+                          "(record or export it at 16 kHz, 24 kHz or 44.1 kHz)")
+    mono = audio.mean(axis=1).astype(np.float32)
+    if not np.isfinite(mono).all() or float(np.abs(mono).max()) < 1e-4:
+        raise PromptError("prompt_audio is silent: upload a recording of the voice to clone")
+    prompt = Prompt(mono, rate)
+    if audio.shape[1] > 1:
+        prompt.notices.append(f"prompt audio mixed down from {audio.shape[1]} channels to mono")
+    if prompt.seconds > max_seconds:
+        prompt.notices.append(f"prompt audio trimmed from {prompt.seconds:.1f} s to the first {max_seconds:g} s "
+                              "(--max-prompt-seconds); its transcript should match what is left")
+        prompt.audio = mono[: int(max_seconds * rate)]
+    return prompt
+
+
+def write_wav(path: Path, audio: np.ndarray, rate: int) -> None:
+    soundfile.write(str(path), np.clip(audio, -1.0, 1.0), rate, format="WAV", subtype="PCM_16")
+
+
+def wav_bytes(audio: np.ndarray, rate: int) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.clip(audio, -1.0, 1.0), rate, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def pcm16(audio: np.ndarray) -> bytes:
+    return (np.clip(audio, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+
+
+def streaming_wav_header(rate: int) -> bytes:
+    """A WAV header for a stream of unknown length (sizes at their maximum, as streaming
+    servers and players agree), 16-bit mono."""
+    unknown = 0xFFFFFFFF
+    return (b"RIFF" + struct.pack("<I", unknown) + b"WAVE"
+            + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
+            + b"data" + struct.pack("<I", unknown - 36))
+
+
+# --- outputs -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StoredFile:
+    name: str
+    mtime: float
+    size: int
+
+
+def expired(files: list[StoredFile], now: float, max_age: float, max_bytes: int) -> list[str]:
+    """Names to delete: older than ``max_age``, then the oldest until the rest fit ``max_bytes``."""
+    doomed = {f.name for f in files if now - f.mtime > max_age}
+    kept = sorted((f for f in files if f.name not in doomed), key=lambda f: (f.mtime, f.name))
+    total = sum(f.size for f in kept)
+    for f in kept:
+        if total <= max_bytes:
+            break
+        doomed.add(f.name)
+        total -= f.size
+    return sorted(doomed)
+
+
+class Outputs:
+    """The shared outputs dir: every instance writes unique names and keeps it bounded."""
+
+    def __init__(self, directory: str, port: int, max_age: float, max_bytes: int, sweep_every: float = 30.0):
+        self.dir = Path(directory) if directory else None
+        self.port, self.max_age, self.max_bytes, self.sweep_every = port, max_age, max_bytes, sweep_every
+        self.last_sweep = 0.0
+        if self.dir:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def name(self, suffix: str = ".wav") -> str:
+        return f"{time.strftime('%Y%m%d-%H%M%S')}-{self.port}-{uuid.uuid4().hex[:12]}{suffix}"
+
+    def save(self, audio: np.ndarray, rate: int) -> str:
+        """Write one result; returns its file name ("" without an outputs dir)."""
+        if not self.dir:
+            return ""
+        name = self.name()
+        temp = self.dir / f".{name}.part"
+        write_wav(temp, audio, rate)
+        os.replace(temp, self.dir / name)
+        self.sweep()
+        return name
+
+    def sweep(self, force: bool = False) -> list[str]:
+        now = time.time()
+        if not self.dir or (not force and now - self.last_sweep < self.sweep_every):
+            return []
+        self.last_sweep = now
+        files = []
+        for entry in os.scandir(self.dir):
+            if entry.is_file() and entry.name.endswith(".wav"):
+                try:
+                    stat = entry.stat()
+                except FileNotFoundError:  # another instance swept it
+                    continue
+                files.append(StoredFile(entry.name, stat.st_mtime, stat.st_size))
+        doomed = expired(files, now, self.max_age, self.max_bytes)
+        for name in doomed:
+            try:
+                (self.dir / name).unlink()
+            except FileNotFoundError:
+                pass
+        return doomed

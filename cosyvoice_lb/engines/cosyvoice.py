@@ -1,0 +1,182 @@
+"""The CosyVoice engine: upstream's ``AutoModel`` in the user's CosyVoice environment.
+
+Works with CosyVoice3 model dirs (``cosyvoice3.yaml``) and also v2 and v1 ones. It adds
+what upstream's own web UI forgets for v3: the ``<|endofprompt|>`` prompt format, in the
+exact form of upstream's example.py. Runs where cosyvoice-lb is not installed, so it
+imports only what that environment has (torch, numpy, soundfile, the checkout).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from . import EngineError, SynthesisRequest
+
+log = logging.getLogger("cosyvoice_lb.cosyvoice")
+
+YAMLS = {"cosyvoice3.yaml": 3, "cosyvoice2.yaml": 2, "cosyvoice.yaml": 1}
+ENDOFPROMPT = "<|endofprompt|>"
+SYSTEM = "You are a helpful assistant."
+# Upstream ships this prompt in its checkout; its transcript is in upstream's example.py.
+DEFAULT_PROMPT = ("asset/zero_shot_prompt.wav", "希望你以后能够做的比我还好呦。")
+
+
+def model_version(model_dir: str | os.PathLike) -> int:
+    """3, 2 or 1 by the yaml in a local model dir; ValueError (with what to do) otherwise."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(
+            f"model dir {model_dir} is not a local directory: download the model first (e.g. "
+            "modelscope's snapshot_download('FunAudioLLM/Fun-CosyVoice3-0.5B-2512', "
+            "local_dir='pretrained_models/Fun-CosyVoice3-0.5B')) and pass its path; "
+            "cosyvoice-lb never lets an instance download at start"
+        )
+    for name, version in YAMLS.items():
+        if (path / name).is_file():
+            return version
+    raise ValueError(f"model dir {model_dir} has none of {', '.join(YAMLS)}: is it a CosyVoice model?")
+
+
+def v3_prompt(mode: str, text: str, prompt_text: str, instruct_text: str) -> tuple[str, str, str]:
+    """(text, prompt_text, instruct_text) in CosyVoice3's prompt format (upstream example.py).
+
+    Input that already carries ``<|endofprompt|>`` is left as the user wrote it.
+    """
+    if mode == "zero_shot" and ENDOFPROMPT not in prompt_text:
+        prompt_text = f"{SYSTEM}{ENDOFPROMPT}{prompt_text}"
+    elif mode == "cross_lingual" and ENDOFPROMPT not in text:
+        text = f"{SYSTEM}{ENDOFPROMPT}{text}"
+    elif mode == "instruct" and ENDOFPROMPT not in instruct_text:
+        instruct_text = f"{SYSTEM} {instruct_text}{ENDOFPROMPT}"
+    return text, prompt_text, instruct_text
+
+
+def v2_prompt(mode: str, text: str, prompt_text: str, instruct_text: str) -> tuple[str, str, str]:
+    """CosyVoice2 wants the marker after the instruction only (upstream example.py)."""
+    if mode == "instruct" and ENDOFPROMPT not in instruct_text:
+        instruct_text = f"{instruct_text}{ENDOFPROMPT}"
+    return text, prompt_text, instruct_text
+
+
+class CosyVoiceEngine:
+    name = "cosyvoice3"
+
+    def __init__(self, model_dir: str = "", cosyvoice_root: str = "", load_trt: bool = False,
+                 load_vllm: bool = False, fp16: bool = False):
+        if not model_dir:
+            raise EngineError("the cosyvoice3 engine needs --model-dir")
+        self.model_dir = model_dir
+        self.cosyvoice_root = cosyvoice_root
+        self.flags = {"load_trt": load_trt, "load_vllm": load_vllm, "fp16": fp16}
+        self.model = None
+        try:  # known before loading (from the yaml), so the UI can be built meanwhile
+            self.version = model_version(model_dir)
+        except ValueError:
+            self.version = 0  # load() says why
+        self.sample_rate = 24000 if self.version != 1 else 22050
+        self.modes: tuple[str, ...] = self._modes([])
+
+    def _modes(self, speakers: list[str]) -> tuple[str, ...]:
+        modes = ["zero_shot", "cross_lingual"]
+        if self.version >= 2 or speakers:
+            modes.append("instruct")
+        if speakers:
+            modes.insert(0, "sft")
+        return tuple(modes)
+
+    # --- loading -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        try:
+            self.version = model_version(self.model_dir)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+        if self.cosyvoice_root:  # what upstream's scripts do before importing cosyvoice
+            root = Path(self.cosyvoice_root).resolve()
+            for path in (root / "third_party" / "Matcha-TTS", root):
+                if str(path) not in sys.path:
+                    sys.path.insert(0, str(path))
+        try:
+            from cosyvoice.cli.cosyvoice import AutoModel
+        except ImportError as exc:
+            raise EngineError(f"cannot import upstream CosyVoice ({exc}): pass --cosyvoice-root with the "
+                              "checkout that holds cosyvoice/ and third_party/Matcha-TTS") from None
+        kwargs = {"model_dir": self.model_dir}
+        cls_name = {3: "CosyVoice3", 2: "CosyVoice2", 1: "CosyVoice"}[self.version]
+        cls = getattr(sys.modules["cosyvoice.cli.cosyvoice"], cls_name, None)
+        accepted = inspect.signature(cls).parameters if cls else {}
+        for flag, value in self.flags.items():
+            if value and flag not in accepted:
+                raise EngineError(f"--{flag.replace('_', '-')} is not supported by {cls_name} models")
+            if flag in accepted:
+                kwargs[flag] = value
+        log.info("loading %s from %s (%s)", cls_name, self.model_dir,
+                 ", ".join(f"{k}={v}" for k, v in self.flags.items()))
+        self.model = AutoModel(**kwargs)
+        self.sample_rate = int(self.model.sample_rate)
+        self.modes = self._modes(self.speakers())
+
+    def speakers(self) -> list[str]:
+        return list(self.model.list_available_spks()) if self.model is not None else []
+
+    def default_prompt(self) -> tuple[str, str]:
+        """Upstream's bundled prompt (path, transcript), if the checkout is at hand."""
+        if self.cosyvoice_root:
+            path = Path(self.cosyvoice_root) / DEFAULT_PROMPT[0]
+            if path.is_file():
+                return str(path), DEFAULT_PROMPT[1]
+        return "", ""
+
+    # --- synthesis -----------------------------------------------------------------------
+
+    def synthesize(self, request: SynthesisRequest) -> Iterator[np.ndarray]:
+        if self.model is None:
+            raise EngineError("the model is not loaded")
+        mode = request.mode or self.modes[0]
+        if mode not in self.modes:
+            raise EngineError(f"mode {mode} is not available with this model ({', '.join(self.modes)})")
+        if request.seed is not None:
+            seed_everything(request.seed)
+        text, prompt_text, instruct_text = request.text, request.prompt_text, request.instruct_text
+        if self.version == 3:
+            text, prompt_text, instruct_text = v3_prompt(mode, text, prompt_text, instruct_text)
+        elif self.version == 2:
+            text, prompt_text, instruct_text = v2_prompt(mode, text, prompt_text, instruct_text)
+        common = {"stream": request.stream, "speed": 1.0 if request.stream else request.speed}
+        model = self.model
+        if mode == "sft":
+            speaker = request.speaker or self.speakers()[0]
+            outputs = model.inference_sft(text, speaker, **common)
+        elif mode == "zero_shot":
+            outputs = model.inference_zero_shot(text, prompt_text, request.prompt_wav, **common)
+        elif mode == "cross_lingual":
+            outputs = model.inference_cross_lingual(text, request.prompt_wav, **common)
+        elif self.version >= 2:
+            outputs = model.inference_instruct2(text, instruct_text, request.prompt_wav, **common)
+        else:
+            speaker = request.speaker or self.speakers()[0]
+            outputs = model.inference_instruct(text, speaker, instruct_text, **common)
+        for output in outputs:
+            yield output["tts_speech"].detach().cpu().numpy().reshape(-1).astype(np.float32)
+
+
+def seed_everything(seed: int) -> None:
+    """What upstream's set_all_random_seed does: Python, numpy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        import torch
+
+        torch.manual_seed(seed)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed_all(seed)
+    except ImportError:
+        pass

@@ -1,0 +1,136 @@
+"""Contract fake of upstream cosyvoice/cli/cosyvoice.py: same classes, signatures and
+assertions; synthetic audio instead of a model."""
+
+import math
+import os
+import time
+
+import matcha  # noqa: F401  upstream's imports need third_party/Matcha-TTS on sys.path
+import soundfile
+import torch
+
+ENDOFPROMPT = "<|endofprompt|>"
+
+
+def snapshot_download(model_id):
+    # Upstream downloads from ModelScope here; nothing may be downloaded in these tests.
+    raise RuntimeError(f"fake CosyVoice: would download {model_id!r} from ModelScope")
+
+
+def _load_prompt(prompt_wav):
+    speech, rate = soundfile.read(prompt_wav, dtype="float32", always_2d=True)
+    # upstream load_wav: sources below 16 kHz fail (its message names the target rate)
+    assert rate >= 16000, "wav sample rate {} must be greater than {}".format(rate, 16000)
+    seconds = speech.shape[0] / rate
+    assert seconds <= 30, "do not support extract speech token for audio longer than 30s"
+    return seconds
+
+
+class CosyVoice:
+    version = 1
+
+    def __init__(self, model_dir, load_jit=False, load_trt=False, fp16=False, trt_concurrent=1):
+        self.model_dir = model_dir
+        self.fp16 = fp16
+        if not os.path.exists(model_dir):
+            model_dir = snapshot_download(model_dir)
+        yaml = os.path.join(model_dir, self._yaml)
+        if not os.path.exists(yaml):
+            raise ValueError("{} not found!".format(yaml))
+        self.options = dict(load_jit=load_jit, load_trt=load_trt, fp16=fp16, trt_concurrent=trt_concurrent)
+        spk_file = os.path.join(model_dir, "spk2info.txt")  # upstream: spk2info.pt (torch.load)
+        self._spks = open(spk_file).read().split() if os.path.exists(spk_file) else []
+        time.sleep(float(os.environ.get("FAKE_COSYVOICE_LOAD_SECONDS", "1")))  # loading weights
+        self.sample_rate = 22050 if self.version == 1 else 24000
+
+    _yaml = "cosyvoice.yaml"
+
+    def list_available_spks(self):
+        return list(self._spks)
+
+    def add_zero_shot_spk(self, prompt_text, prompt_wav, zero_shot_spk_id):
+        assert zero_shot_spk_id != "", "do not use empty zero_shot_spk_id"
+        _load_prompt(prompt_wav)
+        self._spks.append(zero_shot_spk_id)
+        return True
+
+    def _speech(self, text, stream, speed):
+        if stream:
+            assert speed == 1.0, "speed change only support non-stream inference mode"
+        spoken = text.split(ENDOFPROMPT)[-1]
+        seconds = max(0.2, 0.06 * len(spoken.strip())) / speed
+        n = int(seconds * self.sample_rate)
+        t = torch.arange(n, dtype=torch.float32) / self.sample_rate
+        pitch = 120.0 + 80.0 * torch.rand(1)
+        wave = 0.3 * torch.sin(2 * math.pi * pitch * t) * (0.6 + 0.4 * torch.sin(2 * math.pi * 3 * t))
+        wave = (wave + 0.01 * torch.randn(n)).clamp(-0.99, 0.99).unsqueeze(0)  # [1, N]
+        parts = torch.chunk(wave, 4, dim=1) if stream else (wave,)
+        for part in parts:
+            # model the GPU's time per chunk (first-package latency) when a test asks for it
+            time.sleep(float(os.environ.get("FAKE_COSYVOICE_CHUNK_SECONDS", "0")) * (1 if stream else 4))
+            yield {"tts_speech": part}
+
+    def inference_sft(self, tts_text, spk_id, stream=False, speed=1.0, text_frontend=True):
+        assert spk_id in self._spks, "unknown speaker {}".format(spk_id)
+        yield from self._speech(tts_text, stream, speed)
+
+    def inference_zero_shot(self, tts_text, prompt_text, prompt_wav, zero_shot_spk_id="", stream=False, speed=1.0,
+                            text_frontend=True):
+        _load_prompt(prompt_wav)
+        self._check_prompt(prompt_text + tts_text)
+        yield from self._speech(tts_text, stream, speed)
+
+    def inference_cross_lingual(self, tts_text, prompt_wav, zero_shot_spk_id="", stream=False, speed=1.0,
+                                text_frontend=True):
+        _load_prompt(prompt_wav)
+        self._check_prompt(tts_text)  # upstream drops the prompt text in cross-lingual mode
+        yield from self._speech(tts_text, stream, speed)
+
+    def inference_instruct(self, tts_text, spk_id, instruct_text, stream=False, speed=1.0, text_frontend=True):
+        assert self.__class__.__name__ == "CosyVoice", "inference_instruct is only implemented for CosyVoice!"
+        yield from self._speech(tts_text, stream, speed)
+
+    def _check_prompt(self, text):
+        pass
+
+
+class CosyVoice2(CosyVoice):
+    version = 2
+    _yaml = "cosyvoice2.yaml"
+
+    def __init__(self, model_dir, load_jit=False, load_trt=False, load_vllm=False, fp16=False, trt_concurrent=1):
+        super().__init__(model_dir, load_jit=load_jit, load_trt=load_trt, fp16=fp16, trt_concurrent=trt_concurrent)
+        self.options["load_vllm"] = load_vllm
+
+    def inference_instruct2(self, tts_text, instruct_text, prompt_wav, zero_shot_spk_id="", stream=False, speed=1.0,
+                            text_frontend=True):
+        _load_prompt(prompt_wav)
+        self._check_prompt(instruct_text + tts_text)
+        yield from self._speech(tts_text, stream, speed)
+
+
+class CosyVoice3(CosyVoice2):
+    version = 3
+    _yaml = "cosyvoice3.yaml"
+
+    def __init__(self, model_dir, load_trt=False, load_vllm=False, fp16=False, trt_concurrent=1):
+        CosyVoice.__init__(self, model_dir, load_jit=False, load_trt=load_trt, fp16=fp16,
+                           trt_concurrent=trt_concurrent)
+        self.options = dict(load_trt=load_trt, load_vllm=load_vllm, fp16=fp16, trt_concurrent=trt_concurrent)
+
+    def _check_prompt(self, text):
+        # upstream (cosyvoice/llm/llm.py) checks the token id of <|endofprompt|>
+        assert ENDOFPROMPT in text, "<|endofprompt|> not detected in CosyVoice3 text or prompt_text, check your input!"
+
+
+def AutoModel(**kwargs):
+    if not os.path.exists(kwargs["model_dir"]):
+        kwargs["model_dir"] = snapshot_download(kwargs["model_dir"])
+    if os.path.exists("{}/cosyvoice.yaml".format(kwargs["model_dir"])):
+        return CosyVoice(**kwargs)
+    elif os.path.exists("{}/cosyvoice2.yaml".format(kwargs["model_dir"])):
+        return CosyVoice2(**kwargs)
+    elif os.path.exists("{}/cosyvoice3.yaml".format(kwargs["model_dir"])):
+        return CosyVoice3(**kwargs)
+    else:
+        raise TypeError("No valid model type found!")

@@ -1,0 +1,1 @@
+"""Stand-in for upstream's Matcha-TTS submodule: importable only from third_party/Matcha-TTS."""

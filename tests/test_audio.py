@@ -1,0 +1,78 @@
+"""Prompt uploads, WAV answers and the outputs dir's retention."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import time
+
+import numpy as np
+import pytest
+import soundfile
+
+from cosyvoice_lb.audio import Outputs, PromptError, StoredFile, expired, read_prompt, streaming_wav_header
+
+
+def encoded(fmt: str, seconds: float = 3.0, rate: int = 24000, channels: int = 1, silent: bool = False) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    wave = np.zeros_like(t) if silent else 0.3 * np.sin(2 * np.pi * 220 * t)
+    data = np.stack([wave] * channels, axis=1).astype(np.float32)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, data, rate, format=fmt)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG", "MP3"])
+def test_common_formats_are_read_as_mono(fmt):
+    prompt = read_prompt(encoded(fmt, channels=2), max_seconds=15)
+    assert prompt.audio.ndim == 1 and prompt.rate == 24000
+    assert prompt.seconds == pytest.approx(3.0, abs=0.1)
+    assert any("mono" in n for n in prompt.notices)
+
+
+def test_long_prompts_are_trimmed_with_a_notice():
+    prompt = read_prompt(encoded("WAV", seconds=20, rate=16000), max_seconds=15)
+    assert prompt.seconds == pytest.approx(15.0)
+    assert any("trimmed from 20.0 s" in n for n in prompt.notices)
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"", "empty"),
+    (b"this is not audio at all", "not audio this server can read"),
+    (encoded("WAV")[:40], "not audio|no samples"),
+    (encoded("WAV", rate=8000), "8000 Hz: CosyVoice needs 16 kHz"),
+    (encoded("WAV", silent=True), "silent"),
+])
+def test_bad_prompts_are_refused_with_what_to_do(data, words):
+    with pytest.raises(PromptError, match=words):
+        read_prompt(data, max_seconds=15)
+
+
+def test_streaming_header_announces_16_bit_mono_of_unknown_length():
+    header = streaming_wav_header(24000)
+    assert header[:4] == b"RIFF" and header[8:16] == b"WAVEfmt " and len(header) == 44
+    fmt, channels, rate, byte_rate, align, bits = struct.unpack("<HHIIHH", header[20:36])
+    assert (fmt, channels, rate, byte_rate, align, bits) == (1, 1, 24000, 48000, 2, 16)
+
+
+@pytest.mark.parametrize("files, max_age, max_bytes, doomed", [
+    ([StoredFile("a", 0, 10), StoredFile("b", 50, 10), StoredFile("c", 90, 10)], 60, 100, ["a"]),
+    ([StoredFile("a", 80, 10), StoredFile("b", 85, 10), StoredFile("c", 90, 10)], 60, 15, ["a", "b"]),
+    ([StoredFile("a", 80, 10), StoredFile("b", 85, 10)], 60, 20, []),
+    ([], 60, 0, []),
+])
+def test_retention_by_age_then_by_total_size(files, max_age, max_bytes, doomed):
+    assert expired(files, now=100, max_age=max_age, max_bytes=max_bytes) == doomed
+
+
+def test_outputs_get_unique_names_and_stay_bounded(tmp_path):
+    store = Outputs(str(tmp_path), port=7860, max_age=3600, max_bytes=3 * 4800 + 200, sweep_every=0)
+    audio = np.zeros(2400, dtype=np.float32)  # 4800 bytes of PCM + a 44-byte header each
+    names = [store.save(audio, 24000) for _ in range(5)]
+    assert len(set(names)) == 5 and all("-7860-" in n for n in names)
+    assert len(list(tmp_path.glob("*.wav"))) == 3  # the oldest went
+    assert not list(tmp_path.glob(".*"))  # no half-written files
+    old = tmp_path / names[-1]
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert names[-1] in store.sweep(force=True)

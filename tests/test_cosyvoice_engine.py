@@ -1,0 +1,119 @@
+"""The CosyVoice adapter against the contract fake of upstream (tests/fake_cosyvoice)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="the contract fake yields torch tensors, like upstream")
+
+from cosyvoice_lb.engines import EngineError, SynthesisRequest  # noqa: E402
+from cosyvoice_lb.engines.cosyvoice import (  # noqa: E402
+    ENDOFPROMPT, CosyVoiceEngine, model_version, v2_prompt, v3_prompt)
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE / "fake_cosyvoice"
+MODELS = HERE / "fake_models"
+PROMPT = str(ROOT / "asset" / "zero_shot_prompt.wav")
+
+
+@pytest.fixture(autouse=True)
+def quick_load(monkeypatch):
+    monkeypatch.setenv("FAKE_COSYVOICE_LOAD_SECONDS", "0")
+
+
+def loaded(model: str, **flags) -> CosyVoiceEngine:
+    engine = CosyVoiceEngine(model_dir=str(MODELS / model), cosyvoice_root=str(ROOT), **flags)
+    engine.load()
+    return engine
+
+
+def audio(engine, **request) -> np.ndarray:
+    return np.concatenate(list(engine.synthesize(SynthesisRequest(**request))))
+
+
+def test_model_version_by_yaml_and_refusals(tmp_path):
+    assert model_version(MODELS / "Fun-CosyVoice3-0.5B") == 3
+    assert model_version(MODELS / "CosyVoice2-0.5B") == 2
+    assert model_version(MODELS / "CosyVoice-300M-SFT") == 1
+    with pytest.raises(ValueError, match="not a local directory.*never lets an instance download"):
+        model_version("FunAudioLLM/Fun-CosyVoice3-0.5B-2512")
+    with pytest.raises(ValueError, match="has none of cosyvoice3.yaml"):
+        model_version(tmp_path)
+
+
+def test_v3_prompt_format_is_upstreams_example():
+    assert v3_prompt("zero_shot", "t", "transcript", "") == (
+        "t", "You are a helpful assistant.<|endofprompt|>transcript", "")
+    assert v3_prompt("cross_lingual", "text", "", "") == ("You are a helpful assistant.<|endofprompt|>text", "", "")
+    assert v3_prompt("instruct", "t", "", "请用广东话表达。") == (
+        "t", "", "You are a helpful assistant. 请用广东话表达。<|endofprompt|>")
+    # what the user already formatted stays as it is
+    assert v3_prompt("zero_shot", "t", f"custom{ENDOFPROMPT}x", "")[1] == f"custom{ENDOFPROMPT}x"
+    assert v2_prompt("instruct", "t", "", "用四川话说这句话") == ("t", "", "用四川话说这句话<|endofprompt|>")
+    assert v2_prompt("zero_shot", "t", "p", "") == ("t", "p", "")
+
+
+def test_v3_every_mode_passes_upstreams_assertion():
+    engine = loaded("Fun-CosyVoice3-0.5B")
+    assert engine.version == 3 and engine.sample_rate == 24000
+    assert engine.modes == ("zero_shot", "cross_lingual", "instruct") and engine.speakers() == []
+    for mode, extra in (("zero_shot", {"prompt_text": "希望你以后能够做的比我还好呦。"}), ("cross_lingual", {}),
+                        ("instruct", {"instruct_text": "Speak slowly."})):
+        out = audio(engine, text="Hello there.", mode=mode, prompt_wav=PROMPT, **extra)
+        assert out.dtype == np.float32 and out.ndim == 1 and out.size > 0.3 * 24000
+
+
+def test_without_the_marker_upstream_would_refuse():
+    engine = loaded("Fun-CosyVoice3-0.5B")
+    with pytest.raises(AssertionError, match="endofprompt"):
+        list(engine.model.inference_zero_shot("hi", "no marker here", PROMPT))
+
+
+def test_seed_reproduces_and_speed_and_stream():
+    engine = loaded("Fun-CosyVoice3-0.5B")
+    one = audio(engine, text="Same words.", mode="cross_lingual", prompt_wav=PROMPT, seed=7)
+    two = audio(engine, text="Same words.", mode="cross_lingual", prompt_wav=PROMPT, seed=7)
+    other = audio(engine, text="Same words.", mode="cross_lingual", prompt_wav=PROMPT, seed=8)
+    assert np.array_equal(one, two) and not np.array_equal(one, other)
+    fast = audio(engine, text="Same words.", mode="cross_lingual", prompt_wav=PROMPT, speed=2.0)
+    assert fast.size < 0.6 * one.size
+    chunks = list(engine.synthesize(SynthesisRequest(text="Stream these words.", mode="cross_lingual",
+                                                     prompt_wav=PROMPT, stream=True)))
+    assert len(chunks) > 1
+
+
+def test_v2_and_v1_model_dirs():
+    v2 = loaded("CosyVoice2-0.5B")
+    assert v2.version == 2 and v2.modes == ("zero_shot", "cross_lingual", "instruct")
+    assert audio(v2, text="hi", mode="instruct", instruct_text="用四川话说这句话", prompt_wav=PROMPT).size
+    v1 = loaded("CosyVoice-300M-SFT")
+    assert v1.version == 1 and v1.sample_rate == 22050
+    assert v1.modes[0] == "sft" and v1.speakers() == ["中文女", "英文男"]
+    assert audio(v1, text="hi").size  # default mode: the first built-in speaker
+    assert audio(v1, text="hi", mode="sft", speaker="英文男").size
+    assert audio(v1, text="hi", mode="instruct", instruct_text="happy").size  # v1's inference_instruct
+
+
+def test_flags_reach_the_model_and_unknown_ones_are_refused():
+    engine = loaded("Fun-CosyVoice3-0.5B", load_vllm=True, fp16=True)
+    assert engine.model.options == {"load_trt": False, "load_vllm": True, "fp16": True, "trt_concurrent": 1}
+    with pytest.raises(EngineError, match="--load-vllm is not supported by CosyVoice models"):
+        loaded("CosyVoice-300M-SFT", load_vllm=True)
+
+
+def test_a_missing_checkout_is_a_clear_error(tmp_path):
+    import sys
+
+    for name in [m for m in sys.modules if m == "cosyvoice" or m.startswith("cosyvoice.")]:
+        del sys.modules[name]
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if "fake_cosyvoice" not in p]
+    try:
+        engine = CosyVoiceEngine(model_dir=str(MODELS / "Fun-CosyVoice3-0.5B"), cosyvoice_root=str(tmp_path))
+        with pytest.raises(EngineError, match="--cosyvoice-root"):
+            engine.load()
+    finally:
+        sys.path[:] = saved
