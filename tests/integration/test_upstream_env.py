@@ -1,0 +1,68 @@
+"""The instance in an environment like upstream CosyVoice's: gradio 5.4, fastapi 0.115,
+uvicorn 0.30, pydantic 2.7, numpy 1.26, soundfile 0.12 and torch, without cosyvoice-lb.
+
+The launcher runs in its own venv (gradio 6); instances run under --python in this one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import ROOT, cli, free_port_block
+
+# upstream requirements.txt pins (torch: the CPU build this machine has; huggingface_hub:
+# what upstream's transformers==4.51.3 pin brings, gradio 5.4 needs its HfFolder)
+PINS = ["gradio==5.4.0", "fastapi==0.115.6", "uvicorn==0.30.0", "pydantic==2.7.0", "numpy==1.26.4",
+        "soundfile==0.12.1", "huggingface_hub<0.27", "torch==2.13.0"]
+FAKE = ROOT / "tests" / "fake_cosyvoice"
+V3 = ROOT / "tests" / "fake_models" / "Fun-CosyVoice3-0.5B"
+
+
+@pytest.fixture(scope="module")
+def upstream_python():
+    where = Path(tempfile.mkdtemp(prefix="cvlb-env-"))
+    subprocess.run([sys.executable, "-m", "venv", str(where)], check=True, timeout=120)
+    done = subprocess.run([str(where / "bin/python"), "-m", "pip", "install", "-q", *PINS], capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    yield where / "bin/python"
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def test_instances_run_in_upstreams_environment(upstream_python, state_dir):
+    probe = subprocess.run([str(upstream_python), "-c", "import gradio, importlib.util as u; "
+                            "print(gradio.__version__, u.find_spec('cosyvoice_lb') is None)"],
+                           capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
+    assert probe.stdout.split() == ["5.4.0", "True"]  # gradio 5, and no cosyvoice-lb there
+    port, base = free_port_block(1), free_port_block(1)
+    done = cli("up", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE), "--python", str(upstream_python),
+               "--instances", "1", "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base),
+               "--state-dir", str(state_dir), timeout=300)
+    try:
+        assert done.returncode == 0, done.stderr
+        url = f"http://127.0.0.1:{port}"
+        prompt = (FAKE / "asset" / "zero_shot_prompt.wav").read_bytes()
+        r = requests.post(url + "/v1/tts", data={"text": "你好", "mode": "zero_shot", "prompt_text": "希望"},
+                          files={"prompt_audio": ("p.wav", prompt, "audio/wav")}, timeout=60)
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+        bad = requests.post(url + "/v1/tts", json={"text": ""}, timeout=30)
+        assert bad.status_code == 400 and "empty" in bad.json()["error"]["message"]
+        assert requests.get(url + "/", timeout=30).status_code == 200
+        assert requests.get(url + "/gradio_api/info", timeout=30).status_code == 200
+
+        from gradio_client import Client, handle_file
+
+        client = Client(url + "/", verbose=False)
+        result = client.predict("你好", "cross_lingual", handle_file(str(FAKE / "asset" / "zero_shot_prompt.wav")),
+                                "", "", None, 1.0, 3, False, api_name="/generate")
+        assert Path(result).stat().st_size > 1000
+    finally:
+        down = cli("down", "--state-dir", str(state_dir), timeout=120)
+    assert down.returncode == 0 and "stopped" in down.stdout
