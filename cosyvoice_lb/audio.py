@@ -44,9 +44,13 @@ def read_prompt(data: bytes, max_seconds: float) -> Prompt:
     if not data:
         raise PromptError(f"prompt_audio is empty: upload a {FORMATS} file of 3-{max_seconds:g} s of speech")
     try:
-        audio, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        # Decode no more than is kept: a small compressed upload can hold hours of audio.
+        info = soundfile.info(io.BytesIO(data))
+        limit = int(max_seconds * info.samplerate) + 1
+        audio, rate = soundfile.read(io.BytesIO(data), frames=limit, dtype="float32", always_2d=True)
     except (RuntimeError, soundfile.LibsndfileError, TypeError, ValueError) as exc:
         raise PromptError(f"prompt_audio is not audio this server can read ({exc}): upload {FORMATS}") from None
+    total_seconds = info.frames / info.samplerate if info.frames > 0 else audio.shape[0] / rate
     if audio.size == 0:
         raise PromptError("prompt_audio has no samples: upload a recording of 3 s or more")
     if rate < MIN_PROMPT_RATE:
@@ -58,8 +62,8 @@ def read_prompt(data: bytes, max_seconds: float) -> Prompt:
     prompt = Prompt(mono, rate)
     if audio.shape[1] > 1:
         prompt.notices.append(f"prompt audio mixed down from {audio.shape[1]} channels to mono")
-    if prompt.seconds > max_seconds:
-        prompt.notices.append(f"prompt audio trimmed from {prompt.seconds:.1f} s to the first {max_seconds:g} s "
+    if total_seconds > max_seconds:
+        prompt.notices.append(f"prompt audio trimmed from {total_seconds:.1f} s to the first {max_seconds:g} s "
                               "(--max-prompt-seconds); its transcript should match what is left")
         prompt.audio = mono[: int(max_seconds * rate)]
     return prompt

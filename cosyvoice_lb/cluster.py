@@ -87,9 +87,18 @@ def absolute(settings: Settings) -> Settings:
 
 
 def flags_key(settings: Settings) -> str:
-    """Which calibration a footprint belongs to: the engine and the flags that change memory."""
+    """Which calibration a footprint belongs to: the engine (and model version) and the
+    flags that change memory."""
+    engine = settings.resolved_engine
+    if engine == "cosyvoice3" and settings.model_dir:
+        from .engines.cosyvoice import model_version
+
+        try:
+            engine = f"cosyvoice{model_version(settings.model_dir)}"
+        except ValueError:
+            pass
     flags = [f for f in ("load_trt", "load_vllm", "fp16") if getattr(settings, f)]
-    return "+".join([settings.resolved_engine, *flags])
+    return "+".join([engine, *flags])
 
 
 def calibrated(layout: Layout, settings: Settings) -> dict | None:
@@ -218,7 +227,7 @@ def check_nginx(settings: Settings, layout: Layout) -> None:
 
 # Run by the instances' Python: which of the modules an instance imports are missing there.
 ENV_PROBE = """
-import importlib.util, json, sys
+import importlib, importlib.util, json, sys
 sys.path[:0] = [p for p in sys.argv[2:] if p]
 missing, versions = [], {}
 for name in sys.argv[1].split(","):
@@ -233,7 +242,17 @@ try:
     versions["gradio"] = gradio.__version__
 except Exception:
     pass
-print(json.dumps({"missing": missing, "python": sys.version.split()[0], "versions": versions}))
+broken = ""
+for name in sys.argv[1].split(","):  # the model package: import it for real, its dependencies too
+    if name.startswith("cosyvoice") and name not in missing:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if (exc.name or name) not in missing:
+                missing.append(exc.name or name)
+        except Exception as exc:
+            broken = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"missing": missing, "broken": broken, "python": sys.version.split()[0], "versions": versions}))
 """
 # module -> what to pip install
 INSTANCE_NEEDS = {"numpy": "numpy", "soundfile": "soundfile", "fastapi": "fastapi", "uvicorn": "uvicorn",
@@ -256,11 +275,14 @@ def check_instance_env(settings: Settings) -> dict:
         report = json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
         raise ClusterError(f"--python {settings.python} could not be run to check its packages ({exc})") from None
-    missing = [m for m in report["missing"] if m in needs]
-    if missing:
-        packages = " ".join(sorted({needs[m] for m in missing}))
+    missing = [m for m in report["missing"] if m != "cosyvoice.cli.cosyvoice"]
+    if missing:  # the instance's own packages, or what importing upstream CosyVoice needed
+        packages = " ".join(sorted({needs.get(m, m.split(".")[0]) for m in missing}))
         raise ClusterError(f"the instances' Python ({settings.python}, Python {report['python']}) lacks "
                            f"{', '.join(missing)}: install with '{settings.python} -m pip install {packages}' "
+                           "(nothing was started)")
+    if report.get("broken"):
+        raise ClusterError(f"the instances' Python cannot import upstream CosyVoice: {report['broken']} "
                            "(nothing was started)")
     if "cosyvoice.cli.cosyvoice" in report["missing"]:
         raise ClusterError("the instances' Python cannot import upstream CosyVoice (cosyvoice.cli.cosyvoice): "
@@ -293,10 +315,10 @@ def check_model(settings: Settings) -> None:
         raise ClusterError(str(exc)) from None
     if settings.cosyvoice_root:
         root = Path(settings.cosyvoice_root)
-        lacking = [p for p in ("cosyvoice", "third_party/Matcha-TTS") if not (root / p).is_dir()]
+        lacking = [p for p in ("cosyvoice", "third_party/Matcha-TTS/matcha") if not (root / p).is_dir()]
         if lacking:
             raise ClusterError(f"--cosyvoice-root {root} lacks {', '.join(lacking)}: point it at a checkout of "
-                               "FunAudioLLM/CosyVoice with its submodules (git submodule update --init)")
+                               "FunAudioLLM/CosyVoice with its submodules (git submodule update --init --recursive)")
 
 
 def check_ports(settings: Settings, slots: tuple[Slot, ...], held: set[int]) -> None:
@@ -518,7 +540,7 @@ def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progre
     result, layout, _ = render_to_disk(settings)
     supervisor.start_daemon()
     try:
-        if settings.stagger:  # one model load at a time: each instance serves before the next starts
+        if settings.staggered:  # one model load at a time: each instance serves before the next starts
             for slot in result.slots:
                 on_progress(Progress(slot.index, len(result.slots), f"starting {slot.name} (--stagger)"))
                 supervisor.start(slot.name)
@@ -620,10 +642,15 @@ def log_names(layout: Layout) -> list[str]:
 
 # --- calibrate ---------------------------------------------------------------------------
 
-def calibrate(settings: Settings, on_progress: Report = lambda p: None, requests_per_mode: int = 2) -> dict:
-    """Measure one instance's peak GPU memory (NVML, per process) through load, warm-up and a
-    few syntheses per mode, and store it as the footprint `plan` and `up` use from then on."""
-    from .gpu import nvml_gpus, process_gpu_memory
+def calibrate(settings: Settings, on_progress: Report = lambda p: None) -> dict:
+    """Measure one instance's peak GPU memory through load, warm-up and a full-length, a
+    streamed and a default request, and store it as the footprint `plan` and `up` use.
+
+    Per process through NVML (the instance and its children: vLLM's engine runs in one);
+    where NVML's pids match nothing (containers), the card's used memory above what it
+    used before the instance started.
+    """
+    from .gpu import device_used, nvml_gpus, process_gpu_memory
 
     gpus, source = nvml_gpus()
     if not gpus:
@@ -631,17 +658,25 @@ def calibrate(settings: Settings, on_progress: Report = lambda p: None, requests
             f"cannot calibrate: no GPU is visible to NVML ({source}). The footprint is measured per process "
             "on a GPU; here plan and up keep the defaults (see 'cosyvoice-lb plan'). Run calibrate on the GPU box")
     layout = layout_for(settings)
-    scratch = layout.root / "calibrate"
-    trial = dataclasses.replace(settings, state_dir=str(scratch), instances="1", force=True, gpus="",
-                                port=settings.port + 1000, base_port=settings.base_port + 1000)
-    peak, stop = [0], threading.Event()
+    trial = dataclasses.replace(settings, state_dir=str(layout.root / "calibrate"), instances="1", force=True,
+                                gpus="", port=settings.port + 1000, base_port=settings.base_port + 1000)
+    card = gpus[0].index  # a one-instance plan pins it to the first card
+    baseline = device_used(card)
+    peak = {"process": 0, "device": 0}
+    stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
-            record = recorded(layout_for(trial))
-            pids = {p.pid for p in psutil.process_iter() if record and _is_instance(p, layout_for(trial))}
-            for used in process_gpu_memory(pids).values():
-                peak[0] = max(peak[0], used)
+            try:
+                pids = set()
+                for proc in psutil.process_iter():
+                    if _is_instance(proc, layout_for(trial)):
+                        pids |= {proc.pid, *(c.pid for c in proc.children(recursive=True))}
+                peak["process"] = max(peak["process"], sum(process_gpu_memory(pids).values()))
+                peak["device"] = max(peak["device"], device_used(card) - baseline)
+            except Exception as exc:  # keep sampling: one bad read must not end the measurement
+                log_line = f"sampling GPU memory failed once: {exc}"
+                on_progress(Progress(0, 1, log_line))
             stop.wait(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -649,17 +684,21 @@ def calibrate(settings: Settings, on_progress: Report = lambda p: None, requests
     try:
         current = up(trial, on_progress)
         url = current.url + "/v1/tts"
-        for _ in range(requests_per_mode):
-            LOOPBACK.post(url, json={"text": "Calibrating the memory this instance needs for one synthesis."},
-                          timeout=settings.hang_timeout)
+        longest = ("This sentence is repeated to reach the longest text an instance accepts. " * 20)[:settings.max_chars]
+        for body in ({"text": longest}, {"text": longest, "stream": True}, {"text": "A short one."}):
+            on_progress(Progress(0, 1, f"synthesizing ({len(body['text'])} chars{', streamed' if body.get('stream') else ''})"))
+            LOOPBACK.post(url, json=body, timeout=settings.hang_timeout).raise_for_status()
+    except requests.RequestException as exc:
+        raise ClusterError(f"calibration request failed: {exc}") from None
     finally:
         stop.set()
         sampler.join(timeout=5)
         down(layout_for(trial))
-    if not peak[0]:
-        raise ClusterError("the instance ran but NVML reported no GPU memory for it: is it pinned to a GPU?")
-    headroom = int(peak[0] * 1.1)
-    entry = {"gpu_bytes": headroom, "peak_bytes": peak[0], "gpu": gpus[0].name,
+    measured = peak["process"] or peak["device"]
+    if measured <= 0:
+        raise ClusterError("the instance ran but NVML saw no GPU memory for it: is it pinned to a GPU?")
+    entry = {"gpu_bytes": int(measured * 1.1), "peak_bytes": measured, "gpu": gpus[0].name,
+             "how": "per process" if peak["process"] else "card used memory above the baseline",
              "when": time.strftime("%Y-%m-%d %H:%M")}
     try:
         stored = json.loads(layout.footprint_json.read_text())

@@ -89,8 +89,28 @@ def inventory(gpus: str = "") -> Inventory:
     return host_inventory(found, source)
 
 
+def device_used(index: int) -> int:
+    """GPU memory in use on one card (bytes); 0 without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+    except pynvml.NVMLError:
+        return 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def process_gpu_memory(pids: set[int]) -> dict[int, int]:
-    """GPU memory (bytes) each of ``pids`` holds, summed over all GPUs; {} without NVML."""
+    """GPU memory (bytes) each of ``pids`` holds, summed over all GPUs; {} without NVML.
+
+    Inside a container NVML may report host pids, which match nothing here: callers fall
+    back to :func:`device_used`.
+    """
     try:
         import pynvml
 
@@ -105,5 +125,7 @@ def process_gpu_memory(pids: set[int]) -> dict[int, int]:
                 if proc.pid in pids and proc.usedGpuMemory is not None:
                     used[proc.pid] = used.get(proc.pid, 0) + int(proc.usedGpuMemory)
         return used
+    except pynvml.NVMLError:
+        return {}
     finally:
         pynvml.nvmlShutdown()

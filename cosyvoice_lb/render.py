@@ -212,8 +212,11 @@ def check(settings: Settings, layout: Layout) -> None:
             raise RenderError(f"{flag} must be at least {least}, got {value}")
     if settings.instance_concurrency < 1:
         raise RenderError(f"--instance-concurrency must be at least 1, got {settings.instance_concurrency}")
-    if not settings.max_prompt_seconds > 0 or not settings.outputs_max_age > 0:
-        raise RenderError("--max-prompt-seconds and --outputs-max-age must be above 0")
+    if not 0 < settings.max_prompt_seconds <= 30:
+        raise RenderError(f"--max-prompt-seconds must be above 0 and at most 30 (upstream refuses longer "
+                          f"prompts), got {settings.max_prompt_seconds}")
+    if not settings.outputs_max_age > 0:
+        raise RenderError("--outputs-max-age must be above 0")
     for flag, size in (("--max-upload", settings.max_upload), ("--outputs-max-size", settings.outputs_max_size)):
         try:
             parse_size(size)
@@ -254,7 +257,9 @@ def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs,
     api_read_timeout = int(settings.hang_timeout + 30)
     context = dict(
         settings=settings, slots=plan.slots, layout=layout, listen=listen_address(settings.host, settings.port), run_as_user=programs.run_as_user,
-        worker_processes=programs.worker_processes, max_body="20m", api_read_timeout=api_read_timeout,
+        worker_processes=programs.worker_processes,
+        # room for the largest prompt upload plus the form around it
+        max_body=f"{parse_size(settings.max_upload) // 2**20 + 2}m", api_read_timeout=api_read_timeout,
         instance_command=lambda slot: shlex.join(instance_command(settings, layout, programs, slot)),
         instance_env=lambda slot: instance_env(layout, slot),
         health_command=shlex.join([programs.launcher_python, "-m", "cosyvoice_lb.health",

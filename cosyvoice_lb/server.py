@@ -163,7 +163,7 @@ def make_request(payload: dict, limits: Limits, modes: tuple[str, ...], speakers
     if mode and needs_prompt and not has_prompt:
         raise BadRequest(f"mode {mode} needs prompt_audio: send a multipart form with the file prompt_audio "
                          "(3-15 s of the voice to clone)")
-    if mode == "zero_shot" and not prompt_text.strip():
+    if effective == "zero_shot" and (mode or has_prompt) and not prompt_text.strip():
         raise BadRequest("mode zero_shot needs prompt_text: the exact transcript of prompt_audio")
     if effective == "instruct" and not instruct_text.strip():
         raise BadRequest('mode instruct needs instruct_text, e.g. "Speak slowly and warmly"')
@@ -205,8 +205,12 @@ class Instance:
     def load(self) -> None:
         t0 = time.monotonic()
         self.engine.load()
-        warm = self.synthesize(self.warm_up_request(), count=False)
-        if warm.size == 0:
+        try:
+            warm_up = self.warm_up_request()
+        except BadRequest as exc:  # a cloning-only model and no bundled prompt to clone
+            warm_up = None
+            log.warning("no warm-up synthesis (%s): ready after loading only", exc)
+        if warm_up is not None and self.synthesize(warm_up, count=False).size == 0:
             raise EngineError("the warm-up synthesis returned no audio")
         if self.state.phase != "loading":  # stopped while loading: stay out
             return
@@ -262,6 +266,14 @@ class Instance:
     def synthesize(self, request: SynthesisRequest, count: bool = True) -> np.ndarray:
         chunks = list(self.stream(request, count))
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+
+    def keep(self, audio: np.ndarray) -> str:
+        """Save a result in the outputs dir; a full disk must not cost the client its answer."""
+        try:
+            return self.outputs.save(audio, self.engine.sample_rate)
+        except OSError as exc:
+            log.error("could not keep the result in the outputs dir: %s", exc)
+            return ""
 
     def prepare_prompt(self, data: bytes) -> tuple[str, list[str]]:
         """Decode an upload and write it as the WAV file upstream wants; (path, notices)."""
@@ -355,7 +367,21 @@ def build_app(instance: Instance):
         if notices:
             headers["X-Prompt-Notice"] = "; ".join(notices)
         if synthesis.stream:
-            return StreamingResponse(stream_wav(synthesis, prompt_path), media_type="audio/wav", headers=headers)
+            # The first chunk is made before answering, so a refused input is still a 4xx/5xx.
+            chunks = instance.stream(synthesis)
+            try:
+                first = await run_in_threadpool(next, chunks, None)
+            except EngineError as exc:
+                _remove(prompt_path)
+                return error_response(500, f"synthesis failed: {exc}")
+            except AssertionError as exc:
+                _remove(prompt_path)
+                return error_response(422, f"the model refused this input: {exc}")
+            if first is None:
+                _remove(prompt_path)
+                return error_response(422, "the model produced no audio for this text: send words to speak")
+            return StreamingResponse(stream_wav(first, chunks, prompt_path), media_type="audio/wav",
+                                     headers=headers)
         try:
             audio = await run_in_threadpool(instance.synthesize, synthesis)
         except EngineError as exc:
@@ -367,24 +393,27 @@ def build_app(instance: Instance):
         finally:
             _remove(prompt_path)
         data = await run_in_threadpool(wav_bytes, audio, engine.sample_rate)
-        name = await run_in_threadpool(instance.outputs.save, audio, engine.sample_rate)
+        if audio.size == 0:  # e.g. text of punctuation only: the model says nothing
+            return error_response(422, "the model produced no audio for this text: send words to speak")
+        name = await run_in_threadpool(instance.keep, audio)
         headers.update({"X-Audio-Seconds": f"{audio.size / engine.sample_rate:.3f}", "X-Output-File": name})
         return Response(data, media_type="audio/wav", headers=headers)
 
-    def stream_wav(synthesis: SynthesisRequest, prompt_path: str) -> Iterator[bytes]:
-        """Header first, then PCM as the engine yields it (iterated in a worker thread)."""
-        chunks: list[np.ndarray] = []
+    def stream_wav(first: np.ndarray, rest: Iterator[np.ndarray], prompt_path: str) -> Iterator[bytes]:
+        """Header and first chunk, then PCM as the engine yields it (in a worker thread)."""
+        chunks: list[np.ndarray] = [first]
         try:
-            yield streaming_wav_header(engine.sample_rate)
-            for chunk in instance.stream(synthesis):
+            yield streaming_wav_header(engine.sample_rate) + pcm16(first)
+            for chunk in rest:
                 chunks.append(chunk)
                 yield pcm16(chunk)
         except Exception as exc:  # the status is sent already: end the stream, keep the instance
             log.error("streaming synthesis failed: %s", exc)
         finally:
+            rest.close()  # also when the client went away: frees the engine slot
             _remove(prompt_path)
         if chunks:
-            instance.outputs.save(np.concatenate(chunks), engine.sample_rate)
+            instance.keep(np.concatenate(chunks))
 
     # Gradio is mounted at "/" and would answer everything else under /v1/ with its own 404.
     @app.api_route("/v1/tts", methods=["GET", "PUT", "DELETE", "PATCH"])
@@ -445,7 +474,9 @@ def mount_ui(app: FastAPI, instance: Instance):
                     yield engine.sample_rate, (np.clip(chunk, -1, 1) * 32767).astype(np.int16)
             else:
                 audio = instance.synthesize(synthesis)
-                instance.outputs.save(audio, engine.sample_rate)
+                if audio.size == 0:
+                    raise BadRequest("the model produced no audio for this text: type words to speak")
+                instance.keep(audio)
                 yield engine.sample_rate, (np.clip(audio, -1, 1) * 32767).astype(np.int16)
         except (BadRequest, PromptError) as exc:
             raise gr.Error(str(exc)) from None
@@ -566,7 +597,13 @@ def main(argv: list[str] | None = None) -> None:
     limits = Limits(max_chars=args.max_chars, max_prompt_seconds=args.max_prompt_seconds,
                     max_upload_bytes=int(args.max_upload_mib * 2**20))
     outputs = Outputs(args.outputs_dir, args.port, args.outputs_max_age, int(args.outputs_max_mib * 2**20))
-    instance = Instance(engine, state, limits, args.instance_concurrency, outputs)
+    # Prompt uploads are written for upstream as files; leftovers of a killed run go at start.
+    scratch = os.path.join(args.outputs_dir, ".prompts") if args.outputs_dir else tempfile.gettempdir()
+    os.makedirs(scratch, exist_ok=True)
+    for stale in os.listdir(scratch):
+        if stale.startswith(f"prompt-{args.port}-"):
+            _remove(os.path.join(scratch, stale))
+    instance = Instance(engine, state, limits, args.instance_concurrency, outputs, scratch)
     app = build_app(instance)
 
     def load() -> None:

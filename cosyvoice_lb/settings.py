@@ -106,6 +106,12 @@ class Settings:
                            type=int)
 
     @property
+    def staggered(self) -> bool:
+        """One instance loads at a time: asked for, or forced by TensorRT/vLLM, whose first
+        load writes engine files into the model dir that parallel loads would race on."""
+        return self.stagger or (self.resolved_engine == "cosyvoice3" and (self.load_trt or self.load_vllm))
+
+    @property
     def resolved_engine(self) -> str:
         if self.engine != "auto":
             return self.engine

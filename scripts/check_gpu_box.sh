@@ -50,9 +50,10 @@ curl -sf -o "$STATE/instruct.wav" -F text='今天天气真不错。' -F mode=ins
 check_wav "$STATE/instruct.wav" instruct
 curl -sf -o "$STATE/default.wav" -H 'Content-Type: application/json' -d '{"text": "Default voice.", "seed": 1}' "$U"
 check_wav "$STATE/default.wav" "json default"
-step "streamed: time to first byte vs total"
-curl -s -o "$STATE/stream.wav" -w '  first byte %{time_starttransfer}s, total %{time_total}s\n' \
+step "streamed: first audio vs total (the answer starts with the first chunk, so the first byte is first audio)"
+curl -sf -o "$STATE/stream.wav" -w '  first audio %{time_starttransfer}s, total %{time_total}s\n' \
      -F text='这是一段用来测试流式输出的比较长的句子，应该先听到开头。' -F mode=cross_lingual -F stream=true -F prompt_audio=@"$PROMPT" "$U"
+[ "$(stat -c %s "$STATE/stream.wav")" -gt 48044 ] || { echo "streamed answer too short"; exit 1; }
 step "per-process GPU memory of the running instances (nvidia-smi)"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv || true
 "${LB[@]}" down

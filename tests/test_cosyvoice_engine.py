@@ -38,9 +38,14 @@ def test_model_version_by_yaml_and_refusals(tmp_path):
     assert model_version(MODELS / "Fun-CosyVoice3-0.5B") == 3
     assert model_version(MODELS / "CosyVoice2-0.5B") == 2
     assert model_version(MODELS / "CosyVoice-300M-SFT") == 1
+    both = tmp_path / "both"
+    both.mkdir()
+    (both / "cosyvoice.yaml").write_text("")
+    (both / "cosyvoice3.yaml").write_text("")
+    assert model_version(both) == 1  # upstream AutoModel checks cosyvoice.yaml first
     with pytest.raises(ValueError, match="not a local directory.*never lets an instance download"):
         model_version("FunAudioLLM/Fun-CosyVoice3-0.5B-2512")
-    with pytest.raises(ValueError, match="has none of cosyvoice3.yaml"):
+    with pytest.raises(ValueError, match="has none of cosyvoice.yaml, cosyvoice2.yaml, cosyvoice3.yaml"):
         model_version(tmp_path)
 
 
@@ -97,11 +102,48 @@ def test_v2_and_v1_model_dirs():
     assert audio(v1, text="hi", mode="instruct", instruct_text="happy").size  # v1's inference_instruct
 
 
-def test_flags_reach_the_model_and_unknown_ones_are_refused():
+@pytest.fixture
+def vllm(monkeypatch):
+    """vLLM cannot run here (it needs a GPU): a stand-in with its ModelRegistry calls."""
+    import sys
+    import types
+
+    registry = {}
+    module = types.ModuleType("vllm")
+    module.ModelRegistry = types.SimpleNamespace(register_model=registry.__setitem__,
+                                                 get_supported_archs=lambda: list(registry))
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return registry
+
+
+def test_vllm_gets_cosyvoices_architecture_registered_before_loading(vllm):
     engine = loaded("Fun-CosyVoice3-0.5B", load_vllm=True, fp16=True)
     assert engine.model.options == {"load_trt": False, "load_vllm": True, "fp16": True, "trt_concurrent": 1}
+    assert "CosyVoice2ForCausalLM" in vllm
+
+
+def test_vllm_missing_is_a_clear_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    with pytest.raises(EngineError, match="--load-vllm needs vllm"):
+        loaded("Fun-CosyVoice3-0.5B", load_vllm=True)
+
+
+def test_flags_reach_the_model_and_unknown_ones_are_refused():
+    engine = loaded("Fun-CosyVoice3-0.5B", load_trt=True)
+    assert engine.model.options["load_trt"] is True
     with pytest.raises(EngineError, match="--load-vllm is not supported by CosyVoice models"):
         loaded("CosyVoice-300M-SFT", load_vllm=True)
+
+
+def test_the_bundled_prompt_is_found_without_cosyvoice_root(monkeypatch):
+    import sys
+
+    engine = loaded("Fun-CosyVoice3-0.5B")  # imports the fake's cosyvoice package
+    engine.cosyvoice_root = ""
+    assert engine.default_prompt() == (str(ROOT / "asset" / "zero_shot_prompt.wav"), "希望你以后能够做的比我还好呦。")
+    assert "cosyvoice" in sys.modules
 
 
 def test_a_missing_checkout_is_a_clear_error(tmp_path):

@@ -194,3 +194,44 @@ def test_draining_instance_answers_503_so_nginx_tries_another(loaded):
         r = c.post("/v1/tts", json={"text": "hi"})
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
         assert c.get("/ping").json()["state"] == "draining"
+
+
+class Refusing:
+    """An engine whose model refuses every input, as upstream does with assert."""
+
+    name, sample_rate, modes = "refusing", 24000, ("sft",)
+
+    def __init__(self, yields_nothing: bool = False):
+        self.yields_nothing = yields_nothing
+
+    def speakers(self):
+        return []
+
+    def synthesize(self, request):
+        if self.yields_nothing:
+            return
+        assert False, "<|endofprompt|> not detected"
+        yield  # a generator, like upstream's
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_input_is_a_422_even_when_streaming(stream):
+    state = InstanceState(engine_name="refusing", port=7865, ready=True, phase="ready")
+    with TestClient(build_app(Instance(Refusing(), state))) as c:
+        r = c.post("/v1/tts", json={"text": "hi", "stream": stream})
+        assert r.status_code == 422 and "refused this input" in r.json()["error"]["message"]
+        assert state.ping()["inflight"] == 0 and c.get("/ping").status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_audio_at_all_is_a_422(stream):
+    state = InstanceState(engine_name="refusing", port=7866, ready=True, phase="ready")
+    with TestClient(build_app(Instance(Refusing(yields_nothing=True), state))) as c:
+        r = c.post("/v1/tts", json={"text": "...", "stream": stream})
+        assert r.status_code == 422 and "no audio" in r.json()["error"]["message"]
+
+
+def test_an_uploaded_prompt_without_mode_still_needs_its_transcript():
+    v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
+    with pytest.raises(BadRequest, match="needs prompt_text"):
+        make_request({"text": "hi"}, has_prompt=True, **v3)

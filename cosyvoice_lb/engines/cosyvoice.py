@@ -22,7 +22,8 @@ from . import EngineError, SynthesisRequest
 
 log = logging.getLogger("cosyvoice_lb.cosyvoice")
 
-YAMLS = {"cosyvoice3.yaml": 3, "cosyvoice2.yaml": 2, "cosyvoice.yaml": 1}
+# In upstream AutoModel's order: a dir holding several yamls loads as the first one found.
+YAMLS = {"cosyvoice.yaml": 1, "cosyvoice2.yaml": 2, "cosyvoice3.yaml": 3}
 ENDOFPROMPT = "<|endofprompt|>"
 SYSTEM = "You are a helpful assistant."
 # Upstream ships this prompt in its checkout; its transcript is in upstream's example.py.
@@ -118,6 +119,8 @@ class CosyVoiceEngine:
                 raise EngineError(f"--{flag.replace('_', '-')} is not supported by {cls_name} models")
             if flag in accepted:
                 kwargs[flag] = value
+        if self.flags["load_vllm"] and "load_vllm" in accepted:
+            register_vllm()
         log.info("loading %s from %s (%s)", cls_name, self.model_dir,
                  ", ".join(f"{k}={v}" for k, v in self.flags.items()))
         self.model = AutoModel(**kwargs)
@@ -125,12 +128,20 @@ class CosyVoiceEngine:
         self.modes = self._modes(self.speakers())
 
     def speakers(self) -> list[str]:
-        return list(self.model.list_available_spks()) if self.model is not None else []
+        """Built-in (SFT) speakers: v1 models only. A v2/v3 spk2info holds zero-shot
+        prompts saved by add_zero_shot_spk, which inference_sft cannot speak with."""
+        if self.model is None or self.version != 1:
+            return []
+        return list(self.model.list_available_spks())
 
     def default_prompt(self) -> tuple[str, str]:
-        """Upstream's bundled prompt (path, transcript), if the checkout is at hand."""
-        if self.cosyvoice_root:
-            path = Path(self.cosyvoice_root) / DEFAULT_PROMPT[0]
+        """Upstream's bundled prompt (path, transcript), from the checkout in use."""
+        roots = [Path(self.cosyvoice_root)] if self.cosyvoice_root else []
+        module = sys.modules.get("cosyvoice")
+        if module is not None and getattr(module, "__file__", None):
+            roots.append(Path(module.__file__).resolve().parents[1])  # <checkout>/cosyvoice/__init__.py
+        for root in roots:
+            path = root / DEFAULT_PROMPT[0]
             if path.is_file():
                 return str(path), DEFAULT_PROMPT[1]
         return "", ""
@@ -166,6 +177,19 @@ class CosyVoiceEngine:
             outputs = model.inference_instruct(text, speaker, instruct_text, **common)
         for output in outputs:
             yield output["tts_speech"].detach().cpu().numpy().reshape(-1).astype(np.float32)
+
+
+def register_vllm() -> None:
+    """What upstream's vllm_example.py does before loading with load_vllm=True: make
+    vLLM know CosyVoice's LLM architecture."""
+    try:
+        from vllm import ModelRegistry
+
+        from cosyvoice.vllm.cosyvoice2 import CosyVoice2ForCausalLM
+    except ImportError as exc:
+        raise EngineError(f"--load-vllm needs vllm in the instances' Python ({exc}): pip install vllm "
+                          "(the version upstream's README names)") from None
+    ModelRegistry.register_model("CosyVoice2ForCausalLM", CosyVoice2ForCausalLM)
 
 
 def seed_everything(seed: int) -> None:

@@ -176,7 +176,7 @@ def test_status_names_the_engine_and_every_instance_ready(cluster):
 
 @pytest.mark.parametrize("model, words", [
     ("FunAudioLLM/Fun-CosyVoice3-0.5B-2512", "not a local directory"),
-    (str(ROOT / "tests"), "has none of cosyvoice3.yaml"),
+    (str(ROOT / "tests"), "has none of cosyvoice.yaml"),
 ])
 def test_up_refuses_a_model_dir_that_is_not_a_local_model(state_dir, model, words):
     done = cli("up", "--engine", "cosyvoice3", "--model-dir", model, "--cosyvoice-root", str(FAKE),
