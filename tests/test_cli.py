@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from conftest import cli, clean_env
+from conftest import ROOT, cli, clean_env
 
 
 def test_plan_without_gpu_plans_cpu_slots_and_says_so():
@@ -128,3 +128,15 @@ def test_logs_follow_keeps_going_across_a_rotation(state_dir):
 def test_status_and_plan_json_can_come_from_the_environment(state_dir):
     done = cli("status", "--state-dir", str(state_dir), env=clean_env(COSYVOICE_LB_JSON="1"))
     assert json.loads(done.stdout)["running"] is False
+
+
+def test_plan_uses_a_calibrated_footprint_and_says_so(state_dir):
+    model = str(ROOT / "tests" / "fake_models" / "Fun-CosyVoice3-0.5B")
+    (state_dir / "run").mkdir()
+    (state_dir / "run" / "footprint.json").write_text(json.dumps(
+        {"cosyvoice3": {"gpu_bytes": 3 * 2**30, "peak_bytes": 2**30, "when": "2026-11-29 20:00"}}))
+    plan = json.loads(cli("plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--state-dir", str(state_dir)).stdout)
+    assert plan["footprint_source"].startswith("calibrated") and len(plan["slots"]) == 7  # 23 GiB // 3 GiB
+    flagged = json.loads(cli("plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--load-trt",
+                             "--state-dir", str(state_dir)).stdout)
+    assert flagged["footprint_source"] == "default" and len(flagged["slots"]) == 2  # 23 // 9.5: other flags

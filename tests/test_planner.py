@@ -469,3 +469,12 @@ def test_a_running_cluster_counts_its_own_memory_as_free_when_re_planned():
     own = plan(cpu_box(cores=4, ram_gib=4), budget(reserve_gib=0), instances=4).slots
     assert with_own_slots(box, own).ram_available == 3 * GiB
     assert with_own_slots(cpu_box(ram_gib=4, available_gib=4), own).ram_available == 4 * GiB
+
+
+def test_vllm_reserves_a_share_of_each_card():
+    # vLLM takes 0.2 x the card per instance on top of the rest: bigger cards, bigger slots.
+    b = Budget(gpu_footprint=5 * GiB, host_footprint=512 * MiB, reserve=1 * GiB, gpu_fraction=0.2)
+    p = plan(cards(24, 80), b)
+    per_card = {s.gpu: s.memory for s in p.slots}
+    assert per_card == {0: 5 * GiB + int(0.2 * 24 * GiB), 1: 5 * GiB + int(0.2 * 80 * GiB)}
+    assert [f.fits for f in p.fits] == [2, 3]  # 23 GiB // 9.8 GiB, 79 GiB // 21 GiB
