@@ -14,15 +14,18 @@ import argparse
 import dataclasses
 import json
 import logging
+import random
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import requests
 
 from .files import write_atomic
+from .gpu import process_gpu_memory
 from .processes import orphan_nginx, stop
 from .render import Layout, read_cluster_json, render_upstreams
 from .settings import Settings
@@ -40,6 +43,8 @@ class Probe:
     status: str
     busy_seconds: float = 0.0
     detail: str = ""
+    served: int = 0
+    inflight: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class Track:
     ever_ready: bool = False  # this pid has answered ready at least once
     reason: str = ""  # why it is out of rotation, or why it was last restarted
     restarts: int = 0  # restarts the loop ordered
+    recycle_at: int = 0  # requests after which this process is recycled (0: not set yet)
+    recycling_since: float = 0.0  # out of rotation for a drained restart since (epoch s); 0: no
 
 
 @dataclass(frozen=True)
@@ -67,11 +74,18 @@ class Policy:
     recover_threshold: int = 2
     hang_timeout: float = 120.0
     startup_timeout: float = 300.0
+    max_requests: int = 0  # recycle after this many requests (0: never)
+    max_requests_jitter: int = 0
+    max_memory: int = 0  # recycle past this RSS or GPU memory per process, bytes (0: never)
+    drain_timeout: float = 30.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Policy":
-        return cls(settings.fail_threshold, settings.recover_threshold,
-                   settings.hang_timeout, settings.startup_timeout)
+        from .planner import parse_size
+
+        return cls(settings.fail_threshold, settings.recover_threshold, settings.hang_timeout,
+                   settings.startup_timeout, settings.max_requests, settings.max_requests_jitter,
+                   parse_size(settings.max_memory) if settings.max_memory else 0, settings.drain_timeout)
 
 
 def judge(track: Track, process: ProcessInfo | None, probe: Probe, policy: Policy) -> Verdict:
@@ -89,7 +103,7 @@ def judge(track: Track, process: ProcessInfo | None, probe: Probe, policy: Polic
             return _restart(track, f"a synthesis has run {probe.busy_seconds:.0f}s "
                                    f"(hang timeout {policy.hang_timeout:.0f}s)")
         goods = track.goods + 1
-        back = track.in_rotation or goods >= policy.recover_threshold
+        back = not track.recycling_since and (track.in_rotation or goods >= policy.recover_threshold)
         return Verdict(dataclasses.replace(track, fails=0, goods=goods, ever_ready=True, in_rotation=back,
                                            reason="" if back else track.reason))
     if loading:  # still loading its model (or not listening yet): never killed for being slow
@@ -102,6 +116,28 @@ def judge(track: Track, process: ProcessInfo | None, probe: Probe, policy: Polic
     if fails >= policy.fail_threshold:
         return _restart(track, f"{fails} probes failed in a row: {probe.detail}")
     return Verdict(dataclasses.replace(track, fails=fails, goods=0))
+
+
+def recycle_due(track: Track, probe: Probe, memory: int, policy: Policy) -> str:
+    """Why this healthy instance should get a drained restart now ("" when it should not):
+    it served its share of requests, or its memory (RSS or GPU, per process) grew too big."""
+    if not track.ever_ready or not track.in_rotation or track.recycling_since or probe.status != "ready":
+        return ""
+    if policy.max_requests and track.recycle_at and probe.served >= track.recycle_at:
+        return f"served {probe.served} requests (--max-requests {policy.max_requests})"
+    if policy.max_memory and memory > policy.max_memory:
+        return f"uses {memory / 2**30:.1f} GiB (--max-memory {policy.max_memory / 2**30:.1f} GiB)"
+    return ""
+
+
+def pick_recycle(candidates: dict[str, str], tracks: dict[str, Track]) -> tuple[str, str] | None:
+    """At most one drained restart at a time, and only while every other instance serves."""
+    if any(t.recycling_since for t in tracks.values()):
+        return None
+    for name, reason in sorted(candidates.items()):
+        if reason and all(t.in_rotation for other, t in tracks.items() if other != name):
+            return name, reason
+    return None
 
 
 def _restart(track: Track, reason: str) -> Verdict:
@@ -137,7 +173,9 @@ def probe(port: int, timeout: float) -> Probe:
         busy = body.get("busy_seconds", 0.0)
         if isinstance(busy, bool) or not isinstance(busy, (int, float)):
             return Probe("failed", detail=f"/ping answered busy_seconds={busy!r}, not a number")
-        return Probe("ready", busy_seconds=float(busy))
+        counts = [body.get(k, 0) for k in ("served", "inflight")]
+        served, inflight = (int(c) if isinstance(c, int) and not isinstance(c, bool) else 0 for c in counts)
+        return Probe("ready", busy_seconds=float(busy), served=served, inflight=inflight)
     if response.status_code == 503 and body.get("state") == "loading":
         return Probe("loading")
     return Probe("failed", detail=f"/ping answered {response.status_code}")
@@ -185,10 +223,57 @@ class HealthLoop:
             elif before.in_rotation != verdict.track.in_rotation:
                 log.info("%s: %s rotation%s", slot.name, "back in" if verdict.track.in_rotation else "out of",
                          f" ({verdict.track.reason})" if verdict.track.reason else "")
+        self.recycle(processes, probes)
         self.publish()  # out of nginx's rotation first, then restart
         for name in restarts:
             self._kill(name)
+        self.finish_recycling(probes)
         self.save()
+
+    def recycle(self, processes: dict[str, ProcessInfo], probes: dict[str, Probe]) -> None:
+        """Start a drained restart of one instance that served its share or grew too big."""
+        policy = self.policy
+        if not (policy.max_requests or policy.max_memory):
+            return
+        memory: dict[str, int] = {}
+        if policy.max_memory:
+            pids = {name: p.pid for name, p in processes.items() if p.pid}
+            gpu = process_gpu_memory(set(pids.values()))
+            for name, pid in pids.items():
+                try:
+                    rss = psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    rss = 0
+                memory[name] = max(rss, gpu.get(pid, 0))
+        candidates = {}
+        for slot in self.slots:
+            track = self.tracks[slot.name]
+            if track.ever_ready and not track.recycle_at and policy.max_requests:
+                jitter = random.randint(0, policy.max_requests_jitter) if policy.max_requests_jitter else 0
+                track = self.tracks[slot.name] = dataclasses.replace(track, recycle_at=policy.max_requests + jitter)
+            candidates[slot.name] = recycle_due(track, probes[slot.name], memory.get(slot.name, 0), policy)
+        picked = pick_recycle(candidates, self.tracks)
+        if picked:
+            name, reason = picked
+            log.info("%s: recycling (drained restart): %s", name, reason)
+            self.tracks[name] = dataclasses.replace(self.tracks[name], in_rotation=False, goods=0,
+                                                    recycling_since=time.time(), reason=f"recycling: {reason}",
+                                                    restarts=self.tracks[name].restarts + 1)
+
+    def finish_recycling(self, probes: dict[str, Probe]) -> None:
+        """Once out of rotation and idle (or past --drain-timeout), stop it with TERM:
+        it drains itself too, exits, and supervisord starts it again."""
+        for slot in self.slots:
+            track = self.tracks[slot.name]
+            if not track.recycling_since or track.recycling_since < 0:
+                continue
+            idle = probes[slot.name].inflight == 0 and probes[slot.name].status == "ready"
+            if idle or time.time() - track.recycling_since > self.policy.drain_timeout:
+                try:
+                    self.supervisor.signal(slot.name, "TERM")
+                except Exception as exc:
+                    log.warning("%s: TERM for recycling failed: %s", slot.name, exc)
+                self.tracks[slot.name] = dataclasses.replace(track, recycling_since=-1.0)
 
     def clear_orphan_nginx(self, nginx: ProcessInfo | None) -> None:
         """Workers of a SIGKILLed nginx master keep the public port, so the master that

@@ -159,6 +159,7 @@ def instance_command(settings: Settings, layout: Layout, programs: Programs, slo
         "--max-prompt-seconds", str(settings.max_prompt_seconds),
         "--max-upload-mib", f"{parse_size(settings.max_upload) / 2**20:g}",
         "--instance-concurrency", str(settings.instance_concurrency),
+        "--max-queue", str(settings.max_queue),
         "--outputs-dir", settings.outputs_dir or str(layout.outputs),
         "--outputs-max-age", str(settings.outputs_max_age),
         "--outputs-max-mib", f"{parse_size(settings.outputs_max_size) / 2**20:g}",
@@ -210,6 +211,8 @@ def check(settings: Settings, layout: Layout) -> None:
     for flag, (value, least) in at_least.items():
         if value < least:
             raise RenderError(f"{flag} must be at least {least}, got {value}")
+    if settings.max_queue < 0:
+        raise RenderError(f"--max-queue cannot be negative, got {settings.max_queue}")
     if settings.instance_concurrency < 1:
         raise RenderError(f"--instance-concurrency must be at least 1, got {settings.instance_concurrency}")
     if not 0 < settings.max_prompt_seconds <= 30:
@@ -217,7 +220,12 @@ def check(settings: Settings, layout: Layout) -> None:
                           f"prompts), got {settings.max_prompt_seconds}")
     if not settings.outputs_max_age > 0:
         raise RenderError("--outputs-max-age must be above 0")
-    for flag, size in (("--max-upload", settings.max_upload), ("--outputs-max-size", settings.outputs_max_size)):
+    if settings.max_requests < 0 or settings.max_requests_jitter < 0:
+        raise RenderError("--max-requests and --max-requests-jitter cannot be negative")
+    sizes = [("--max-upload", settings.max_upload), ("--outputs-max-size", settings.outputs_max_size)]
+    if settings.max_memory:
+        sizes.append(("--max-memory", settings.max_memory))
+    for flag, size in sizes:
         try:
             parse_size(size)
         except PlanError as exc:

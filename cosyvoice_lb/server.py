@@ -49,6 +49,11 @@ NOT_READY = {
 }
 
 
+class Overloaded(RuntimeError):
+    """Every engine slot is busy and the queue is full: answered 503 at once, so nginx
+    tries another instance instead of the client waiting here."""
+
+
 class BadRequest(ValueError):
     """Client input that cannot be served; the message tells the client what to change."""
 
@@ -194,11 +199,13 @@ class Instance:
     """The engine plus its bookkeeping; shared by the API and the UI."""
 
     def __init__(self, engine: Engine, state: InstanceState, limits: Limits = Limits(), concurrency: int = 1,
-                 outputs: Outputs | None = None, scratch: str = ""):
+                 outputs: Outputs | None = None, scratch: str = "", max_queue: int | None = None):
         self.engine = engine
         self.state = state
         self.limits = limits
-        self.slots = threading.BoundedSemaphore(max(1, concurrency))
+        self.concurrency = max(1, concurrency)
+        self.max_queue = max_queue  # API requests allowed to wait for a slot; None: no bound
+        self.slots = threading.BoundedSemaphore(self.concurrency)
         self.outputs = outputs or Outputs("", state.port, 0, 0)
         self.scratch = scratch or tempfile.gettempdir()
 
@@ -238,9 +245,16 @@ class Instance:
             request = replace(request, instruct_text="Speak naturally.")
         return replace(request, mode=mode)
 
-    def stream(self, request: SynthesisRequest, count: bool = True) -> Iterator[np.ndarray]:
-        """Chunks as the engine makes them, one synthesis at a time per engine slot."""
+    def stream(self, request: SynthesisRequest, count: bool = True, bounded: bool = False) -> Iterator[np.ndarray]:
+        """Chunks as the engine makes them, one synthesis at a time per engine slot.
+
+        ``bounded``: refuse with :class:`Overloaded` when the slots and the queue are full.
+        """
         with self.state.lock:
+            busy = len(self.state.inflight) + self.state.waiting
+            if bounded and self.max_queue is not None and busy >= self.concurrency + self.max_queue:
+                raise Overloaded(f"this instance is busy ({len(self.state.inflight)} synthesizing, "
+                                 f"{self.state.waiting} waiting): retry, another instance may be free")
             self.state.waiting += 1
         self.slots.acquire()
         rid = uuid.uuid4().hex
@@ -263,8 +277,8 @@ class Instance:
                 self.state.inflight.pop(rid, None)
             self.slots.release()
 
-    def synthesize(self, request: SynthesisRequest, count: bool = True) -> np.ndarray:
-        chunks = list(self.stream(request, count))
+    def synthesize(self, request: SynthesisRequest, count: bool = True, bounded: bool = False) -> np.ndarray:
+        chunks = list(self.stream(request, count, bounded))
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
     def keep(self, audio: np.ndarray) -> str:
@@ -368,9 +382,12 @@ def build_app(instance: Instance):
             headers["X-Prompt-Notice"] = "; ".join(notices)
         if synthesis.stream:
             # The first chunk is made before answering, so a refused input is still a 4xx/5xx.
-            chunks = instance.stream(synthesis)
+            chunks = instance.stream(synthesis, bounded=True)
             try:
                 first = await run_in_threadpool(next, chunks, None)
+            except Overloaded as exc:
+                _remove(prompt_path)
+                return error_response(503, str(exc), {"Retry-After": "1"})
             except EngineError as exc:
                 _remove(prompt_path)
                 return error_response(500, f"synthesis failed: {exc}")
@@ -383,7 +400,9 @@ def build_app(instance: Instance):
             return StreamingResponse(stream_wav(first, chunks, prompt_path), media_type="audio/wav",
                                      headers=headers)
         try:
-            audio = await run_in_threadpool(instance.synthesize, synthesis)
+            audio = await run_in_threadpool(instance.synthesize, synthesis, True, True)
+        except Overloaded as exc:
+            return error_response(503, str(exc), {"Retry-After": "1"})
         except EngineError as exc:
             log.error("synthesis failed: %s", exc)
             return error_response(500, f"synthesis failed: {exc}")
@@ -571,6 +590,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-prompt-seconds", type=float, default=15.0)
     parser.add_argument("--max-upload-mib", type=float, default=10.0)
     parser.add_argument("--instance-concurrency", type=int, default=1)
+    parser.add_argument("--max-queue", type=int, default=-1, help="API requests waiting per instance; -1: no bound")
     parser.add_argument("--outputs-dir", default="")
     parser.add_argument("--outputs-max-age", type=float, default=86400.0, help="seconds")
     parser.add_argument("--outputs-max-mib", type=float, default=2048.0)
@@ -603,7 +623,8 @@ def main(argv: list[str] | None = None) -> None:
     for stale in os.listdir(scratch):
         if stale.startswith(f"prompt-{args.port}-"):
             _remove(os.path.join(scratch, stale))
-    instance = Instance(engine, state, limits, args.instance_concurrency, outputs, scratch)
+    instance = Instance(engine, state, limits, args.instance_concurrency, outputs, scratch,
+                        max_queue=None if args.max_queue < 0 else args.max_queue)
     app = build_app(instance)
 
     def load() -> None:

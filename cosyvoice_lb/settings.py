@@ -81,6 +81,9 @@ class Settings:
     max_upload: str = setting("10MiB", "Largest prompt audio upload.", metavar="SIZE")
     instance_concurrency: int = setting(1, "Syntheses one instance runs at once (upstream's streaming shares "
                                            "state between requests: scale with instances instead).", type=int)
+    max_queue: int = setting(2, "API requests one instance lets wait for its engine; past that it answers 503 "
+                                "at once and nginx tries another instance (all full: the client gets 503 with "
+                                "Retry-After instead of an unbounded wait).", type=int)
     outputs_dir: str = setting("", "Where instances keep every result (default: outputs/ in the state dir).",
                                metavar="DIR")
     outputs_max_age: float = setting(86400.0, "Results older than this many seconds are deleted.", type=float)
@@ -98,6 +101,12 @@ class Settings:
                                          "instance is hung: it is taken out and restarted.", type=float)
     startup_timeout: float = setting(300.0, "Seconds an instance may take to load before it counts as "
                                             "failed (never killed for being slow before that).", type=float)
+    max_requests: int = setting(0, "Recycle an instance (a drained restart, one at a time) after this many "
+                                   "requests, against slow leaks (0: never).", type=int)
+    max_requests_jitter: int = setting(0, "Add 0..N to --max-requests per instance, so they do not all recycle "
+                                          "together.", type=int)
+    max_memory: str = setting("", "Recycle an instance whose RSS (or GPU memory, per process) grows past this, "
+                                  "e.g. 12GiB (empty: never).", metavar="SIZE")
     drain_timeout: float = setting(30.0, "Seconds in-flight requests get to finish when an instance stops.",
                                    type=float)
     start_retries: int = setting(3, "Failed starts in a row before supervisord gives an instance up.",

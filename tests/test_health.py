@@ -6,6 +6,7 @@ tiny HTTP server on 127.0.0.1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -330,3 +331,44 @@ def test_probe_ignores_proxy_settings(server, monkeypatch):
         dead_proxy = sock.getsockname()[1]
     monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{dead_proxy}")
     assert probe(port, timeout=2.0) == Probe("ready")
+
+
+# --- recycling ------------------------------------------------------------------------------
+
+from cosyvoice_lb.health import pick_recycle, recycle_due  # noqa: E402
+
+RECYCLE = Policy(max_requests=100, max_memory=8 * 2**30)
+SERVING = Track(in_rotation=True, ever_ready=True, pid=7, recycle_at=110)
+
+
+@pytest.mark.parametrize("track, probe, memory, reason", [
+    (SERVING, Probe("ready", served=109), 2**30, ""),
+    (SERVING, Probe("ready", served=110), 2**30, "served 110 requests (--max-requests 100)"),
+    (SERVING, Probe("ready", served=5), 9 * 2**30, "uses 9.0 GiB (--max-memory 8.0 GiB)"),
+    (dataclasses.replace(SERVING, in_rotation=False), Probe("ready", served=500), 0, ""),  # not serving: no
+    (dataclasses.replace(SERVING, recycling_since=1.0), Probe("ready", served=500), 0, ""),  # already going
+    (dataclasses.replace(SERVING, recycle_at=0), Probe("ready", served=500), 0, ""),  # share not drawn yet
+    (SERVING, Probe("failed", served=500), 0, ""),  # sick is the health verdict's business
+])
+def test_recycle_due(track, probe, memory, reason):
+    assert recycle_due(track, probe, memory, RECYCLE) == reason
+
+
+def test_recycling_is_off_by_default():
+    assert recycle_due(SERVING, Probe("ready", served=10**6), 10**12, Policy()) == ""
+
+
+def test_one_recycle_at_a_time_and_only_while_the_others_serve():
+    tracks = {"a": SERVING, "b": SERVING, "c": SERVING}
+    assert pick_recycle({"a": "", "b": "x", "c": "y"}, tracks) == ("b", "x")
+    busy = {**tracks, "a": dataclasses.replace(SERVING, recycling_since=5.0)}
+    assert pick_recycle({"b": "x"}, busy) is None
+    one_out = {**tracks, "c": dataclasses.replace(SERVING, in_rotation=False)}
+    assert pick_recycle({"b": "x"}, one_out) is None  # c is out: b stays until c is back
+    assert pick_recycle({"c": "y"}, one_out) == ("c", "y")
+
+
+def test_a_recycling_instance_stays_out_of_rotation_while_it_drains():
+    track = dataclasses.replace(SERVING, in_rotation=False, recycling_since=5.0)
+    verdict = judge(track, process(pid=7), Probe("ready"), Policy(recover_threshold=1))
+    assert verdict.track.in_rotation is False and not verdict.restart

@@ -235,3 +235,65 @@ def test_an_uploaded_prompt_without_mode_still_needs_its_transcript():
     v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
     with pytest.raises(BadRequest, match="needs prompt_text"):
         make_request({"text": "hi"}, has_prompt=True, **v3)
+
+
+class Blocking:
+    """An engine that holds its slot until released, to fill an instance's queue."""
+
+    name, sample_rate, modes = "blocking", 24000, ("sft",)
+
+    def __init__(self):
+        import threading
+
+        self.release = threading.Event()
+
+    def speakers(self):
+        return []
+
+    def synthesize(self, request):
+        self.release.wait(10)
+        yield np.zeros(100, dtype=np.float32)
+
+
+def test_a_full_queue_is_refused_at_once_and_frees_up_again():
+    import threading
+    import time
+
+    from cosyvoice_lb.server import Overloaded
+
+    engine = Blocking()
+    state = InstanceState(engine_name="blocking", port=7867, ready=True, phase="ready")
+    instance = Instance(engine, state, concurrency=1, max_queue=1)
+    results = []
+    workers = [threading.Thread(target=lambda: results.append(instance.synthesize(SynthesisRequest("x"),
+                                                                                   bounded=True).size))
+               for _ in range(2)]
+    for w in workers:  # one synthesizing, one waiting
+        w.start()
+    deadline = time.monotonic() + 5
+    while state.ping()["inflight"] + state.ping()["waiting"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (state.ping()["inflight"], state.ping()["waiting"]) == (1, 1)
+    started = time.monotonic()
+    with pytest.raises(Overloaded, match="1 synthesizing, 1 waiting"):
+        instance.synthesize(SynthesisRequest("x"), bounded=True)
+    assert time.monotonic() - started < 0.5  # refused at once, not queued
+    # unbounded callers (the UI, whose own queue bounds it; the warm-up) still wait their turn
+    engine.release.set()
+    for w in workers:
+        w.join(5)
+    assert results == [100, 100] and state.ping()["waiting"] == 0
+    assert instance.synthesize(SynthesisRequest("x"), bounded=True).size == 100
+
+
+def test_busy_instance_answers_503_with_retry_after():
+    engine = Blocking()
+    state = InstanceState(engine_name="blocking", port=7868, ready=True, phase="ready")
+    instance = Instance(engine, state, concurrency=1, max_queue=0)
+    with state.lock:
+        state.inflight["someone"] = 0.0  # the one slot is taken
+    with TestClient(build_app(instance)) as c:
+        for body in ({"text": "hi"}, {"text": "hi", "stream": True}):
+            r = c.post("/v1/tts", json=body)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            assert "busy" in r.json()["error"]["message"]

@@ -156,6 +156,29 @@ def test_outputs_dir_keeps_every_result_under_unique_names(cluster):
     assert {n.split("-")[2] for n in names} >= {str(r.headers["X-Instance-Port"])}
 
 
+def test_when_every_instance_is_full_clients_get_503_with_retry_after_at_once(cluster):
+    # 2 instances x (1 synthesizing + --max-queue 2 waiting) = 6 places; each synthesis takes
+    # the fake 1.2 s. 12 clients at once: the overflow is refused by both instances
+    # (nginx tried the other one first) and told when to come back.
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(_):
+        started = time.monotonic()
+        r = requests.post(cluster["url"] + "/v1/tts", json={"text": "Please wait your turn."}, timeout=60)
+        return r.status_code, time.monotonic() - started, r.headers.get("Retry-After"), r.content[:4]
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(12)))
+    codes = [code for code, *_ in results]
+    assert set(codes) <= {200, 503} and codes.count(200) >= 6 and codes.count(503) >= 1, codes
+    assert all(body == b"RIFF" for code, _, _, body in results if code == 200)
+    refused = [seconds for code, seconds, retry, _ in results if code == 503 and retry == "1"]
+    assert len(refused) == codes.count(503)
+    print(f"backpressure: {codes.count(200)} served, {codes.count(503)} refused in "
+          f"{max(refused):.2f}s at most (a synthesis takes 1.2 s)")
+    assert max(refused) < 1.2  # refused before even one synthesis could have finished
+
+
 def test_gradio_client_clones_a_voice_through_nginx(cluster):
     from gradio_client import Client, handle_file
 
