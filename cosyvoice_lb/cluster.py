@@ -176,13 +176,14 @@ def out_of_rotation(layout: Layout) -> frozenset[str]:
     return frozenset(name for name, track in tracks.items() if not track.get("in_rotation"))
 
 
-def render_to_disk(settings: Settings, own: tuple[Slot, ...] = ()) -> tuple[Plan, Layout, list[Path]]:
+def render_to_disk(settings: Settings, own: tuple[Slot, ...] = (),
+                   planned: Plan | None = None) -> tuple[Plan, Layout, list[Path]]:
     """Render every config into the state dir; returns the files whose content changed.
 
     The configs are first rendered into a scratch dir and checked with ``nginx -t``, so a
     bad setting never replaces a running cluster's files; each file is written atomically.
     """
-    result, _source = make_plan(settings, own)
+    result = planned or make_plan(settings, own)[0]
     layout = layout_for(settings)
     programs = programs_for(settings)
     out = out_of_rotation(layout)
@@ -537,7 +538,7 @@ def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progre
         for stale in layout.run.glob("*.starts"):
             stale.unlink()
     layout.health_json.unlink(missing_ok=True)
-    result, layout, _ = render_to_disk(settings)
+    result, layout, _ = render_to_disk(settings, planned=result)
     supervisor.start_daemon()
     try:
         if settings.staggered:  # one model load at a time: each instance serves before the next starts
@@ -557,7 +558,7 @@ def _update(settings: Settings, layout: Layout, supervisor: Supervisor,
     old_settings, old_slots = previous
     result, _ = make_plan(settings, own=old_slots)
     check_ports(settings, result.slots, held={old_settings.port, *(s.port for s in old_slots)})
-    result, layout, changed = render_to_disk(settings, own=old_slots)
+    result, layout, changed = render_to_disk(settings, own=old_slots, planned=result)
     names = [s.name for s in result.slots]
     if changed:
         added, groups_changed, removed = supervisor.reload()

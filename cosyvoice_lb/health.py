@@ -237,7 +237,8 @@ class HealthLoop:
             return
         memory: dict[str, int] = {}
         if policy.max_memory:
-            pids = {name: p.pid for name, p in processes.items() if p.pid}
+            pids = {s.name: processes[s.name].pid for s in self.slots
+                    if s.name in processes and processes[s.name].pid}
             gpu = process_gpu_memory(set(pids.values()))
             for name, pid in pids.items():
                 try:

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -456,8 +457,6 @@ def build_app(instance: Instance):
 def mount_ui(app: FastAPI, instance: Instance):
     """The Gradio UI at "/": the same modes and checks as the API, audio streamed as made."""
     import gradio as gr
-
-    import shutil
 
     state, engine, limits = instance.state, instance.engine, instance.limits
     modes = engine.modes or ("sft",)

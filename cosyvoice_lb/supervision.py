@@ -90,19 +90,19 @@ class Supervisor:
     def signal(self, name: str, signal: str) -> None:
         self.rpc.supervisor.signalProcess(name, signal)
 
-    def start(self, name: str, wait: bool = False) -> None:
+    def _call(self, method: str, *args, harmless: str = "") -> None:
+        """One XML-RPC call; a fault naming ``harmless`` (already in that state) is fine."""
         try:
-            self.rpc.supervisor.startProcess(name, wait)
+            getattr(self.rpc.supervisor, method)(*args)
         except xmlrpc.client.Fault as fault:
-            if "ALREADY_STARTED" not in fault.faultString:
+            if not harmless or harmless not in fault.faultString:
                 raise
 
+    def start(self, name: str, wait: bool = False) -> None:
+        self._call("startProcess", name, wait, harmless="ALREADY_STARTED")
+
     def stop(self, name: str, wait: bool = True) -> None:
-        try:
-            self.rpc.supervisor.stopProcess(name, wait)
-        except xmlrpc.client.Fault as fault:
-            if "NOT_RUNNING" not in fault.faultString:
-                raise
+        self._call("stopProcess", name, wait, harmless="NOT_RUNNING")
 
     def tail(self, name: str, length: int = 4000) -> str:
         """The last ``length`` bytes of a program's log, read from the file itself."""
@@ -115,26 +115,14 @@ class Supervisor:
         return added, changed, removed
 
     def add_group(self, name: str) -> None:
-        try:
-            self.rpc.supervisor.addProcessGroup(name)
-        except xmlrpc.client.Fault as fault:
-            if "ALREADY_ADDED" not in fault.faultString:
-                raise
+        self._call("addProcessGroup", name, harmless="ALREADY_ADDED")
 
     def remove_group(self, name: str) -> None:
         self.stop_group(name)
-        try:
-            self.rpc.supervisor.removeProcessGroup(name)
-        except xmlrpc.client.Fault as fault:
-            if "BAD_NAME" not in fault.faultString:
-                raise
+        self._call("removeProcessGroup", name, harmless="BAD_NAME")
 
     def stop_group(self, name: str) -> None:
-        try:
-            self.rpc.supervisor.stopProcessGroup(name, True)
-        except xmlrpc.client.Fault as fault:
-            if "BAD_NAME" not in fault.faultString:
-                raise
+        self._call("stopProcessGroup", name, True, harmless="BAD_NAME")
 
     def shutdown(self) -> None:
         self.rpc.supervisor.shutdown()
