@@ -118,10 +118,18 @@ def up_command(**kwargs: Any) -> None:
     else:  # a log, not a screen
         current = cluster.up(settings, line_reporter(started))
     elapsed = time.monotonic() - started
-    click.echo(f"cosyvoice-lb is up: {len(current.instances)} instance(s) ready in {elapsed:.1f}s")
+    layout = cluster.layout_for(settings)
+    failed = [i for i in current.instances if i.failed]
+    serving = len(current.instances) - len(failed)
+    click.echo(f"cosyvoice-lb is up: {serving} instance(s) ready in {elapsed:.1f}s"
+               + (f", {len(failed)} failed" if failed else ""))
     click.echo(f"  UI and API: {current.url}/   (API: POST {current.url}/v1/tts, health: {current.url}/ping)")
-    click.echo(f"  state: {cluster.layout_for(settings).root}   stop with: cosyvoice-lb down --state-dir "
-               f"{cluster.layout_for(settings).root}")
+    click.echo(f"  state: {layout.root}   stop with: cosyvoice-lb down --state-dir {layout.root}")
+    if failed:
+        for line in cluster.failure_report(layout, current):
+            click.echo(line, err=True)
+        fail(f"{len(failed)} instance(s) failed to start and stay stopped while the rest serve: fix the cause, "
+             f"then 'cosyvoice-lb restart {' '.join(i.name for i in failed)} --state-dir {layout.root}'", code=1)
 
 
 def line_reporter(started: float) -> Callable[[cluster.Progress], None]:
@@ -178,6 +186,8 @@ def status_command(state_dir: str, as_json: bool) -> None:
         info = getattr(current, name)
         table.add_row(name, str(info.get("port", "")), "", str(info["pid"]), info["state"], "", "", "", "", "")
     out.print(table)
+    for line in cluster.failure_report(cluster.layout_for(state_dir), current):
+        click.echo(line)
     click.echo("ok" if current.exit_code == 0 else "problems: " + "; ".join(current.problems))
     sys.exit(current.exit_code)
 
@@ -196,13 +206,18 @@ def down_command(state_dir: str) -> None:
 @click.argument("names", nargs=-1)
 @click.option("--all", "restart_all", is_flag=True, envvar="COSYVOICE_LB_ALL", show_envvar=True,
               help="Restart every instance.")
-def restart_command(state_dir: str, names: tuple[str, ...], restart_all: bool) -> None:
-    """Restart instances (or nginx, health) by name, or --all instances: one at a time,
-    each serving again before the next goes down."""
+@click.option("--rolling/--no-rolling", default=True, show_default=True, envvar="COSYVOICE_LB_ROLLING",
+              show_envvar=True, help="One instance at a time, each serving again before the next goes (no "
+                                     "request lost); --no-rolling restarts them all at once (an outage while "
+                                     "they load).")
+def restart_command(state_dir: str, names: tuple[str, ...], restart_all: bool, rolling: bool) -> None:
+    """Restart instances (or nginx, health) by name, or --all instances. Each instance leaves
+    nginx's rotation first and stops once its requests are done (a drained restart)."""
     layout = cluster.layout_for(state_dir)
     if bool(names) == restart_all:
         fail("name the instances to restart (e.g. instance-0) or pass --all, not both")
-    for name in cluster.restart(layout, None if restart_all else list(names), line_reporter(time.monotonic())):
+    for name in cluster.restart(layout, None if restart_all else list(names), line_reporter(time.monotonic()),
+                                rolling=rolling):
         click.echo(f"restarted {name}")
 
 

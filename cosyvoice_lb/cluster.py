@@ -26,7 +26,7 @@ import requests
 from . import processes
 from .files import write_atomic
 from .gpu import inventory
-from .health import LOOPBACK
+from .health import LOOPBACK, failed_starts
 from .planner import Budget, Plan, PlanError, Slot, parse_size, plan, with_own_slots
 from .render import Layout, Programs, read_cluster_json, render
 from .resources import instance_files
@@ -349,6 +349,7 @@ class InstanceStatus:
     uptime: float
     reason: str = ""
     inflight: int = 0
+    failed: str = ""  # given up on after a crash loop: why (it stays stopped until restarted)
 
 
 @dataclass
@@ -375,13 +376,6 @@ class ClusterStatus:
             "instances": [i.__dict__ for i in self.instances], "nginx": self.nginx, "health": self.health,
             "problems": self.problems,
         }
-
-
-def count_starts(layout: Layout, name: str) -> int:
-    try:
-        return sum(1 for line in layout.starts(name).read_text().splitlines() if line.strip())
-    except FileNotFoundError:
-        return 0
 
 
 def ping(port: int, timeout: float = 2.0) -> dict:
@@ -440,14 +434,20 @@ def status(layout: Layout) -> ClusterStatus:
         track = tracks.get(slot.name, {})
         ready = bool(body.get("ready"))
         in_rotation = bool(track.get("in_rotation")) and track.get("pid") == (proc.pid if proc else None)
+        failed = track.get("failed", "") or ("failed: supervisord gave up starting it"
+                                             if proc and proc.state == "FATAL" else "")
         item = InstanceStatus(
             name=slot.name, port=slot.port, gpu=slot.gpu, pid=proc.pid if proc else 0,
             state=proc.state if proc else "MISSING", ready=ready, in_rotation=in_rotation,
-            restarts=max(0, count_starts(layout, slot.name) - 1), uptime=round(proc.uptime, 1) if proc else 0.0,
+            restarts=max(0, layout.starts_count(slot.name) - 1), uptime=round(proc.uptime, 1) if proc else 0.0,
             reason="" if in_rotation else track.get("reason", ""), inflight=int(body.get("inflight", 0)),
+            failed=failed,
         )
         result.instances.append(item)
-        if item.state != "RUNNING" or not ready:
+        if failed:
+            result.problems.append(f"{slot.name} {failed}; see 'cosyvoice-lb logs {slot.name}', fix the cause, "
+                                   f"then 'cosyvoice-lb restart {slot.name}'")
+        elif item.state != "RUNNING" or not ready:
             result.problems.append(f"{slot.name} is {item.state.lower()}{'' if ready else ', not ready'}")
         elif not in_rotation:
             result.problems.append(f"{slot.name} is ready but not in nginx's rotation yet")
@@ -471,36 +471,45 @@ def status(layout: Layout) -> ClusterStatus:
 # --- waiting ---------------------------------------------------------------------------
 
 def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progress: Report,
-                 poll: float = 0.25) -> ClusterStatus:
-    """Wait until the named instances are ready and in rotation (and nginx answers).
+                 poll: float = 0.25, replacing: dict[str, int] | None = None) -> ClusterStatus:
+    """Wait until each named instance serves (ready and in rotation; for ``replacing``,
+    a process other than the pid given) or has failed, and nginx answers.
 
-    Fails fast on an instance that cannot start: FATAL in supervisord, or started more
-    than --start-retries + 1 times without ever getting ready (a crash loop after start).
+    An instance has failed when the health loop gave up on it, supervisord did (FATAL), or
+    it was started more than --start-retries + 1 times without getting ready. The others
+    are still waited for; :class:`ClusterError` only when none of them serves.
     """
     supervisor = Supervisor(layout)
-    baseline = {name: count_starts(layout, name) for name in names}
-    deadline = time.monotonic() + settings.startup_timeout + 30
+    baseline = {name: layout.starts_count(name) for name in names}
+    replacing = replacing or {}
+    deadline = time.monotonic() + settings.startup_timeout + settings.drain_timeout + 30
+    failed: dict[str, str] = {}
     while True:
         current = status(layout)
-        waiting = [i for i in current.instances if i.name in names and not (i.ready and i.in_rotation)]
-        for item in waiting:
-            looping = count_starts(layout, item.name) - max(1, baseline[item.name]) > settings.start_retries
-            if item.state == "FATAL" or looping:
-                raise ClusterError(
-                    f"{item.name} could not start ({'gave up after ' if item.state == 'FATAL' else ''}"
-                    f"{count_starts(layout, item.name) or settings.start_retries + 1} tries); last lines of "
-                    f"{layout.log(item.name)}:\n{last_lines(supervisor, item.name)}"
-                )
+        for item in current.instances:
+            if item.name not in names:
+                continue
+            alive = item.state in ("RUNNING", "STARTING")
+            crashes = failed_starts(layout.starts_count(item.name), baseline[item.name], alive)
+            if item.name not in failed and (item.failed or crashes > settings.start_retries):
+                failed[item.name] = item.failed or f"failed: it exited {crashes} times in a row without getting ready"
+            item.failed = failed.get(item.name, "")
         for service in SERVICES:
             state = getattr(current, service).get("state")
             if state in ("FATAL", "BACKOFF", "EXITED", "MISSING"):
                 raise ClusterError(f"{service} does not stay up ({state}); last log lines:\n"
                                    f"{last_lines(supervisor, service)}")
+        waiting = [i for i in current.instances if i.name in names and i.name not in failed
+                   and not (i.ready and i.in_rotation and i.pid != replacing.get(i.name))]
+        if not waiting and failed and len(failed) == len(names):
+            raise ClusterError("\n".join([f"{'no instance' if len(names) > 1 else names[0]} could start:"]
+                                         + failure_report(layout, current, names)))
         if not waiting and current.nginx.get("answers") == 200:
-            on_progress(Progress(len(names), len(names), "all ready"))
+            on_progress(Progress(len(names) - len(failed), len(names),
+                                 "all ready" if not failed else f"{len(failed)} failed: {', '.join(failed)}"))
             return current
         detail = ", ".join(i.name + (f" ({i.reason})" if i.reason else "") for i in waiting) or "nginx"
-        on_progress(Progress(len(names) - len(waiting), len(names), "waiting for " + detail))
+        on_progress(Progress(len(names) - len(waiting) - len(failed), len(names), "waiting for " + detail))
         if time.monotonic() > deadline:
             tails = "\n".join(f"--- {i.name} ({layout.log(i.name)}):\n{last_lines(supervisor, i.name, 8)}"
                               for i in waiting)
@@ -509,6 +518,17 @@ def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progre
                 f"{'; '.join(current.problems) or 'nginx does not answer /ping with 200'}\n{tails}"
             )
         time.sleep(poll)
+
+
+def failure_report(layout: Layout, current: ClusterStatus, names: list[str] | None = None) -> list[str]:
+    """For each failed instance: why, and the last lines of its log."""
+    supervisor = Supervisor(layout)
+    lines = []
+    for item in current.instances:
+        if item.failed and (names is None or item.name in names):
+            lines.append(f"{item.name} {item.failed}; last lines of {layout.log(item.name)}:")
+            lines += ["    " + line for line in last_lines(supervisor, item.name, 12).splitlines()]
+    return lines
 
 
 def last_lines(supervisor: Supervisor, name: str, lines: int = 20) -> str:
@@ -534,8 +554,8 @@ def up(settings: Settings, on_progress: Report = lambda p: None) -> ClusterStatu
 def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progress: Report) -> ClusterStatus:
     result, _ = make_plan(settings)
     check_ports(settings, result.slots, held=set())
-    if layout.run.is_dir():  # restarts are counted from this up
-        for stale in layout.run.glob("*.starts"):
+    if layout.run.is_dir():  # restarts are counted from this up; old requests are void
+        for stale in [*layout.run.glob("*.starts"), *layout.run.glob("*.restart")]:
             stale.unlink()
     layout.health_json.unlink(missing_ok=True)
     result, layout, _ = render_to_disk(settings, planned=result)
@@ -545,7 +565,11 @@ def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progre
             for slot in result.slots:
                 on_progress(Progress(slot.index, len(result.slots), f"starting {slot.name} (--stagger)"))
                 supervisor.start(slot.name)
-                wait_serving(layout, settings, [slot.name], on_progress)
+                try:
+                    wait_serving(layout, settings, [slot.name], on_progress)
+                except ClusterError:  # this one failed: the others may still serve (checked below)
+                    pass
+        # Serving with some instances failed is still serving: they are reported, not fatal.
         return wait_serving(layout, settings, [s.name for s in result.slots], on_progress)
     except ClusterError as exc:
         down(layout)
@@ -574,12 +598,14 @@ def _update(settings: Settings, layout: Layout, supervisor: Supervisor,
         # New instance code (staged in run/lib) means every instance is "changed".
         if any(layout.instance_lib in path.parents for path in changed):
             groups_changed = sorted(set(groups_changed) | (set(names) - set(added)))
-        # Changed instances are replaced one after another, each serving before the next.
+        # Changed instances are replaced one after another, each serving before the next:
+        # out of rotation and idle first (the health loop's drain), then the new config.
         for name in [n for n in groups_changed if n not in SERVICES]:
             on_progress(Progress(0, len(names), f"replacing {name} with its new settings"))
+            old = drain(layout, settings, supervisor, [name], "HOLD", on_progress)
             supervisor.remove_group(name)
             supervisor.add_group(name)
-            wait_serving(layout, settings, [name], on_progress)
+            serving_or_fail(layout, settings, [name], on_progress, old)
         if "nginx" in groups_changed:
             supervisor.remove_group("nginx")
             supervisor.add_group("nginx")
@@ -588,9 +614,12 @@ def _update(settings: Settings, layout: Layout, supervisor: Supervisor,
 
 # --- restart, down, logs ---------------------------------------------------------------
 
-def restart(layout: Layout, names: list[str] | None = None, on_progress: Report = lambda p: None) -> list[str]:
-    """Restart the named programs (every instance when ``names`` is None), one at a time:
-    each instance is serving again before the next goes down."""
+def restart(layout: Layout, names: list[str] | None = None, on_progress: Report = lambda p: None,
+            rolling: bool = True) -> list[str]:
+    """Restart the named programs (every instance when ``names`` is None). Instances get a
+    drained restart: out of nginx's rotation first, stopped once their requests are done.
+    ``rolling``: one at a time, each serving again before the next goes; otherwise all at
+    once (an outage while they load)."""
     supervisor = Supervisor(layout)
     record = recorded(layout)
     if not supervisor.running() or record is None:
@@ -602,13 +631,67 @@ def restart(layout: Layout, names: list[str] | None = None, on_progress: Report 
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ClusterError(f"no program named {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    for name in names:
+    for name in [n for n in names if n in SERVICES]:
         on_progress(Progress(0, 1, f"restarting {name}"))
         supervisor.stop(name)
         supervisor.start(name)
-        if name in instances:
-            wait_serving(layout, settings, [name], on_progress)
+    targets = [n for n in names if n in instances]
+    for group in ([[n] for n in targets] if rolling else [targets] if targets else []):
+        on_progress(Progress(0, len(group), f"restarting {', '.join(group)}"))
+        old = drain(layout, settings, supervisor, group, "TERM", on_progress)
+        for name in group:
+            if name not in old:  # stopped (given up on after a crash loop, or crashed): start it
+                supervisor.start(name)
+        serving_or_fail(layout, settings, group, on_progress, old)
     return names
+
+
+def drain(layout: Layout, settings: Settings, supervisor: Supervisor, names: list[str], action: str,
+          on_progress: Report) -> dict[str, int]:
+    """Ask the health loop for a drained stop of ``names``: out of rotation, then (once their
+    requests are done) TERM, or for HOLD nothing: the caller replaces them. Returns the pids
+    of those that were running. Without a working health loop they are stopped directly
+    (each still drains its own requests on TERM; nginx retries the ones it refuses)."""
+    procs = supervisor.processes()
+    running = {n: procs[n].pid for n in names if n in procs and procs[n].state in ("RUNNING", "STARTING")}
+    for name in names:
+        write_atomic(layout.restart_request(name), action + "\n")
+    health_up = "health" in procs and procs["health"].state == "RUNNING"
+    deadline = time.monotonic() + (max(15.0, 10 * settings.probe_interval) if health_up else 0.0)
+    while any(layout.restart_request(n).exists() for n in names) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ignored = [n for n in names if layout.restart_request(n).exists()]
+    for name in ignored:
+        layout.restart_request(name).unlink(missing_ok=True)
+        on_progress(Progress(0, len(names), f"the health loop did not take the request: stopping {name} directly"))
+        if name in running:
+            supervisor.stop(name)
+            if action == "TERM":
+                supervisor.start(name)
+    held = [n for n in running if n not in ignored]
+    if action == "HOLD" and held:
+        deadline = time.monotonic() + settings.drain_timeout + max(15.0, 10 * settings.probe_interval)
+        while time.monotonic() < deadline and not all(_signalled(layout, n) for n in held):
+            time.sleep(0.1)
+    return running
+
+
+def _signalled(layout: Layout, name: str) -> bool:
+    try:
+        track = json.loads(layout.health_json.read_text())["instances"][name]
+    except (OSError, ValueError, KeyError):
+        return False
+    return bool(track.get("signalled_at"))
+
+
+def serving_or_fail(layout: Layout, settings: Settings, names: list[str], on_progress: Report,
+                    replacing: dict[str, int]) -> ClusterStatus:
+    """Wait for ``names`` (new processes) to serve; any of them failing is an error."""
+    current = wait_serving(layout, settings, names, on_progress, replacing=replacing)
+    report = failure_report(layout, current, names)
+    if report:
+        raise ClusterError("\n".join(report))
+    return current
 
 
 def down(layout: Layout, timeout: float | None = None) -> list[int]:

@@ -62,6 +62,16 @@ def is_cluster_program(args: list[str], layout: Layout) -> bool:
     return "cosyvoice_lb.health" in args and ("--state-dir", str(layout.root)) in pairs
 
 
+def _listens_on(proc: psutil.Process, port: int) -> bool:
+    """Whether ``proc`` itself holds a listening socket on ``port``: per process, since
+    workers share their master's socket and the system-wide view names one pid per socket."""
+    try:
+        conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections("tcp")
+    except psutil.Error:
+        return False
+    return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in conns)
+
+
 def orphan_nginx(port: int, master_pid: int) -> list[psutil.Process]:
     """nginx processes that still hold ``port`` though they are not ``master_pid``'s.
 
@@ -69,11 +79,12 @@ def orphan_nginx(port: int, master_pid: int) -> list[psutil.Process]:
     supervisord starts next can never bind it.
     """
     orphans = []
-    for proc in listeners(port):
+    for proc in psutil.process_iter(["name"]):
         try:
-            if "nginx" in proc.name() and proc.pid != master_pid and proc.ppid() != master_pid:
+            if ("nginx" in (proc.info["name"] or "") and proc.pid != master_pid and proc.ppid() != master_pid
+                    and _listens_on(proc, port)):
                 orphans.append(proc)
-        except psutil.NoSuchProcess:
+        except psutil.Error:
             pass
     return orphans
 

@@ -105,7 +105,18 @@ class Layout:
         return self.run / "footprint.json"
 
     def starts(self, name: str) -> Path:
+        """A line per start of the instance (it appends one itself): restarts, crash loops."""
         return self.run / f"{name}.starts"
+
+    def starts_count(self, name: str) -> int:
+        try:
+            return sum(1 for line in self.starts(name).read_text().splitlines() if line.strip())
+        except FileNotFoundError:
+            return 0
+
+    def restart_request(self, name: str) -> Path:
+        """`cosyvoice-lb restart` asks the health loop for a drained restart with this file."""
+        return self.run / f"{name}.restart"
 
     def relative(self, path: Path) -> str:
         return str(path.relative_to(self.root))
@@ -155,6 +166,7 @@ def instance_command(settings: Settings, layout: Layout, programs: Programs, slo
     command = [
         settings.python, programs.app, "--port", str(slot.port), "--engine", engine,
         "--max-chars", str(settings.max_chars), "--drain-timeout", str(settings.drain_timeout),
+        "--request-timeout", str(settings.request_timeout),
         "--starts-file", str(layout.starts(slot.name)),
         "--max-prompt-seconds", str(settings.max_prompt_seconds),
         "--max-upload-mib", f"{parse_size(settings.max_upload) / 2**20:g}",
@@ -199,7 +211,8 @@ def check(settings: Settings, layout: Layout) -> None:
     if not 1 <= settings.port <= 65535:
         raise RenderError(f"--port {settings.port} is not a TCP port (1-65535)")
     positive = {"--probe-interval": settings.probe_interval, "--probe-timeout": settings.probe_timeout,
-                "--hang-timeout": settings.hang_timeout, "--startup-timeout": settings.startup_timeout}
+                "--hang-timeout": settings.hang_timeout, "--startup-timeout": settings.startup_timeout,
+                "--request-timeout": settings.request_timeout}
     for flag, value in positive.items():
         if not value > 0:
             raise RenderError(f"{flag} must be above 0 seconds, got {value}")
@@ -262,7 +275,9 @@ def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs,
             f"({plan.slots[0].port}..{plan.slots[-1].port}): change --port or --base-port"
         )
     env = _environment()
-    api_read_timeout = int(settings.hang_timeout + 30)
+    # The instance answers a request that ran out of time itself (a clear 504); nginx's
+    # own timeout is the backstop for an instance that cannot answer at all.
+    api_read_timeout = int(settings.request_timeout + 5)
     context = dict(
         settings=settings, slots=plan.slots, layout=layout, listen=listen_address(settings.host, settings.port), run_as_user=programs.run_as_user,
         worker_processes=programs.worker_processes,

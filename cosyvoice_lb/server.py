@@ -14,6 +14,7 @@ fastapi/starlette and gradio are imported here.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
@@ -55,6 +57,11 @@ class Overloaded(RuntimeError):
     tries another instance instead of the client waiting here."""
 
 
+class TimedOut(RuntimeError):
+    """The request's time (--request-timeout, counted from its arrival at nginx, retries
+    included) ran out: answered 504 with this message."""
+
+
 class BadRequest(ValueError):
     """Client input that cannot be served; the message tells the client what to change."""
 
@@ -76,19 +83,24 @@ class InstanceState:
     started: float = field(default_factory=time.time)
     served: int = 0
     failed: int = 0
-    inflight: dict[str, float] = field(default_factory=dict)  # synthesis id -> monotonic start
+    # synthesis id -> [monotonic start, monotonic time of its last chunk (or start)]
+    inflight: dict[str, list[float]] = field(default_factory=dict)
     waiting: int = 0  # requests queued for the engine (--instance-concurrency)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def ping(self) -> dict[str, Any]:
         now = time.monotonic()
         with self.lock:
-            busy = max((now - t for t in self.inflight.values()), default=0.0)
+            busy = max((now - start for start, _ in self.inflight.values()), default=0.0)
+            stalled = sorted((round(now - last, 3) for _, last in self.inflight.values()), reverse=True)
             inflight, waiting = len(self.inflight), self.waiting
         return {
             "ready": self.ready, "state": self.phase, "engine": self.engine_name,
             "port": self.port, "pid": os.getpid(), "inflight": inflight, "waiting": waiting,
-            "busy_seconds": round(busy, 3), "served": self.served, "failed": self.failed,
+            # the longest-running synthesis, and per synthesis the seconds since its last
+            # chunk: a synthesis making no progress is what "hung" means to the health loop
+            "busy_seconds": round(busy, 3), "stalled_seconds": stalled,
+            "served": self.served, "failed": self.failed,
             "uptime": round(time.time() - self.started, 3), **({"error": self.error} if self.error else {}),
         }
 
@@ -200,8 +212,10 @@ class Instance:
     """The engine plus its bookkeeping; shared by the API and the UI."""
 
     def __init__(self, engine: Engine, state: InstanceState, limits: Limits = Limits(), concurrency: int = 1,
-                 outputs: Outputs | None = None, scratch: str = "", max_queue: int | None = None):
+                 outputs: Outputs | None = None, scratch: str = "", max_queue: int | None = None,
+                 request_timeout: float = 0.0):
         self.engine = engine
+        self.request_timeout = request_timeout  # seconds per API request, retries included; 0: none
         self.state = state
         self.limits = limits
         self.concurrency = max(1, concurrency)
@@ -209,6 +223,40 @@ class Instance:
         self.slots = threading.BoundedSemaphore(self.concurrency)
         self.outputs = outputs or Outputs("", state.port, 0, 0)
         self.scratch = scratch or tempfile.gettempdir()
+        # API syntheses run here rather than in the server's shared pool: a request whose
+        # time ran out is answered while a stuck engine call keeps only its own thread.
+        self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="synthesis")
+
+    def deadline(self, started_header: str | None) -> float | None:
+        """The monotonic time by which an API request must be answered (None: no bound).
+
+        nginx stamps ``X-Request-Start`` once per client request, so a retry on another
+        instance keeps the time already spent; without it the bound counts from here.
+        """
+        if not self.request_timeout:
+            return None
+        wall, mono = time.time(), time.monotonic()
+        started = wall
+        try:
+            stamped = float(started_header or "")
+            if wall - self.request_timeout - 60 < stamped <= wall + 1:  # same host; tolerate nothing odd
+                started = min(stamped, wall)
+        except ValueError:
+            pass
+        return mono + (started + self.request_timeout - wall)
+
+    async def run(self, deadline: float | None, fn, *args):
+        """``fn(*args)`` in a synthesis worker; past the deadline (plus a moment for the
+        worker's own, clearer timeout) the request is answered while the worker runs on."""
+        future = asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+        if deadline is None:
+            return await future
+        try:
+            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()) + 1.0)
+        except asyncio.TimeoutError:
+            raise TimedOut("the synthesis made no progress within the request timeout "
+                           f"({self.request_timeout:g}s): the instance is stuck; the health loop restarts "
+                           "hung instances, retry the request") from None
 
     def load(self) -> None:
         t0 = time.monotonic()
@@ -246,10 +294,13 @@ class Instance:
             request = replace(request, instruct_text="Speak naturally.")
         return replace(request, mode=mode)
 
-    def stream(self, request: SynthesisRequest, count: bool = True, bounded: bool = False) -> Iterator[np.ndarray]:
+    def stream(self, request: SynthesisRequest, count: bool = True, bounded: bool = False,
+               deadline: float | None = None, chunk_deadline: bool = False) -> Iterator[np.ndarray]:
         """Chunks as the engine makes them, one synthesis at a time per engine slot.
 
         ``bounded``: refuse with :class:`Overloaded` when the slots and the queue are full.
+        ``deadline`` (monotonic): waiting for a slot past it raises :class:`TimedOut`; with
+        ``chunk_deadline`` the synthesis itself stops at the first chunk after it, too.
         """
         with self.state.lock:
             busy = len(self.state.inflight) + self.state.waiting
@@ -257,13 +308,25 @@ class Instance:
                 raise Overloaded(f"this instance is busy ({len(self.state.inflight)} synthesizing, "
                                  f"{self.state.waiting} waiting): retry, another instance may be free")
             self.state.waiting += 1
-        self.slots.acquire()
+        try:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.slots.acquire(timeout=wait):
+                raise TimedOut(f"no engine slot came free within the request timeout ({wait:.0f}s left "
+                               "when it arrived here): the cluster is overloaded, retry later")
+        finally:
+            with self.state.lock:
+                self.state.waiting -= 1
         rid = uuid.uuid4().hex
         with self.state.lock:
-            self.state.waiting -= 1
-            self.state.inflight[rid] = time.monotonic()  # busy time counts from here, not the queue
+            now = time.monotonic()
+            self.state.inflight[rid] = [now, now]  # busy time counts from here, not the queue
         try:
             for chunk in self.engine.synthesize(request):
+                with self.state.lock:
+                    self.state.inflight[rid][1] = time.monotonic()
+                if chunk_deadline and deadline is not None and time.monotonic() > deadline:
+                    raise TimedOut("the synthesis ran past the request timeout: send shorter text, stream "
+                                   "it (\"stream\": true), or raise --request-timeout")
                 yield np.asarray(chunk, dtype=np.float32).reshape(-1)
             if count:
                 self.state.served += 1
@@ -278,8 +341,9 @@ class Instance:
                 self.state.inflight.pop(rid, None)
             self.slots.release()
 
-    def synthesize(self, request: SynthesisRequest, count: bool = True, bounded: bool = False) -> np.ndarray:
-        chunks = list(self.stream(request, count, bounded))
+    def synthesize(self, request: SynthesisRequest, count: bool = True, bounded: bool = False,
+                   deadline: float | None = None) -> np.ndarray:
+        chunks = list(self.stream(request, count, bounded, deadline, chunk_deadline=True))
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
     def keep(self, audio: np.ndarray) -> str:
@@ -312,8 +376,6 @@ def _remove(path: str) -> None:
 
 def build_app(instance: Instance):
     """The FastAPI app: ``/ping``, ``/v1/tts`` and the Gradio UI at ``/``."""
-    import gradio as gr
-
     state, engine, limits = instance.state, instance.engine, instance.limits
     app = FastAPI(title="cosyvoice-lb instance", docs_url=None, redoc_url=None)
 
@@ -381,14 +443,18 @@ def build_app(instance: Instance):
         headers = {"X-Instance-Port": str(state.port), "X-Sample-Rate": str(engine.sample_rate)}
         if notices:
             headers["X-Prompt-Notice"] = "; ".join(notices)
+        deadline = instance.deadline(request.headers.get("x-request-start"))
         if synthesis.stream:
             # The first chunk is made before answering, so a refused input is still a 4xx/5xx.
-            chunks = instance.stream(synthesis, bounded=True)
+            chunks = instance.stream(synthesis, bounded=True, deadline=deadline)
             try:
-                first = await run_in_threadpool(next, chunks, None)
+                first = await instance.run(deadline, next, chunks, None)
             except Overloaded as exc:
                 _remove(prompt_path)
                 return error_response(503, str(exc), {"Retry-After": "1"})
+            except TimedOut as exc:
+                _remove(prompt_path)
+                return error_response(504, str(exc))
             except EngineError as exc:
                 _remove(prompt_path)
                 return error_response(500, f"synthesis failed: {exc}")
@@ -401,9 +467,12 @@ def build_app(instance: Instance):
             return StreamingResponse(stream_wav(first, chunks, prompt_path), media_type="audio/wav",
                                      headers=headers)
         try:
-            audio = await run_in_threadpool(instance.synthesize, synthesis, True, True)
+            audio = await instance.run(deadline, instance.synthesize, synthesis, True, True, deadline)
         except Overloaded as exc:
             return error_response(503, str(exc), {"Retry-After": "1"})
+        except TimedOut as exc:
+            log.warning("request timed out: %s", exc)
+            return error_response(504, str(exc))
         except EngineError as exc:
             log.error("synthesis failed: %s", exc)
             return error_response(500, f"synthesis failed: {exc}")
@@ -593,6 +662,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--outputs-dir", default="")
     parser.add_argument("--outputs-max-age", type=float, default=86400.0, help="seconds")
     parser.add_argument("--outputs-max-mib", type=float, default=2048.0)
+    parser.add_argument("--request-timeout", type=float, default=0.0,
+                        help="seconds an API request may take from its arrival at nginx; 0: no bound")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
     parser.add_argument("--starts-file", default="",
@@ -623,7 +694,8 @@ def main(argv: list[str] | None = None) -> None:
         if stale.startswith(f"prompt-{args.port}-"):
             _remove(os.path.join(scratch, stale))
     instance = Instance(engine, state, limits, args.instance_concurrency, outputs, scratch,
-                        max_queue=None if args.max_queue < 0 else args.max_queue)
+                        max_queue=None if args.max_queue < 0 else args.max_queue,
+                        request_timeout=args.request_timeout)
     app = build_app(instance)
 
     def load() -> None:
@@ -640,3 +712,7 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=2, access_log=False)
     draining_server(config, state, args.drain_timeout).run()
+    # Drained: leave now. A synthesis stuck in the engine must not keep the process (its
+    # worker thread would be joined at interpreter exit).
+    logging.shutdown()
+    os._exit(0)

@@ -97,8 +97,13 @@ class Settings:
                                   type=int)
     recover_threshold: int = setting(2, "Good probes in a row that put an instance back in rotation.",
                                      type=int)
-    hang_timeout: float = setting(120.0, "A synthesis running longer than this many seconds means the "
-                                         "instance is hung: it is taken out and restarted.", type=float)
+    hang_timeout: float = setting(60.0, "A synthesis that yields no audio for this many seconds means the instance "
+                                        "is hung: it is taken out and restarted, and nginx retries its requests "
+                                        "elsewhere (keep it below --request-timeout so there is time for that).",
+                                  type=float)
+    request_timeout: float = setting(90.0, "Longest an API request waits for its answer (or a stream for its first "
+                                           "chunk), counted from its arrival at nginx, retries included; past it "
+                                           "the client gets a 504 that says so.", type=float)
     startup_timeout: float = setting(300.0, "Seconds an instance may take to load before it counts as "
                                             "failed (never killed for being slow before that).", type=float)
     max_requests: int = setting(0, "Recycle an instance (a drained restart, one at a time) after this many "

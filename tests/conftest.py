@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -9,9 +10,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,3 +64,59 @@ def state_dir():
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
+
+# --- a running cluster ------------------------------------------------------------------
+
+def status(state_dir: Path) -> tuple[int, dict]:
+    done = cli("status", "--state-dir", str(state_dir), "--json")
+    return done.returncode, json.loads(done.stdout)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+class Load:
+    """Bounded API load through nginx: a few threads, at most ``limit`` requests or ``seconds``."""
+
+    def __init__(self, url: str, threads: int = 3, limit: int = 2000, seconds: float = 60,
+                 text: str = "keep talking please"):
+        self.url, self.limit, self.deadline, self.text = url, limit, time.monotonic() + seconds, text
+        self.ok, self.failures, self.ports = 0, [], {}
+        self.lock, self.stop_event = threading.Lock(), threading.Event()
+        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(threads)]
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(timeout=90)
+
+    def run(self) -> None:
+        while not self.stop_event.is_set() and time.monotonic() < self.deadline:
+            with self.lock:
+                if self.ok + len(self.failures) >= self.limit:
+                    return
+            try:
+                r = requests.post(self.url + "/v1/tts", json={"text": self.text}, timeout=60)
+                outcome = r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+                detail = f"{r.status_code} {r.text[:120]}"
+            except requests.RequestException as exc:
+                outcome, detail = False, repr(exc)
+            with self.lock:
+                if outcome:
+                    self.ok += 1
+                    port = r.headers.get("X-Instance-Port")
+                    self.ports[port] = self.ports.get(port, 0) + 1
+                else:
+                    self.failures.append(detail)

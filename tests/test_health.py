@@ -53,8 +53,9 @@ def test_process_uptime():
 
 
 def test_policy_from_settings():
-    settings = Settings(fail_threshold=4, recover_threshold=3, hang_timeout=60.0, startup_timeout=90.0)
-    assert Policy.from_settings(settings) == Policy(4, 3, 60.0, 90.0)
+    settings = Settings(fail_threshold=4, recover_threshold=3, hang_timeout=60.0, startup_timeout=90.0,
+                        start_retries=5)
+    assert Policy.from_settings(settings) == Policy(4, 3, 60.0, 90.0, start_retries=5)
 
 
 # --- coming into rotation -----------------------------------------------------------------
@@ -116,19 +117,116 @@ def test_a_failure_resets_the_good_count_of_a_recovering_instance():
 # --- hung synthesis -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("busy, restarts", [(0.0, False), (119.9, False), (120.0, False), (120.1, True), (900.0, True)])
-def test_a_synthesis_running_past_the_hang_timeout_restarts_at_once(busy, restarts):
-    verdict = judge(serving(), process(), Probe("ready", busy_seconds=busy), POLICY)
+@pytest.mark.parametrize("stalled, restarts", [(0.0, False), (119.9, False), (120.0, False), (120.1, True),
+                                             (900.0, True)])
+def test_a_synthesis_stalled_past_the_hang_timeout_means_a_drained_restart(stalled, restarts):
+    verdict = judge(serving(), process(), Probe("ready", busy_seconds=stalled, stalled=(stalled,)), POLICY)
     assert bool(verdict.restart) is restarts
     assert verdict.track.in_rotation is not restarts
     if restarts:
-        assert verdict.restart == f"a synthesis has run {busy:.0f}s (hang timeout 120s)"
-        assert verdict.track.restarts == 1
+        assert verdict.restart == f"a synthesis has made no progress for {stalled:.0f}s (hang timeout 120s)"
+        assert verdict.track.restarts == 1 and verdict.drain  # it still answers: others may finish first
+
+
+def test_a_long_synthesis_that_keeps_making_chunks_is_not_hung():
+    verdict = judge(serving(), process(), Probe("ready", busy_seconds=900.0, stalled=(2.0,)), POLICY)
+    assert not verdict.restart and verdict.track.in_rotation
 
 
 def test_hang_restarts_even_a_newcomer_on_its_first_probe():
-    verdict = judge(Track(), process(pid=7, uptime=10.0), Probe("ready", busy_seconds=500), POLICY)
+    verdict = judge(Track(), process(pid=7, uptime=10.0), Probe("ready", stalled=(500.0,)), POLICY)
     assert verdict.restart and verdict.track.pid == 7 and verdict.track.restarts == 1
+
+
+def test_a_hung_instance_already_on_its_way_out_is_not_restarted_twice():
+    going = serving(in_rotation=False, draining_since=NOW, drain_signal="KILL", restarts=1)
+    verdict = judge(going, process(), Probe("ready", stalled=(500.0,)), POLICY)
+    assert not verdict.restart and verdict.track.restarts == 1
+
+
+def test_failed_probes_mean_a_restart_now_not_a_drain():
+    verdict = run(serving(), [FAILED] * 3)[-1]
+    assert verdict.restart and not verdict.drain  # it does not answer: nothing to wait for
+
+
+# --- drains (planned stops) ----------------------------------------------------------------
+
+from cosyvoice_lb.health import drain_done, failed_starts, start_drain  # noqa: E402
+
+
+def test_start_drain_takes_it_out_and_counts_one_restart():
+    track = start_drain(serving(restarts=2), "restart requested", "TERM", NOW)
+    assert (track.in_rotation, track.draining_since, track.drain_signal, track.restarts) == (False, NOW, "TERM", 3)
+    again = start_drain(track, "a synthesis has made no progress", "KILL", NOW + 5)  # escalated, same stop
+    assert (again.draining_since, again.drain_signal, again.restarts) == (NOW, "KILL", 3)
+
+
+@pytest.mark.parametrize("signal_name, probe_, elapsed, done", [
+    ("TERM", Probe("ready", inflight=0, waiting=0), 1.0, True),
+    ("TERM", Probe("ready", inflight=1, stalled=(0.1,)), 1.0, False),  # one still synthesizing
+    ("TERM", Probe("ready", inflight=0, waiting=1), 1.0, False),  # one queued, still to be served
+    ("TERM", Probe("ready", inflight=1, stalled=(0.1,)), 30.5, True),  # --drain-timeout
+    ("TERM", Probe("failed"), 1.0, True),  # does not answer: TERM now (it drains itself anyway)
+    ("HOLD", Probe("ready", inflight=0), 1.0, True),
+    ("KILL", Probe("ready", inflight=1, stalled=(500.0,)), 1.0, True),  # only the hung one is left
+    ("KILL", Probe("ready", inflight=2, stalled=(500.0, 0.2)), 1.0, False),  # another still progresses
+    ("KILL", Probe("ready", inflight=2, stalled=(500.0, 0.2)), 31.0, True),
+])
+def test_drain_done(signal_name, probe_, elapsed, done):
+    track = start_drain(serving(), "why", signal_name, NOW)
+    assert drain_done(track, probe_, Policy(hang_timeout=120.0, drain_timeout=30.0), NOW + elapsed) is done
+
+
+def test_a_signalled_instance_stays_out_until_its_new_process_serves():
+    track = dataclasses.replace(start_drain(serving(), "restart requested", "TERM", NOW), signalled_at=NOW + 1)
+    verdict = judge(track, process(pid=100), READY, Policy(recover_threshold=1))
+    assert not verdict.track.in_rotation and not verdict.restart
+    new = judge(verdict.track, process(pid=101, uptime=5.0), READY, Policy(recover_threshold=1)).track
+    assert new.in_rotation and (new.draining_since, new.signalled_at, new.restarts) == (0.0, 0.0, 1)
+
+
+# --- crash loops ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("starts, since, alive, count", [
+    (1, 0, True, 0), (1, 0, False, 1), (4, 0, True, 3), (4, 0, False, 4), (7, 5, True, 1), (5, 5, True, 0),
+])
+def test_failed_starts(starts, since, alive, count):
+    assert failed_starts(starts, since, alive) == count
+
+
+def test_an_instance_that_keeps_dying_while_loading_is_given_up_on():
+    policy = Policy(start_retries=2)
+    track, verdicts = Track(), []
+    for start in range(1, 6):  # each start: loading, then it exits
+        v1 = judge(track, process(pid=100 + start, uptime=2.0), LOADING, policy, starts=start)
+        v2 = judge(v1.track, process(pid=0, state="BACKOFF"), FAILED, policy, starts=start)
+        verdicts += [v1, v2]
+        track = v2.track
+    gave_up = [bool(v.give_up) for v in verdicts]
+    assert gave_up.index(True) == 5  # the 3rd exit: more than --start-retries 2 in a row
+    assert track.failed.startswith("failed: it exited 3 times in a row without getting ready")
+    assert not track.in_rotation
+
+
+def test_supervisord_giving_up_is_a_failure_too():
+    verdict = judge(Track(), process(pid=0, state="FATAL"), FAILED, POLICY, starts=4)
+    assert verdict.give_up == verdict.track.failed == "failed: supervisord gave up starting it after 4 exits in a row"
+
+
+def test_a_failed_instance_that_runs_again_is_stopped_again():
+    failed = Track(failed="failed: it exited 4 times", reason="failed: it exited 4 times")
+    verdict = judge(failed, process(pid=300, uptime=1.0), LOADING, POLICY, starts=6)
+    assert verdict.give_up == failed.failed and not verdict.track.in_rotation
+
+
+def test_being_ready_once_resets_the_crash_count():
+    policy = Policy(start_retries=1, recover_threshold=1)
+    track = judge(Track(), process(pid=5, uptime=3.0), READY, policy, starts=3).track
+    assert track.ready_starts == 3
+    track = judge(track, process(pid=0, state="BACKOFF"), FAILED, policy, starts=3).track
+    verdict = judge(track, process(pid=6, uptime=1.0), LOADING, policy, starts=4)
+    assert not verdict.give_up and verdict.track.reason == "loading"
 
 
 # --- loading ------------------------------------------------------------------------------
@@ -176,7 +274,7 @@ def test_a_ready_instance_reporting_loading_again_is_restarted():
 # --- the process is not alive -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("state", ["BACKOFF", "EXITED", "FATAL", "STOPPED", "STOPPING", "UNKNOWN", None])
+@pytest.mark.parametrize("state", ["BACKOFF", "EXITED", "STOPPED", "STOPPING", "UNKNOWN", None])
 @pytest.mark.parametrize("the_probe", [READY, LOADING, FAILED])
 def test_a_process_that_is_not_running_is_out_of_rotation_without_a_restart(state, the_probe):
     proc = None if state is None else process(pid=0 if state in ("EXITED", "FATAL", "STOPPED") else 100, state=state)
@@ -198,7 +296,7 @@ def test_running_without_a_pid_counts_as_not_running():
 
 def test_the_restart_counter_counts_every_restart_verdict():
     policy = Policy(fail_threshold=2, recover_threshold=1)
-    hung = Probe("ready", busy_seconds=999)
+    hung = Probe("ready", busy_seconds=999, stalled=(999.0,))
     probes = [hung, READY, FAILED, FAILED, READY, hung, LOADING, READY, FAILED]
     verdicts = run(serving(), probes, policy=policy)
     assert [v.track.restarts for v in verdicts] == [1, 1, 1, 2, 2, 3, 4, 4, 4]
@@ -281,6 +379,12 @@ def server():
     (200, {"ready": True, "busy_seconds": 3}, Probe("ready", busy_seconds=3.0)),
     (200, {"ready": True, "busy_seconds": 0.25}, Probe("ready", busy_seconds=0.25)),
     (200, {"ready": True}, Probe("ready", busy_seconds=0.0)),
+    (200, {"ready": True, "busy_seconds": 9, "stalled_seconds": [7.5, 0.2], "inflight": 2, "waiting": 1},
+     Probe("ready", busy_seconds=9.0, stalled=(7.5, 0.2), inflight=2, waiting=1)),
+    (200, {"ready": True, "stalled_seconds": "long"},
+     Probe("failed", detail="/ping answered stalled_seconds='long', not a list of numbers")),
+    (200, {"ready": True, "stalled_seconds": [1, True]},
+     Probe("failed", detail="/ping answered stalled_seconds=[1, True], not a list of numbers")),
     (503, {"state": "loading"}, Probe("loading")),
     (200, {"ready": False}, Probe("failed", detail="/ping answered 200")),
     (503, {"state": "draining"}, Probe("failed", detail="/ping answered 503")),
@@ -346,7 +450,7 @@ SERVING = Track(in_rotation=True, ever_ready=True, pid=7, recycle_at=110)
     (SERVING, Probe("ready", served=110), 2**30, "served 110 requests (--max-requests 100)"),
     (SERVING, Probe("ready", served=5), 9 * 2**30, "uses 9.0 GiB (--max-memory 8.0 GiB)"),
     (dataclasses.replace(SERVING, in_rotation=False), Probe("ready", served=500), 0, ""),  # not serving: no
-    (dataclasses.replace(SERVING, recycling_since=1.0), Probe("ready", served=500), 0, ""),  # already going
+    (dataclasses.replace(SERVING, draining_since=1.0), Probe("ready", served=500), 0, ""),  # already going
     (dataclasses.replace(SERVING, recycle_at=0), Probe("ready", served=500), 0, ""),  # share not drawn yet
     (SERVING, Probe("failed", served=500), 0, ""),  # sick is the health verdict's business
 ])
@@ -360,15 +464,23 @@ def test_recycling_is_off_by_default():
 
 def test_one_recycle_at_a_time_and_only_while_the_others_serve():
     tracks = {"a": SERVING, "b": SERVING, "c": SERVING}
-    assert pick_recycle({"a": "", "b": "x", "c": "y"}, tracks) == ("b", "x")
-    busy = {**tracks, "a": dataclasses.replace(SERVING, recycling_since=5.0)}
-    assert pick_recycle({"b": "x"}, busy) is None
+    ages = {"a": 50.0, "b": 40.0, "c": 30.0}
+    assert pick_recycle({"a": "", "b": "x", "c": "y"}, tracks, ages) == ("b", "x")
+    busy = {**tracks, "a": dataclasses.replace(SERVING, draining_since=5.0)}
+    assert pick_recycle({"b": "x"}, busy, ages) is None
     one_out = {**tracks, "c": dataclasses.replace(SERVING, in_rotation=False)}
-    assert pick_recycle({"b": "x"}, one_out) is None  # c is out: b stays until c is back
-    assert pick_recycle({"c": "y"}, one_out) == ("c", "y")
+    assert pick_recycle({"b": "x"}, one_out, ages) is None  # c is out: b stays until c is back
+    assert pick_recycle({"c": "y"}, one_out, ages) == ("c", "y")
+
+
+def test_of_those_due_the_oldest_process_is_recycled_first():
+    tracks = {"a": SERVING, "b": SERVING, "c": SERVING}
+    due = {"a": "x", "b": "y", "c": "z"}
+    assert pick_recycle(due, tracks, {"a": 5.0, "b": 70.0, "c": 20.0}) == ("b", "y")
+    assert pick_recycle(due, tracks, {"a": 90.0, "b": 7.0, "c": 20.0}) == ("a", "x")
 
 
 def test_a_recycling_instance_stays_out_of_rotation_while_it_drains():
-    track = dataclasses.replace(SERVING, in_rotation=False, recycling_since=5.0)
+    track = dataclasses.replace(SERVING, in_rotation=False, draining_since=5.0)
     verdict = judge(track, process(pid=7), Probe("ready"), Policy(recover_threshold=1))
     assert verdict.track.in_rotation is False and not verdict.restart

@@ -46,3 +46,19 @@ def test_port_taken_says_by_whom():
         why = port_taken("127.0.0.1", port)
         assert "in use" in why.lower() and "pid" in why and Path(sys.executable).name[:6] in why
     assert port_taken("127.0.0.1", port) == ""
+
+
+def test_listening_is_seen_per_process():
+    import socket as socket_module
+
+    import psutil
+
+    from cosyvoice_lb.processes import _listens_on
+
+    with socket_module.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert _listens_on(psutil.Process(), port)
+        assert not _listens_on(psutil.Process(), port + 1 if port < 65535 else port - 1)
+    assert not _listens_on(psutil.Process(), port)  # closed

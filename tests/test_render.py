@@ -301,7 +301,13 @@ def test_nginx_conf_balancing_and_proxy_settings():
     v1 = server.one("location", "/v1/")
     assert v1.values("proxy_pass") == [["http://cvlb_api"]]
     assert v1.values("proxy_buffering") == [["off"]]
-    assert v1.values("proxy_read_timeout") == [["90s"]]  # hang_timeout + 30
+    # --request-timeout 90: the instance answers 504 itself; nginx's read timeout is the backstop,
+    # and no retry starts once the request's time is spent
+    assert v1.values("proxy_read_timeout") == [["95s"]]
+    assert v1.values("proxy_next_upstream_timeout") == [["90s"]]
+    assert v1.values("keepalive_timeout") == [["0"]]  # no idle connection for a reload to cut
+    assert ["X-Request-Start", "$msec"] in headers  # server level: the locations inherit every header
+    assert all(not loc.values("proxy_set_header") for loc in server.all("location"))
     ui_location = server.one("location", "/")
     assert ui_location.values("proxy_pass") == [["http://cvlb_ui"]]
     assert ui_location.values("proxy_buffering") == [["off"]]

@@ -291,9 +291,100 @@ def test_busy_instance_answers_503_with_retry_after():
     state = InstanceState(engine_name="blocking", port=7868, ready=True, phase="ready")
     instance = Instance(engine, state, concurrency=1, max_queue=0)
     with state.lock:
-        state.inflight["someone"] = 0.0  # the one slot is taken
+        state.inflight["someone"] = [0.0, 0.0]  # the one slot is taken
     with TestClient(build_app(instance)) as c:
         for body in ({"text": "hi"}, {"text": "hi", "stream": True}):
             r = c.post("/v1/tts", json=body)
             assert r.status_code == 503 and r.headers["Retry-After"] == "1"
             assert "busy" in r.json()["error"]["message"]
+
+
+# --- the request timeout and progress -------------------------------------------------------
+
+
+class Chunky:
+    """An engine that makes ``chunks`` chunks, ``every`` seconds apart."""
+
+    name, sample_rate, modes = "chunky", 24000, ("sft",)
+
+    def __init__(self, chunks: int, every: float):
+        self.chunks, self.every, self.finished = chunks, every, 0
+
+    def speakers(self):
+        return []
+
+    def synthesize(self, request):
+        import time
+
+        for _ in range(self.chunks):
+            time.sleep(self.every)
+            yield np.zeros(240, dtype=np.float32)
+        self.finished += 1
+
+
+def ready_state(port: int) -> InstanceState:
+    return InstanceState(engine_name="test", port=port, ready=True, phase="ready")
+
+
+def test_the_deadline_counts_from_nginx_stamp():
+    import time
+
+    instance = Instance(Chunky(1, 0), ready_state(7870), request_timeout=10.0)
+    now = time.monotonic()
+    assert instance.deadline(None) == pytest.approx(now + 10, abs=0.2)
+    assert instance.deadline(f"{time.time() - 4:.3f}") == pytest.approx(now + 6, abs=0.2)  # 4 s spent already
+    for odd in ("soon", "", f"{time.time() + 100:.3f}", f"{time.time() - 10**6:.3f}"):
+        assert instance.deadline(odd) == pytest.approx(now + 10, abs=0.2)
+    assert Instance(Chunky(1, 0), ready_state(7870)).deadline(None) is None  # no --request-timeout: no bound
+
+
+def test_a_synthesis_running_past_the_request_timeout_is_a_504_and_frees_the_engine():
+    import time
+
+    engine = Chunky(chunks=20, every=0.2)
+    state = ready_state(7871)
+    with TestClient(build_app(Instance(engine, state, request_timeout=1.0))) as c:
+        started = time.monotonic()
+        r = c.post("/v1/tts", json={"text": "long"})
+        assert r.status_code == 504 and "ran past the request timeout" in r.json()["error"]["message"]
+        assert time.monotonic() - started < 3  # at the bound, not after the 4 s the synthesis wanted
+        assert state.ping()["inflight"] == 0 and engine.finished == 0  # stopped at the next chunk
+        stamped = c.post("/v1/tts", json={"text": "x"}, headers={"X-Request-Start": f"{time.time() - 5:.3f}"})
+        assert stamped.status_code == 504  # its time was spent before it got here (a retry)
+
+
+def test_a_stuck_engine_is_answered_504_at_the_bound_and_shows_as_stalled():
+    import time
+
+    engine = Blocking()
+    state = ready_state(7872)
+    try:
+        with TestClient(build_app(Instance(engine, state, request_timeout=1.0))) as c:
+            r = c.post("/v1/tts", json={"text": "stuck"})
+            assert r.status_code == 504 and "made no progress" in r.json()["error"]["message"]
+            ping = c.get("/ping").json()  # the stuck synthesis still holds the engine, visibly
+            assert ping["inflight"] == 1 and ping["stalled_seconds"][0] >= 1.0
+            queued = c.post("/v1/tts", json={"text": "behind it"})  # waits for the slot until its bound
+            assert queued.status_code == 504 and "no engine slot came free" in queued.json()["error"]["message"]
+    finally:
+        engine.release.set()
+    deadline = time.monotonic() + 5
+    while state.ping()["inflight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.ping()["inflight"] == 0
+
+
+def test_stalled_seconds_restart_with_every_chunk():
+    import threading
+    import time
+
+    engine = Chunky(chunks=6, every=0.25)
+    state = ready_state(7873)
+    instance = Instance(engine, state)
+    worker = threading.Thread(target=instance.synthesize, args=(SynthesisRequest("x"),))
+    worker.start()
+    time.sleep(1.0)
+    ping = state.ping()
+    worker.join(5)
+    assert ping["inflight"] == 1 and ping["busy_seconds"] >= 0.9
+    assert ping["stalled_seconds"][0] < 0.3  # it made a chunk a moment ago: not stuck, only long

@@ -67,7 +67,7 @@ def test_instance_that_dies_after_starting_is_reported_quickly(state_dir, tmp_pa
     wrapper.chmod(0o755)
     done = up(state_dir, free_port_block(1), free_port_block(2), "--python", str(wrapper), "--start-retries", "1")
     assert done.returncode != 0
-    assert "could not start" in done.stderr and "espeak-ng not found" in done.stderr
+    assert "no instance could start" in done.stderr and "espeak-ng not found" in done.stderr
     assert "The cluster was stopped" in done.stderr
     assert cluster_processes(state_dir) == []
 
