@@ -15,6 +15,7 @@ from rich.table import Table
 from . import __version__, cluster
 from .planner import PlanError, format_size
 from .render import RenderError
+from .render import warnings as render_warnings
 from .settings import CLUSTER_OPTIONS, PLAN_OPTIONS, Settings, options
 from .supervision import SupervisionError, read_tail
 
@@ -104,6 +105,8 @@ def up_command(**kwargs: Any) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     settings = settings_from(kwargs)
+    for warning in render_warnings(settings):
+        err.print(f"[bold yellow]warning:[/] {warning}", markup=True, highlight=False)
     started = time.monotonic()
     if err.is_terminal:
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(),

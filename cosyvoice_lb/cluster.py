@@ -350,6 +350,7 @@ class InstanceStatus:
     reason: str = ""
     inflight: int = 0
     failed: str = ""  # given up on after a crash loop: why (it stays stopped until restarted)
+    failed_at: float = 0.0
 
 
 @dataclass
@@ -441,7 +442,7 @@ def status(layout: Layout) -> ClusterStatus:
             state=proc.state if proc else "MISSING", ready=ready, in_rotation=in_rotation,
             restarts=max(0, layout.starts_count(slot.name) - 1), uptime=round(proc.uptime, 1) if proc else 0.0,
             reason="" if in_rotation else track.get("reason", ""), inflight=int(body.get("inflight", 0)),
-            failed=failed,
+            failed=failed, failed_at=float(track.get("failed_at", 0.0)) if track.get("failed") else 0.0,
         )
         result.instances.append(item)
         if failed:
@@ -482,6 +483,7 @@ def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progre
     supervisor = Supervisor(layout)
     baseline = {name: layout.starts_count(name) for name in names}
     replacing = replacing or {}
+    since = time.time()  # a failure the health loop recorded before this wait is not this start's
     deadline = time.monotonic() + settings.startup_timeout + settings.drain_timeout + 30
     failed: dict[str, str] = {}
     while True:
@@ -491,8 +493,9 @@ def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progre
                 continue
             alive = item.state in ("RUNNING", "STARTING")
             crashes = failed_starts(layout.starts_count(item.name), baseline[item.name], alive)
-            if item.name not in failed and (item.failed or crashes > settings.start_retries):
-                failed[item.name] = item.failed or f"failed: it exited {crashes} times in a row without getting ready"
+            recorded = item.failed if item.failed_at >= since or item.state == "FATAL" else ""
+            if item.name not in failed and (recorded or crashes > settings.start_retries):
+                failed[item.name] = recorded or f"failed: it exited {crashes} times in a row without getting ready"
             item.failed = failed.get(item.name, "")
         for service in SERVICES:
             state = getattr(current, service).get("state")
@@ -502,7 +505,7 @@ def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progre
         waiting = [i for i in current.instances if i.name in names and i.name not in failed
                    and not (i.ready and i.in_rotation and i.pid != replacing.get(i.name))]
         if not waiting and failed and len(failed) == len(names):
-            raise ClusterError("\n".join([f"{'no instance' if len(names) > 1 else names[0]} could start:"]
+            raise ClusterError("\n".join([f"{'no instance' if len(names) > 1 else names[0]} could not start:"]
                                          + failure_report(layout, current, names)))
         if not waiting and current.nginx.get("answers") == 200:
             on_progress(Progress(len(names) - len(failed), len(names),
@@ -511,6 +514,12 @@ def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progre
         detail = ", ".join(i.name + (f" ({i.reason})" if i.reason else "") for i in waiting) or "nginx"
         on_progress(Progress(len(names) - len(waiting) - len(failed), len(names), "waiting for " + detail))
         if time.monotonic() > deadline:
+            if len(waiting) + len(failed) < len(names):  # some serve: the slow ones are reported, not fatal
+                for item in waiting:
+                    item.failed = failed[item.name] = (f"failed: not ready within --startup-timeout "
+                                                       f"{settings.startup_timeout:.0f}s")
+                on_progress(Progress(len(names) - len(failed), len(names), f"{len(failed)} failed"))
+                return current
             tails = "\n".join(f"--- {i.name} ({layout.log(i.name)}):\n{last_lines(supervisor, i.name, 8)}"
                               for i in waiting)
             raise ClusterError(
@@ -588,7 +597,7 @@ def _update(settings: Settings, layout: Layout, supervisor: Supervisor,
         added, groups_changed, removed = supervisor.reload()
         # The health loop reads its slots at start; it re-publishes the rotation at once.
         supervisor.stop("health")
-        supervisor.start("health")
+        supervisor.start("health", wait=True)  # it must be there to drain the instances replaced below
         for name in removed:
             supervisor.remove_group(name)
             layout.starts(name).unlink(missing_ok=True)
@@ -602,6 +611,7 @@ def _update(settings: Settings, layout: Layout, supervisor: Supervisor,
         # out of rotation and idle first (the health loop's drain), then the new config.
         for name in [n for n in groups_changed if n not in SERVICES]:
             on_progress(Progress(0, len(names), f"replacing {name} with its new settings"))
+            others_serving(layout, settings, name, on_progress)
             old = drain(layout, settings, supervisor, [name], "HOLD", on_progress)
             supervisor.remove_group(name)
             supervisor.add_group(name)
@@ -626,6 +636,9 @@ def restart(layout: Layout, names: list[str] | None = None, on_progress: Report 
         raise ClusterError(f"no cluster runs in {layout.root}: start it with 'cosyvoice-lb up'")
     settings, slots = record
     instances = [s.name for s in slots]
+    # --all --rolling keeps capacity: each waits for the others to serve. Names given by
+    # hand are restarted as asked.
+    careful = names is None and rolling
     names = instances if names is None else names
     known = supervisor.processes()
     unknown = [n for n in names if n not in known]
@@ -635,15 +648,39 @@ def restart(layout: Layout, names: list[str] | None = None, on_progress: Report 
         on_progress(Progress(0, 1, f"restarting {name}"))
         supervisor.stop(name)
         supervisor.start(name)
-    targets = [n for n in names if n in instances]
+    current = {i.name: i for i in status(layout).instances}
+    # Those not serving first: restarting them costs no capacity.
+    targets = sorted((n for n in names if n in instances), key=lambda n: _serving(current[n]))
     for group in ([[n] for n in targets] if rolling else [targets] if targets else []):
         on_progress(Progress(0, len(group), f"restarting {', '.join(group)}"))
+        if careful and _serving(current[group[0]]):
+            others_serving(layout, settings, group[0], on_progress)
         old = drain(layout, settings, supervisor, group, "TERM", on_progress)
         for name in group:
             if name not in old:  # stopped (given up on after a crash loop, or crashed): start it
                 supervisor.start(name)
         serving_or_fail(layout, settings, group, on_progress, old)
     return names
+
+
+def _serving(item: InstanceStatus) -> bool:
+    return item.state == "RUNNING" and item.ready and item.in_rotation
+
+
+def others_serving(layout: Layout, settings: Settings, name: str, on_progress: Report) -> None:
+    """Before a drained stop of ``name``: wait until every other instance (but those given
+    up on) serves, so the stop costs one instance of capacity and never the last one."""
+    deadline = time.monotonic() + settings.startup_timeout + 30
+    while True:
+        others = [i for i in status(layout).instances if i.name != name and not i.failed]
+        short = [i.name for i in others if not _serving(i)]
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{', '.join(short)} did not serve within --startup-timeout: not stopping {name} "
+                               "as well; see 'cosyvoice-lb status' (restart NAME restarts one regardless)")
+        on_progress(Progress(len(others) - len(short), len(others), f"before {name}: waiting for {', '.join(short)}"))
+        time.sleep(0.5)
 
 
 def drain(layout: Layout, settings: Settings, supervisor: Supervisor, names: list[str], action: str,
@@ -656,13 +693,15 @@ def drain(layout: Layout, settings: Settings, supervisor: Supervisor, names: lis
     running = {n: procs[n].pid for n in names if n in procs and procs[n].state in ("RUNNING", "STARTING")}
     for name in names:
         write_atomic(layout.restart_request(name), action + "\n")
-    health_up = "health" in procs and procs["health"].state == "RUNNING"
+    health_up = "health" in procs and procs["health"].state in ("RUNNING", "STARTING")
     deadline = time.monotonic() + (max(15.0, 10 * settings.probe_interval) if health_up else 0.0)
     while any(layout.restart_request(n).exists() for n in names) and time.monotonic() < deadline:
         time.sleep(0.1)
     ignored = [n for n in names if layout.restart_request(n).exists()]
+    given_up = {i.name for i in status(layout).instances if i.failed} if ignored else set()
     for name in ignored:
-        layout.restart_request(name).unlink(missing_ok=True)
+        if name not in given_up:  # (kept for one given up on: the health loop clears it when back)
+            layout.restart_request(name).unlink(missing_ok=True)
         on_progress(Progress(0, len(names), f"the health loop did not take the request: stopping {name} directly"))
         if name in running:
             supervisor.stop(name)

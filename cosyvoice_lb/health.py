@@ -77,6 +77,7 @@ class Track:
     signalled_at: float = 0.0
     ready_starts: int = 0  # the starts count when it was last ready: crash loops count from here
     failed: str = ""  # given up on (crash loop): why; it stays stopped until restarted by hand
+    failed_at: float = 0.0  # when (epoch s)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,10 @@ def judge(track: Track, process: ProcessInfo | None, probe: Probe, policy: Polic
     if track.failed:  # given up on, yet running (supervisord restarted it meanwhile): stop it again
         return Verdict(dataclasses.replace(track, in_rotation=False, pid=process.pid), give_up=track.failed)
     if process.pid != track.pid:  # a new process: earns its place like any newcomer
-        track = Track(pid=process.pid, restarts=track.restarts, reason="started", ready_starts=track.ready_starts)
+        # After a planned stop (restart, recycling, new settings) the start that follows is
+        # not a failure, even of an instance that was still loading.
+        since = max(track.ready_starts, starts - 1) if track.signalled_at else track.ready_starts
+        track = Track(pid=process.pid, restarts=track.restarts, reason="started", ready_starts=since)
     if track.signalled_at:  # stopping after a planned stop: wait for it to go
         return Verdict(dataclasses.replace(track, in_rotation=False))
 
@@ -220,7 +224,8 @@ def _restart(track: Track, reason: str, drain: bool = False) -> Verdict:
 def _give_up(track: Track, why: str) -> Verdict:
     reason = f"failed: {why}"
     return Verdict(dataclasses.replace(track, in_rotation=False, fails=0, goods=0, reason=reason, failed=reason,
-                                       draining_since=0.0, drain_signal="", signalled_at=0.0), give_up=reason)
+                                       failed_at=time.time(), draining_since=0.0, drain_signal="",
+                                       signalled_at=0.0), give_up=reason)
 
 
 def loopback_session() -> requests.Session:
@@ -277,6 +282,7 @@ class HealthLoop:
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.slots)))
         self.published: frozenset[str] | None = None
         self.pids: dict[str, int] = {}
+        self.taken: list[str] = []
         self.stopping = False
 
     def _load_tracks(self) -> dict[str, Track]:
@@ -301,14 +307,22 @@ class HealthLoop:
             self.pool.map(lambda s: probe(s.port, self.settings.probe_timeout), self.slots),
         ))
         now = time.time()
-        kills = []
+        kills: list[str] = []
+        self.taken: list[str] = []  # restart requests handled this step (removed once saved)
         for slot in self.slots:
             name, before = slot.name, self.tracks[slot.name]
             starts = self.layout.starts_count(name)
             if before.failed and self.layout.restart_request(name).exists():  # `restart NAME` after a crash loop
-                before = dataclasses.replace(before, failed="", reason="restarted by hand", ready_starts=starts)
-                self.layout.restart_request(name).unlink(missing_ok=True)
+                # Start it here: the snapshot above still says FATAL or STOPPED, and judging
+                # that would give it up again. Its crash count starts afresh.
                 log.info("%s: restarted by hand after it was given up on", name)
+                self.tracks[name] = Track(reason="restarted by hand", ready_starts=starts, restarts=before.restarts)
+                self.taken.append(name)
+                try:
+                    self.supervisor.start(name)
+                except Exception as exc:
+                    log.warning("%s: start failed: %s", name, exc)
+                continue
             verdict = judge(before, processes.get(name), probes[name], self.policy, starts)
             track = verdict.track
             if verdict.give_up:
@@ -338,12 +352,14 @@ class HealthLoop:
             self._signal(name, "KILL")
         self.finish_draining(probes, now)
         self.save()
+        for name in self.taken:  # the CLI waits for these to go: only after health.json says so
+            self.layout.restart_request(name).unlink(missing_ok=True)
 
     def take_requests(self, processes: dict[str, ProcessInfo], now: float) -> None:
         """`cosyvoice-lb restart` asks for drained restarts with a file per instance."""
         for slot in self.slots:
             request = self.layout.restart_request(slot.name)
-            if not request.exists():
+            if slot.name in self.taken or not request.exists():
                 continue
             try:
                 action = request.read_text().strip() or "TERM"
@@ -354,7 +370,7 @@ class HealthLoop:
                 what = "stopped" if action == "TERM" else "replaced by the launcher"
                 log.info("%s: restart requested: out of rotation, %s once idle", slot.name, what)
                 self.tracks[slot.name] = start_drain(track, "restart requested", action, now)
-            request.unlink(missing_ok=True)  # not running, or already on its way: nothing more to do
+            self.taken.append(slot.name)  # not running, or already on its way: nothing more to do
 
     def recycle(self, processes: dict[str, ProcessInfo], probes: dict[str, Probe], now: float) -> None:
         """Start a drained restart of one instance that served its share or grew too big."""

@@ -73,16 +73,20 @@ def _listens_on(proc: psutil.Process, port: int) -> bool:
 
 
 def orphan_nginx(port: int, master_pid: int) -> list[psutil.Process]:
-    """nginx processes that still hold ``port`` though they are not ``master_pid``'s.
+    """nginx workers whose master is gone and that still hold ``port`` (never a master, nor
+    a worker of another nginx, e.g. the system's or another cluster's).
 
     When an nginx master is SIGKILLed its workers live on and keep the port, so the master
     supervisord starts next can never bind it.
     """
     orphans = []
-    for proc in psutil.process_iter(["name"]):
+    for proc in psutil.process_iter(["name", "cmdline"]):
         try:
-            if ("nginx" in (proc.info["name"] or "") and proc.pid != master_pid and proc.ppid() != master_pid
-                    and _listens_on(proc, port)):
+            if ("nginx" not in (proc.info["name"] or "") or proc.pid == master_pid
+                    or "worker process" not in " ".join(proc.info["cmdline"] or [])):
+                continue
+            parent = proc.parent()  # an orphan's master is gone: another nginx's workers have theirs
+            if (parent is None or "nginx" not in parent.name()) and _listens_on(proc, port):
                 orphans.append(proc)
         except psutil.Error:
             pass

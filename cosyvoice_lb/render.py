@@ -7,6 +7,7 @@ writes the files (atomically). Templates live in the project's ``templates/`` fo
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -247,6 +248,16 @@ def check(settings: Settings, layout: Layout) -> None:
         raise RenderError("--engine cosyvoice3 needs --model-dir (a local CosyVoice model dir)")
 
 
+def warnings(settings: Settings) -> list[str]:
+    """Settings that work but defeat a guarantee: said at `up`, not refused."""
+    found = []
+    if settings.hang_timeout >= settings.request_timeout:
+        found.append(f"--hang-timeout {settings.hang_timeout:g} is not below --request-timeout "
+                     f"{settings.request_timeout:g}: a stuck synthesis's request gets a 504 at the bound instead of "
+                     "a retry on another instance")
+    return found
+
+
 def listen_address(host: str, port: int) -> str:
     """nginx's ``listen`` argument: IPv6 addresses go in brackets."""
     if ":" in host and not host.startswith("["):
@@ -277,7 +288,7 @@ def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs,
     env = _environment()
     # The instance answers a request that ran out of time itself (a clear 504); nginx's
     # own timeout is the backstop for an instance that cannot answer at all.
-    api_read_timeout = int(settings.request_timeout + 5)
+    api_read_timeout = math.ceil(settings.request_timeout + 5)
     context = dict(
         settings=settings, slots=plan.slots, layout=layout, listen=listen_address(settings.host, settings.port), run_as_user=programs.run_as_user,
         worker_processes=programs.worker_processes,

@@ -92,7 +92,8 @@ class InstanceState:
         now = time.monotonic()
         with self.lock:
             busy = max((now - start for start, _ in self.inflight.values()), default=0.0)
-            stalled = sorted((round(now - last, 3) for _, last in self.inflight.values()), reverse=True)
+            # (last is +inf while a chunk waits for its consumer: a slow reader is not a hang)
+            stalled = sorted((round(max(0.0, now - last), 3) for _, last in self.inflight.values()), reverse=True)
             inflight, waiting = len(self.inflight), self.waiting
         return {
             "ready": self.ready, "state": self.phase, "engine": self.engine_name,
@@ -254,9 +255,9 @@ class Instance:
         try:
             return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()) + 1.0)
         except asyncio.TimeoutError:
-            raise TimedOut("the synthesis made no progress within the request timeout "
-                           f"({self.request_timeout:g}s): the instance is stuck; the health loop restarts "
-                           "hung instances, retry the request") from None
+            raise TimedOut(f"no answer within the request timeout ({self.request_timeout:g}s): the synthesis "
+                           "is stuck or too long for the bound; retry (the health loop restarts hung "
+                           "instances), send shorter text, or raise --request-timeout") from None
 
     def load(self) -> None:
         t0 = time.monotonic()
@@ -322,12 +323,14 @@ class Instance:
             self.state.inflight[rid] = [now, now]  # busy time counts from here, not the queue
         try:
             for chunk in self.engine.synthesize(request):
-                with self.state.lock:
-                    self.state.inflight[rid][1] = time.monotonic()
                 if chunk_deadline and deadline is not None and time.monotonic() > deadline:
                     raise TimedOut("the synthesis ran past the request timeout: send shorter text, stream "
                                    "it (\"stream\": true), or raise --request-timeout")
+                with self.state.lock:  # the engine made a chunk; now it is the consumer's turn
+                    self.state.inflight[rid][1] = math.inf
                 yield np.asarray(chunk, dtype=np.float32).reshape(-1)
+                with self.state.lock:  # back in the engine: stall time counts from here
+                    self.state.inflight[rid][1] = time.monotonic()
             if count:
                 self.state.served += 1
         except GeneratorExit:

@@ -484,3 +484,14 @@ def test_a_recycling_instance_stays_out_of_rotation_while_it_drains():
     track = dataclasses.replace(SERVING, in_rotation=False, draining_since=5.0)
     verdict = judge(track, process(pid=7), Probe("ready"), Policy(recover_threshold=1))
     assert verdict.track.in_rotation is False and not verdict.restart
+
+
+def test_the_start_after_a_planned_stop_is_no_crash_even_while_loading():
+    policy = Policy(start_retries=1)
+    track = judge(Track(), process(pid=5, uptime=2.0), LOADING, policy, starts=1).track  # loading, never ready
+    for start in range(2, 6):  # restarted by hand (or replaced) again and again while it loads
+        track = dataclasses.replace(start_drain(track, "restart requested", "TERM", NOW), signalled_at=NOW + 1)
+        verdict = judge(track, process(pid=5 + start, uptime=1.0), LOADING, policy, starts=start)
+        assert not verdict.give_up and verdict.track.reason == "loading"
+        track = verdict.track
+    assert track.ready_starts == 4  # only starts that ended on their own would count

@@ -506,3 +506,20 @@ def test_ipv6_host_renders_a_listen_nginx_accepts(state_dir):
     write(state_dir, files)
     done = nginx_test(state_dir)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("hang, request_timeout, warned", [(60.0, 90.0, False), (90.0, 90.0, True), (30.0, 3.0, True)])
+def test_a_hang_timeout_not_below_the_request_timeout_is_warned_about(hang, request_timeout, warned):
+    from cosyvoice_lb.render import warnings
+
+    found = warnings(Settings(hang_timeout=hang, request_timeout=request_timeout))
+    assert bool(found) is warned
+    if warned:
+        assert "a 504 at the bound instead of a retry" in found[0]
+
+
+def test_a_fractional_request_timeout_is_rounded_up_not_to_zero():
+    conf = parse_nginx(rendered(settings=Settings(request_timeout=0.5))["nginx/nginx.conf"])
+    v1 = conf.one("http").one("server").one("location", "/v1/")
+    assert v1.values("proxy_next_upstream_timeout") == [["1s"]]  # 0s would mean no bound at all
+    assert v1.values("proxy_read_timeout") == [["6s"]]

@@ -361,7 +361,7 @@ def test_a_stuck_engine_is_answered_504_at_the_bound_and_shows_as_stalled():
     try:
         with TestClient(build_app(Instance(engine, state, request_timeout=1.0))) as c:
             r = c.post("/v1/tts", json={"text": "stuck"})
-            assert r.status_code == 504 and "made no progress" in r.json()["error"]["message"]
+            assert r.status_code == 504 and "no answer within the request timeout" in r.json()["error"]["message"]
             ping = c.get("/ping").json()  # the stuck synthesis still holds the engine, visibly
             assert ping["inflight"] == 1 and ping["stalled_seconds"][0] >= 1.0
             queued = c.post("/v1/tts", json={"text": "behind it"})  # waits for the slot until its bound
@@ -388,3 +388,19 @@ def test_stalled_seconds_restart_with_every_chunk():
     worker.join(5)
     assert ping["inflight"] == 1 and ping["busy_seconds"] >= 0.9
     assert ping["stalled_seconds"][0] < 0.3  # it made a chunk a moment ago: not stuck, only long
+
+
+def test_a_slow_stream_reader_is_not_a_stalled_synthesis():
+    import time
+
+    engine = Chunky(chunks=3, every=0.3)
+    state = ready_state(7874)
+    chunks = Instance(engine, state).stream(SynthesisRequest("x"))
+    next(chunks)  # a chunk made; the reader now takes its time
+    time.sleep(0.8)
+    waiting_for_reader = state.ping()
+    assert waiting_for_reader["inflight"] == 1 and waiting_for_reader["stalled_seconds"] == [0.0]
+    next(chunks)  # the engine worked 0.3 s on the second chunk: counted from the resume, not before
+    assert state.ping()["stalled_seconds"] == [0.0]
+    chunks.close()
+    assert state.ping()["inflight"] == 0

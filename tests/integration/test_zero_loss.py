@@ -92,9 +92,12 @@ def test_new_settings_roll_out_one_drained_instance_at_a_time_under_load(cluster
     assert done.returncode == 0, done.stderr
     code, after = status(state_dir)
     assert code == 0 and all(i["pid"] != before[i["name"]] for i in after["instances"])
+    health = (state_dir / "logs/health.log").read_text()
     for name in before:
         log = (state_dir / "logs" / f"{name}.log").read_text()
         assert "stopping: draining 0 synthesis(es) in flight" in log  # out of rotation and idle first
+        assert f"{name}: restart requested: out of rotation, replaced by the launcher once idle" in health
+    assert "did not take the request" not in done.stderr
     print(f"settings rolled out under load: {load.ok} ok, {len(load.failures)} failed")
     assert load.failures == [] and load.ok > 10
 
@@ -102,7 +105,7 @@ def test_new_settings_roll_out_one_drained_instance_at_a_time_under_load(cluster
 def test_a_request_past_its_time_bound_gets_a_clear_504(cluster):
     state_dir = cluster["state_dir"]  # now: --request-timeout 3, --hang-timeout 30
     victim = instance(state_dir, "instance-1")
-    stuck = "the synthesis made no progress within the request timeout (3s)"
+    stuck = "no answer within the request timeout (3s): the synthesis is stuck or too long"
     queued = "no engine slot came free within the request timeout"
     with Load(cluster["url"], threads=2, limit=2000, seconds=60, text=LONG_TEXT) as load:
         child = stop_a_synthesis(victim["pid"])
