@@ -45,11 +45,9 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -69,6 +67,7 @@ from cosyvoice_lb import cluster
 from cosyvoice_lb.cluster import ClusterStatus, InstanceStatus
 from cosyvoice_lb.processes import orphan_nginx, stray_processes
 from cosyvoice_lb.render import Layout
+from load import free_port_block  # bench/load.py
 
 # --- bounds ------------------------------------------------------------------------------
 
@@ -120,23 +119,6 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_LB_")}
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def free_block(count: int) -> int:
-    for _ in range(200):
-        base = random.randrange(30000, 40000 - count)
-        if all(port_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no block of free ports found in 30000-39999")
-
-
 @dataclass
 class Run:
     """One chaos run's cluster, and everything it started or stopped (cleaned up at the end)."""
@@ -175,7 +157,7 @@ class Run:
 
 
 def prepare(instances: int, clients: int) -> Run:
-    base = free_block(instances + 1)
+    base = free_port_block(instances + 1)
     state_dir = Path(tempfile.mkdtemp(prefix="cx", dir="/tmp"))  # short: supervisord's socket lives in it
     run = Run(cli=cli_command(), instances=instances, clients=clients, state_dir=state_dir, port=base,
               base_port=base + 1)

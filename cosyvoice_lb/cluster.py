@@ -258,7 +258,7 @@ print(json.dumps({"missing": missing, "broken": broken, "python": sys.version.sp
 # module -> what to pip install
 INSTANCE_NEEDS = {"numpy": "numpy", "soundfile": "soundfile", "fastapi": "fastapi", "uvicorn": "uvicorn",
                   "gradio": "gradio", "multipart": "python-multipart"}
-ENGINE_NEEDS = {"espeak": {"pypinyin": "pypinyin"}, "cosyvoice3": {"torch": "torch"}}
+ENGINE_NEEDS = {"espeak": {"pypinyin": "pypinyin"}, "cosyvoice3": {"torch": "torch"}, "simulated": {}}
 
 
 def check_instance_env(settings: Settings) -> dict:

@@ -177,6 +177,9 @@ def instance_command(settings: Settings, layout: Layout, programs: Programs, slo
         "--outputs-max-age", str(settings.outputs_max_age),
         "--outputs-max-mib", f"{parse_size(settings.outputs_max_size) / 2**20:g}",
     ]
+    if engine == "simulated":
+        command += ["--simulated-ms-per-char", str(settings.simulated_ms_per_char),
+                    "--simulated-base-ms", str(settings.simulated_base_ms)]
     if engine == "cosyvoice3":
         command += ["--model-dir", settings.model_dir]
         if settings.cosyvoice_root:
@@ -217,6 +220,8 @@ def check(settings: Settings, layout: Layout) -> None:
     for flag, value in positive.items():
         if not value > 0:
             raise RenderError(f"{flag} must be above 0 seconds, got {value}")
+    if settings.simulated_ms_per_char < 0 or settings.simulated_base_ms < 0:
+        raise RenderError("--simulated-ms-per-char and --simulated-base-ms cannot be negative")
     if settings.drain_timeout < 0:
         raise RenderError(f"--drain-timeout cannot be negative, got {settings.drain_timeout}")
     at_least = {"--fail-threshold": (settings.fail_threshold, 1), "--recover-threshold": (settings.recover_threshold, 1),

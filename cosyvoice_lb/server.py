@@ -658,6 +658,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--load-trt", action="store_true")
     parser.add_argument("--load-vllm", action="store_true")
     parser.add_argument("--fp16", action="store_true")
+    parser.add_argument("--simulated-ms-per-char", type=float, default=4.0, help="simulated engine (benchmarks)")
+    parser.add_argument("--simulated-base-ms", type=float, default=0.0, help="simulated engine (benchmarks)")
     parser.add_argument("--max-prompt-seconds", type=float, default=15.0)
     parser.add_argument("--max-upload-mib", type=float, default=10.0)
     parser.add_argument("--instance-concurrency", type=int, default=1)
@@ -686,7 +688,9 @@ def main(argv: list[str] | None = None) -> None:
 
     state = InstanceState(engine_name=args.engine, port=args.port, max_chars=args.max_chars)
     engine = create_engine(args.engine, model_dir=args.model_dir, cosyvoice_root=args.cosyvoice_root,
-                           load_trt=args.load_trt, load_vllm=args.load_vllm, fp16=args.fp16)
+                           load_trt=args.load_trt, load_vllm=args.load_vllm, fp16=args.fp16,
+                           simulated_ms_per_char=args.simulated_ms_per_char,
+                           simulated_base_ms=args.simulated_base_ms)
     limits = Limits(max_chars=args.max_chars, max_prompt_seconds=args.max_prompt_seconds,
                     max_upload_bytes=int(args.max_upload_mib * 2**20))
     outputs = Outputs(args.outputs_dir, args.port, args.outputs_max_age, int(args.outputs_max_mib * 2**20))

@@ -25,6 +25,8 @@ ENGINE_FOOTPRINTS: dict[str, dict[str, str]] = {
     "espeak": {"gpu": "5GiB", "host": "512MiB"},
     # CosyVoice3 on CPU (no GPU): weights plus activations in host RAM.
     "cosyvoice3": {"gpu": "5GiB", "host": "6GiB"},
+    # The benchmark load model stands in for CosyVoice3 on a GPU box, like espeak.
+    "simulated": {"gpu": "5GiB", "host": "256MiB"},
 }
 # Added per instance by CosyVoice's engine flags (DESIGN notes, upstream issues):
 # one TensorRT context of the flow decoder ~4.5 GB (v2 reports; trt_concurrent=1);
@@ -32,7 +34,7 @@ ENGINE_FOOTPRINTS: dict[str, dict[str, str]] = {
 # reserves a fifth of the card per instance whatever the model needs.
 TRT_EXTRA = "4.5GiB"
 VLLM_CARD_FRACTION = 0.2
-ENGINES = ("auto", "espeak", "cosyvoice3")
+ENGINES = ("auto", "espeak", "cosyvoice3", "simulated")
 
 
 def setting(default: Any, help: str, *, type: Any = None, is_flag: bool = False,
@@ -48,7 +50,8 @@ class Settings:
 
     engine: str = setting("auto", "Speech engine of every instance: cosyvoice3 (with --model-dir; v2 and v1 model "
                                   "dirs work too), espeak (embedded, no weights); auto picks cosyvoice3 when "
-                                  "--model-dir is given.", choices=ENGINES)
+                                  "--model-dir is given. simulated is a load model for benchmarks, not speech "
+                                  "(silence after a wait proportional to the text).", choices=ENGINES)
     model_dir: str = setting("", "CosyVoice model dir (local, holding cosyvoice3.yaml, cosyvoice2.yaml or "
                                  "cosyvoice.yaml).", metavar="DIR")
     cosyvoice_root: str = setting("", "Upstream CosyVoice checkout (holds cosyvoice/ and third_party/Matcha-TTS); "
@@ -58,6 +61,10 @@ class Settings:
     load_vllm: bool = setting(False, "CosyVoice2/3: vLLM for the LLM (reserves 0.2 x the card per instance).",
                               is_flag=True)
     fp16: bool = setting(False, "CosyVoice: half precision.", is_flag=True)
+    simulated_ms_per_char: float = setting(4.0, "--engine simulated: milliseconds of service time per character "
+                                                "of text.", type=float)
+    simulated_base_ms: float = setting(0.0, "--engine simulated: milliseconds of service time per request.",
+                                       type=float)
     instances: str = setting("auto", "How many instances: a number, or 'auto' for as many as fit.",
                              metavar="N|auto")
     gpus: str = setting("", "Plan for these GPUs instead of asking NVML, e.g. 24GiB,24GiB "

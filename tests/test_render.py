@@ -172,6 +172,20 @@ def test_supervisord_conf_has_one_program_per_slot(kind):
         assert cuda == ["0", "1", "0"]
 
 
+@pytest.mark.parametrize("engine, flags", [
+    ("simulated", ["--simulated-ms-per-char", "2.5", "--simulated-base-ms", "30.0"]),
+    ("espeak", []),
+])
+def test_the_simulated_engine_gets_its_service_time_and_nothing_else_does(engine, flags):
+    settings = Settings(engine=engine, simulated_ms_per_char=2.5, simulated_base_ms=30.0, request_timeout=42.0)
+    conf = supervisor_sections(rendered(settings=settings)["run/supervisord.conf"])
+    argv = shlex.split(conf["program:instance-0"]["command"])
+    assert argv[argv.index("--engine") + 1] == engine
+    assert argv[argv.index("--request-timeout") + 1] == "42.0"
+    simulated = [a for i, a in enumerate(argv) if a.startswith("--simulated") or argv[i - 1].startswith("--simulated")]
+    assert simulated == flags
+
+
 def test_supervisord_conf_nginx_and_health_programs():
     conf = supervisor_sections(rendered()["run/supervisord.conf"])
     assert shlex.split(conf["program:nginx"]["command"]) == [

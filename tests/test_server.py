@@ -404,3 +404,19 @@ def test_a_slow_stream_reader_is_not_a_stalled_synthesis():
     assert state.ping()["stalled_seconds"] == [0.0]
     chunks.close()
     assert state.ping()["inflight"] == 0
+
+
+def test_the_simulated_engine_waits_in_proportion_to_the_text_and_returns_silence():
+    import time
+
+    from cosyvoice_lb.engines import create_engine
+
+    engine = create_engine("simulated", simulated_ms_per_char=10.0, simulated_base_ms=20.0, model_dir="ignored")
+    assert engine.service_seconds("x" * 10) == pytest.approx(0.12)
+    started = time.monotonic()
+    chunks = list(engine.synthesize(SynthesisRequest("x" * 10)))
+    assert 0.11 <= time.monotonic() - started < 0.5
+    assert len(chunks) == 1 and chunks[0].size == 10 * engine.sample_rate // 100 and not chunks[0].any()
+    started = time.process_time()
+    list(engine.synthesize(SynthesisRequest("x" * 30)))
+    assert time.process_time() - started < 0.05  # waiting, not computing: it models a GPU-bound instance

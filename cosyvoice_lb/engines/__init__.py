@@ -55,6 +55,7 @@ class Engine(Protocol):
 ENGINES = {
     "espeak": "cosyvoice_lb.engines.espeak:EspeakEngine",
     "cosyvoice3": "cosyvoice_lb.engines.cosyvoice:CosyVoiceEngine",
+    "simulated": "cosyvoice_lb.engines.simulated:SimulatedEngine",  # a load model for benchmarks
 }
 
 

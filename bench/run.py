@@ -1,0 +1,385 @@
+#!/usr/bin/env python3
+"""The benchmarks in one run: balancer overhead, scale-out, routing tail latency, startup.
+
+    python bench/run.py [--quick] [--out bench/results]
+
+Everything runs on 127.0.0.1 with clusters this script starts (``cosyvoice-lb up``) and
+always takes down. The instances run ``--engine simulated``: a load model of a GPU-bound
+CosyVoice3 instance (a wait proportional to the text, one synthesis at a time, almost no
+CPU), so the balancer is what is measured even on a box without a GPU. Startup uses the
+embedded espeak engine.
+
+a. overhead   one instance, the same closed-loop load direct and through nginx: added
+              p50/p99 (one client, short requests: no queueing) and the throughput ratio
+              (3 clients: the engine saturated).
+b. scale-out  1, 2, 4, 8 instances, 2 clients per instance: throughput and efficiency
+              against 1 instance times N.
+c. routing    4 instances, 80 % short / 20 % ten times longer requests, open-loop Poisson
+              arrivals at 50/70/90 % of capacity: cosyvoice-lb's nginx (least_conn) vs
+              nginx round-robin configured as the seeds do vs a single instance (at the
+              same share of its own capacity).
+d. startup    ``cosyvoice-lb up`` until all ready, 1/2/4 embedded instances.
+
+It prints markdown tables, writes CSV and PNG files under --out, and ends with three lines:
+overhead, scale-out and routing figures. --quick runs shorter loads (under ~15 minutes on
+2 cores); the full run takes about half an hour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import random
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import load  # noqa: E402  (bench/load.py)
+
+MS_PER_CHAR = 4.0
+SHORT = "a" * 10  # 40 ms of service
+LONG = "a" * 100  # 400 ms: ten times longer
+FIXED = "a" * 50  # 200 ms: throughput and scale-out
+LONG_SHARE = 0.2
+MEAN_SERVICE = (1 - LONG_SHARE) * len(SHORT) * MS_PER_CHAR / 1000 + LONG_SHARE * len(LONG) * MS_PER_CHAR / 1000
+ROUTING_INSTANCES = 4
+LOADS = (0.5, 0.7, 0.9)
+SCALE = (1, 2, 4, 8)
+STARTUP = (1, 2, 4)
+# No request is refused in any configuration: what differs is routing alone (cosyvoice-lb's
+# own default, --max-queue 2, would answer 503 at once where round-robin queues).
+QUEUE = 64
+
+
+@dataclass(frozen=True)
+class Durations:
+    latency_requests: int
+    throughput_s: float
+    scale_s: float
+    routing_s: float
+
+
+QUICK = Durations(latency_requests=300, throughput_s=15, scale_s=15, routing_s=45)
+FULL = Durations(latency_requests=1000, throughput_s=30, scale_s=30, routing_s=120)
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).with_name("cosyvoice-lb")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "cosyvoice_lb.cli"]
+    done = subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"cosyvoice-lb {shlex.join(args)} exited {done.returncode}:\n{done.stderr[-2000:]}")
+    return done
+
+
+class Cluster:
+    """A cosyvoice-lb cluster on 127.0.0.1 in a fresh state dir; ``down`` at the end."""
+
+    def __init__(self, engine: str = "simulated", max_instances: int = 8):
+        self.engine = engine
+        base = load.free_port_block(max_instances + 1)
+        self.port, self.base = base, base + 1
+        self.state_dir = Path(tempfile.mkdtemp(prefix="cb", dir="/tmp"))  # short: a unix socket lives here
+        self.instances = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def instance_url(self, index: int = 0) -> str:
+        return f"http://127.0.0.1:{self.base + index}"
+
+    def up(self, instances: int) -> float:
+        """Start (or rescale) with ``instances``; the seconds `up` took."""
+        args = ["up", "--engine", self.engine, "--instances", str(instances), "--host", "127.0.0.1",
+                "--port", str(self.port), "--base-port", str(self.base), "--state-dir", str(self.state_dir)]
+        if self.engine == "simulated":
+            args += ["--simulated-ms-per-char", str(MS_PER_CHAR), "--max-queue", str(QUEUE)]
+        started = time.monotonic()
+        cli(*args)
+        self.instances = instances
+        return time.monotonic() - started
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            cli("down", "--state-dir", str(self.state_dir))
+        finally:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+SEEDS_NGINX = """\
+# nginx round-robin as the seeds configure it (seeds/003): default balancing, passive
+# checks max_fails=3 fail_timeout=30s, keepalive 10, buffering on, 60 s timeouts.
+daemon off;
+worker_processes auto;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    upstream cosyvoice_backend {{
+{servers}
+        keepalive 10;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://cosyvoice_backend;
+            proxy_set_header Host $host;
+            proxy_set_header X-Real-IP $remote_addr;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_set_header X-Forwarded-Proto $scheme;
+            proxy_connect_timeout 60s;
+            proxy_send_timeout 60s;
+            proxy_read_timeout 60s;
+            proxy_buffering on;
+        }}
+    }}
+}}
+"""
+
+
+class RoundRobin:
+    """A second nginx in front of the same instances, configured like the seeds'."""
+
+    def __init__(self, ports: list[int]):
+        self.dir = Path(tempfile.mkdtemp(prefix="rr", dir="/tmp"))
+        self.port = load.free_port_block(1)
+        servers = "\n".join(f"        server 127.0.0.1:{p} max_fails=3 fail_timeout=30s;" for p in ports)
+        (self.dir / "nginx.conf").write_text(SEEDS_NGINX.format(dir=self.dir, servers=servers, port=self.port))
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "RoundRobin":
+        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        self.process = subprocess.Popen([nginx, "-p", str(self.dir), "-c", str(self.dir / "nginx.conf")],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            time.sleep(0.1)
+        raise RuntimeError(f"the round-robin nginx did not listen; see {self.dir}/error.log")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGQUIT)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --- the measurements ------------------------------------------------------------------------
+
+def tts(url: str) -> str:
+    return url + "/v1/tts"
+
+
+def latency(url: str, requests: int) -> load.Summary:
+    results, seconds = load.run(load.closed_loop(tts(url), 1, 3600, {"text": SHORT}, max_requests=requests))
+    return load.Summary.of(results, seconds)
+
+
+def throughput(url: str, clients: int, seconds: float) -> load.Summary:
+    results, took = load.run(load.closed_loop(tts(url), clients, seconds, {"text": FIXED}))
+    return load.Summary.of(results, took)
+
+
+def mixed(rng: random.Random) -> tuple[str, dict]:
+    return ("long", {"text": LONG}) if rng.random() < LONG_SHARE else ("short", {"text": SHORT})
+
+
+def routing_point(url: str, rate: float, seconds: float, seed: int) -> load.Summary:
+    results = load.run(load.open_loop(tts(url), rate, seconds, mixed, seed=seed))
+    return load.Summary.of(results, seconds)
+
+
+@dataclass
+class Report:
+    overhead: list[dict]
+    scale: list[dict]
+    routing: list[dict]
+    startup: list[dict]
+
+
+def overhead_section(cluster: Cluster, d: Durations) -> list[dict]:
+    rows = []
+    for target, url in (("direct", cluster.instance_url(0)), ("nginx", cluster.url)):
+        log(f"overhead: {target}")
+        lat = latency(url, d.latency_requests)
+        thr = throughput(url, 3, d.throughput_s)
+        rows.append({"path": target, "requests": lat.requests + thr.requests, "failed": lat.failed + thr.failed,
+                     "p50_ms": lat.p50_ms, "p99_ms": lat.p99_ms, "throughput_rps": thr.throughput})
+    return rows
+
+
+def scale_section(cluster: Cluster, d: Durations) -> list[dict]:
+    rows = []
+    for n in SCALE:
+        cluster.up(n)
+        log(f"scale-out: {n} instance(s)")
+        s = throughput(cluster.url, 2 * n, d.scale_s)
+        rows.append({"instances": n, "requests": s.requests, "failed": s.failed, "throughput_rps": s.throughput,
+                     "p50_ms": s.p50_ms, "p99_ms": s.p99_ms})
+    single = rows[0]["throughput_rps"]
+    for row in rows:
+        row["linear_rps"] = single * row["instances"]
+        row["efficiency_pct"] = 100 * row["throughput_rps"] / row["linear_rps"] if single else 0.0
+    return rows
+
+
+def routing_section(cluster: Cluster, d: Durations) -> list[dict]:
+    cluster.up(ROUTING_INSTANCES)
+    rows = []
+    capacity = ROUTING_INSTANCES / MEAN_SERVICE
+    with RoundRobin([cluster.base + i for i in range(ROUTING_INSTANCES)]) as rr:
+        for share in LOADS:
+            targets = (("cosyvoice-lb", cluster.url, capacity), ("round-robin", rr.url, capacity),
+                       ("single", cluster.instance_url(0), 1 / MEAN_SERVICE))
+            for name, url, cap in targets:
+                rate = share * cap
+                log(f"routing: {name} at {share:.0%} ({rate:.1f} requests/s)")
+                s = routing_point(url, rate, d.routing_s, seed=int(share * 100))  # same arrivals for each
+                rows.append({"load_pct": round(share * 100), "setup": name, "rate_rps": rate, "requests": s.requests,
+                             "failed": s.failed, "p50_ms": s.p50_ms, "p95_ms": s.p95_ms, "p99_ms": s.p99_ms})
+    return rows
+
+
+def startup_section() -> list[dict]:
+    rows = []
+    for n in STARTUP:
+        with Cluster(engine="espeak", max_instances=n) as cluster:
+            log(f"startup: {n} embedded instance(s)")
+            rows.append({"instances": n, "seconds": cluster.up(n)})
+    return rows
+
+
+# --- output ----------------------------------------------------------------------------------
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Markdown; columns are (key, header, format)."""
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(format(row[k], f) if f else str(row[k]) for k, _, f in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plots(report: Report, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for setup, style in (("cosyvoice-lb", "o-"), ("round-robin", "s--"), ("single", "^:")):
+        points = [r for r in report.routing if r["setup"] == setup]
+        left.plot([r["load_pct"] for r in points], [r["p99_ms"] for r in points], style, label=setup)
+    left.set(title="routing: p99 latency, 80 % short / 20 % 10x long", xlabel="load (% of capacity)",
+             ylabel="p99 ms", yscale="log")
+    left.legend()
+    n = [r["instances"] for r in report.scale]
+    right.plot(n, [r["throughput_rps"] for r in report.scale], "o-", label="measured")
+    right.plot(n, [r["linear_rps"] for r in report.scale], "k:", label="linear (1 instance x N)")
+    right.set(title="scale-out: throughput", xlabel="instances", ylabel="requests/s", xticks=n)
+    right.legend()
+    fig.tight_layout()
+    path = out / "bench.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def summary_lines(report: Report) -> list[str]:
+    direct, via = report.overhead
+    four = next(r for r in report.scale if r["instances"] == 4)
+    at70 = {r["setup"]: r for r in report.routing if r["load_pct"] == 70}
+    return [
+        f"overhead: p50 {via['p50_ms'] - direct['p50_ms']:+.2f} ms, p99 {via['p99_ms'] - direct['p99_ms']:+.2f} ms, "
+        f"throughput ratio {via['throughput_rps'] / direct['throughput_rps']:.3f}",
+        f"scale-out: 4 instances, efficiency {four['efficiency_pct']:.1f} %",
+        f"routing: p99 ratio vs round-robin {at70['cosyvoice-lb']['p99_ms'] / at70['round-robin']['p99_ms']:.2f} "
+        "at 70% load",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter loads (under ~15 minutes on 2 cores)")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                        help="where the CSV and PNG files go (default: bench/results)")
+    args = parser.parse_args(argv)
+    d = QUICK if args.quick else FULL
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print("command: " + shlex.join([Path(sys.executable).name, "bench/run.py", *(argv or sys.argv[1:])]))
+    print(f"load model: --engine simulated, {MS_PER_CHAR:g} ms per character: short {len(SHORT)} chars "
+          f"({len(SHORT) * MS_PER_CHAR:g} ms), long {len(LONG)} chars ({len(LONG) * MS_PER_CHAR:g} ms), "
+          f"fixed {len(FIXED)} chars ({len(FIXED) * MS_PER_CHAR:g} ms); --max-queue {QUEUE}")
+    print(f"durations: {asdict(d)}")
+    started = time.monotonic()
+    with Cluster() as cluster:
+        cluster.up(1)
+        overhead = overhead_section(cluster, d)
+        scale = scale_section(cluster, d)
+        routing = routing_section(cluster, d)
+    report = Report(overhead, scale, routing, startup_section())
+
+    print("\n### a. overhead: one instance, direct vs through nginx\n")
+    print(table(report.overhead, [("path", "path", ""), ("requests", "requests", ""), ("failed", "failed", ""),
+                                  ("p50_ms", "p50 ms (1 client, short)", ".2f"),
+                                  ("p99_ms", "p99 ms (1 client, short)", ".2f"),
+                                  ("throughput_rps", "requests/s (3 clients)", ".2f")]))
+    print("\n### b. scale-out: 2 clients per instance\n")
+    print(table(report.scale, [("instances", "instances", ""), ("requests", "requests", ""), ("failed", "failed", ""),
+                               ("throughput_rps", "requests/s", ".2f"), ("linear_rps", "linear", ".2f"),
+                               ("efficiency_pct", "efficiency %", ".1f"), ("p99_ms", "p99 ms", ".0f")]))
+    print(f"\n### c. routing: {ROUTING_INSTANCES} instances, {100 - LONG_SHARE * 100:.0f} % short / "
+          f"{LONG_SHARE * 100:.0f} % long, open loop (capacity {ROUTING_INSTANCES / MEAN_SERVICE:.1f} requests/s)\n")
+    print(table(report.routing, [("load_pct", "load %", ""), ("setup", "setup", ""), ("rate_rps", "requests/s", ".1f"),
+                                 ("requests", "requests", ""), ("failed", "failed", ""), ("p50_ms", "p50 ms", ".0f"),
+                                 ("p95_ms", "p95 ms", ".0f"), ("p99_ms", "p99 ms", ".0f")]))
+    print("\n### d. startup: `cosyvoice-lb up` until all ready (espeak)\n")
+    print(table(report.startup, [("instances", "instances", ""), ("seconds", "seconds", ".1f")]))
+    for name in ("overhead", "scale", "routing", "startup"):
+        write_csv(out / f"{name}.csv", getattr(report, name))
+    written = plots(report, out)
+    files = [out / f"{n}.csv" for n in ("overhead", "scale", "routing", "startup")] + written
+    print(f"\nfiles: {', '.join(os.path.relpath(f) for f in files)}; took {(time.monotonic() - started) / 60:.1f} min\n")
+    for line in summary_lines(report):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
