@@ -505,8 +505,8 @@ def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progre
         waiting = [i for i in current.instances if i.name in names and i.name not in failed
                    and not (i.ready and i.in_rotation and i.pid != replacing.get(i.name))]
         if not waiting and failed and len(failed) == len(names):
-            raise ClusterError("\n".join([f"{'no instance' if len(names) > 1 else names[0]} could not start:"]
-                                         + failure_report(layout, current, names)))
+            first = "no instance could start:" if len(names) > 1 else f"{names[0]} could not start:"
+            raise ClusterError("\n".join([first] + failure_report(layout, current, names)))
         if not waiting and current.nginx.get("answers") == 200:
             on_progress(Progress(len(names) - len(failed), len(names),
                                  "all ready" if not failed else f"{len(failed)} failed: {', '.join(failed)}"))
