@@ -26,7 +26,7 @@ import requests
 from . import processes
 from .files import write_atomic
 from .gpu import inventory
-from .health import LOOPBACK, failed_starts
+from .health import LOOPBACK
 from .planner import Budget, Plan, PlanError, Slot, parse_size, plan, with_own_slots
 from .render import Layout, Programs, read_cluster_json, render
 from .resources import instance_files
@@ -476,34 +476,35 @@ def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progre
     """Wait until each named instance serves (ready and in rotation; for ``replacing``,
     a process other than the pid given) or has failed, and nginx answers.
 
-    An instance has failed when the health loop gave up on it, supervisord did (FATAL), or
-    it was started more than --start-retries + 1 times without getting ready. The others
-    are still waited for; :class:`ClusterError` only when none of them serves.
+    An instance has failed when the health loop gave up on it (a crash loop: it tells
+    restarts it ordered from crashes) or supervisord did (FATAL). One seen serving once is
+    done, even if it is recycled while the others are waited for. The others are still
+    waited for; :class:`ClusterError` only when none of them serves.
     """
     supervisor = Supervisor(layout)
-    baseline = {name: layout.starts_count(name) for name in names}
     replacing = replacing or {}
     since = time.time()  # a failure the health loop recorded before this wait is not this start's
     deadline = time.monotonic() + settings.startup_timeout + settings.drain_timeout + 30
     failed: dict[str, str] = {}
+    served: set[str] = set()
     while True:
         current = status(layout)
         for item in current.instances:
             if item.name not in names:
                 continue
-            alive = item.state in ("RUNNING", "STARTING")
-            crashes = failed_starts(layout.starts_count(item.name), baseline[item.name], alive)
+            if item.ready and item.in_rotation and item.pid != replacing.get(item.name):
+                served.add(item.name)
             recorded = item.failed if item.failed_at >= since or item.state == "FATAL" else ""
-            if item.name not in failed and (recorded or crashes > settings.start_retries):
-                failed[item.name] = recorded or f"failed: it exited {crashes} times in a row without getting ready"
+            if item.name not in failed and item.name not in served and recorded:
+                failed[item.name] = recorded
             item.failed = failed.get(item.name, "")
         for service in SERVICES:
             state = getattr(current, service).get("state")
             if state in ("FATAL", "BACKOFF", "EXITED", "MISSING"):
                 raise ClusterError(f"{service} does not stay up ({state}); last log lines:\n"
                                    f"{last_lines(supervisor, service)}")
-        waiting = [i for i in current.instances if i.name in names and i.name not in failed
-                   and not (i.ready and i.in_rotation and i.pid != replacing.get(i.name))]
+        waiting = [i for i in current.instances
+                   if i.name in names and i.name not in served and i.name not in failed]
         if not waiting and failed and len(failed) == len(names):
             first = "no instance could start:" if len(names) > 1 else f"{names[0]} could not start:"
             raise ClusterError("\n".join([first] + failure_report(layout, current, names)))
