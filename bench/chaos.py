@@ -67,7 +67,7 @@ from cosyvoice_lb import cluster
 from cosyvoice_lb.cluster import ClusterStatus, InstanceStatus
 from cosyvoice_lb.processes import orphan_nginx, stray_processes
 from cosyvoice_lb.render import Layout
-from load import free_port_block  # bench/load.py
+from load import cli_command, free_port_block  # bench/load.py
 
 # --- bounds ------------------------------------------------------------------------------
 
@@ -107,12 +107,6 @@ SENTENCES = (
 )
 
 # --- the cluster -------------------------------------------------------------------------
-
-
-def cli_command() -> list[str]:
-    """The cosyvoice-lb next to this Python (the venv's), else the module."""
-    script = Path(sys.executable).with_name("cosyvoice-lb")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "cosyvoice_lb.cli"]
 
 
 def clean_env() -> dict[str, str]:
@@ -225,10 +219,6 @@ def tail(text: str, lines: int = 3) -> str:
 
 def log(message: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def serving(item: InstanceStatus) -> bool:
-    return item.state == "RUNNING" and item.ready and item.in_rotation
 
 
 def wait_serving(layout: Layout, within: float) -> tuple[ClusterStatus | None, str]:
@@ -383,7 +373,7 @@ def longest_out(observations: list[Observation]) -> float:
     longest, since = 0.0, {}
     for item in observations:
         for inst in item.status.instances:
-            if not serving(inst):
+            if not inst.serving:
                 since.setdefault(inst.name, item.t)
             elif inst.name in since:
                 longest = max(longest, item.t - since.pop(inst.name))
@@ -436,7 +426,7 @@ def instance_fault(target: InstanceStatus, leftover: psutil.Process | None = Non
 
     def recovered(status: ClusterStatus) -> bool:
         item = current(status)
-        return item is not None and item.pid not in (0, target.pid) and serving(item)
+        return item is not None and item.pid not in (0, target.pid) and item.serving
 
     def finish(fault: Fault) -> None:
         if leftover is not None and kill(leftover):
@@ -532,7 +522,7 @@ def fleet_fault(proc: subprocess.Popen, label: str, settled: Callable[[ClusterSt
     """A CLI command that restarts instances: back when it exited, ``settled`` holds and
     every instance but ``may_be_out`` serves; it must exit 0. ``counted``: a note."""
     def recovered(status: ClusterStatus) -> bool:
-        out = sum(not serving(i) for i in status.instances)
+        out = sum(not i.serving for i in status.instances)
         return proc.poll() is not None and settled(status) and out <= may_be_out
 
     def finish(fault: Fault) -> None:
@@ -545,7 +535,7 @@ def fleet_fault(proc: subprocess.Popen, label: str, settled: Callable[[ClusterSt
         if note:
             fault.notes.append(note)
 
-    return Fault(lambda status: not all(serving(i) for i in status.instances), recovered, within=within,
+    return Fault(lambda status: not all(i.serving for i in status.instances), recovered, within=within,
                  fleet=True, finish=finish)
 
 

@@ -7,7 +7,8 @@ process at a given rate, independent of the answers), every request's latency is
 and percentiles are computed from all of them. One asyncio loop and one httpx client are
 light enough for the rates a box of TTS instances serves.
 
-Every run is bounded in requests and in time, and refuses any host but 127.0.0.1.
+Every run is bounded in requests and in time, and refuses any host but 127.0.0.1. Also
+the two helpers the bench scripts share: the CLI command and a free block of ports.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
@@ -49,6 +52,13 @@ class Summary:
         p50, p95, p99 = (np.percentile(good, [50, 95, 99]) if good.size else (float("nan"),) * 3)
         return cls(len(results), int(good.size), len(results) - int(good.size), seconds,
                    good.size / seconds if seconds else 0.0, float(p50), float(p95), float(p99))
+
+
+def cli_command() -> list[str]:
+    """cosyvoice-lb as the bench scripts run it: the one next to this Python (the venv's),
+    else the module."""
+    script = Path(sys.executable).with_name("cosyvoice-lb")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "cosyvoice_lb.cli"]
 
 
 def free_port_block(count: int) -> int:

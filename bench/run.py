@@ -77,9 +77,7 @@ def log(message: str) -> None:
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    script = Path(sys.executable).with_name("cosyvoice-lb")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "cosyvoice_lb.cli"]
-    done = subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([*load.cli_command(), *args], capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"cosyvoice-lb {shlex.join(args)} exited {done.returncode}:\n{done.stderr[-2000:]}")
     return done

@@ -167,13 +167,23 @@ def make_dirs(layout: Layout) -> None:
     os.chmod(layout.run, 0o700)
 
 
+def read_health(layout: Layout) -> dict:
+    """What the health loop last wrote (health.json): ``updated`` and its ``instances``
+    tracks; {} when there is none (yet)."""
+    try:
+        health = json.loads(layout.health_json.read_text())
+    except (OSError, ValueError):
+        return {}
+    return health if isinstance(health, dict) else {}
+
+
+def health_tracks(layout: Layout) -> dict[str, dict]:
+    return read_health(layout).get("instances", {})
+
+
 def out_of_rotation(layout: Layout) -> frozenset[str]:
     """Instances the running health loop has taken out (kept out when re-rendering)."""
-    try:
-        tracks = json.loads(layout.health_json.read_text())["instances"]
-    except (OSError, ValueError, KeyError):
-        return frozenset()
-    return frozenset(name for name, track in tracks.items() if not track.get("in_rotation"))
+    return frozenset(name for name, track in health_tracks(layout).items() if not track.get("in_rotation"))
 
 
 def render_to_disk(settings: Settings, own: tuple[Slot, ...] = (),
@@ -352,6 +362,10 @@ class InstanceStatus:
     failed: str = ""  # given up on after a crash loop: why (it stays stopped until restarted)
     failed_at: float = 0.0
 
+    @property
+    def serving(self) -> bool:
+        return self.state == "RUNNING" and self.ready and self.in_rotation
+
 
 @dataclass
 class ClusterStatus:
@@ -423,10 +437,7 @@ def status(layout: Layout) -> ClusterStatus:
         return ClusterStatus(running=False, problems=problems)
     settings, slots = record
     programs = supervisor.processes()
-    try:
-        health = json.loads(layout.health_json.read_text())
-    except (OSError, ValueError):
-        health = {}
+    health = read_health(layout)
     tracks = health.get("instances", {})
     result = ClusterStatus(running=True, url=public_url(settings))
     for slot in slots:
@@ -492,7 +503,7 @@ def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progre
         for item in current.instances:
             if item.name not in names:
                 continue
-            if item.ready and item.in_rotation and item.pid != replacing.get(item.name):
+            if item.serving and item.pid != replacing.get(item.name):
                 served.add(item.name)
             recorded = item.failed if item.failed_at >= since or item.state == "FATAL" else ""
             if item.name not in failed and item.name not in served and recorded:
@@ -651,10 +662,10 @@ def restart(layout: Layout, names: list[str] | None = None, on_progress: Report 
         supervisor.start(name)
     current = {i.name: i for i in status(layout).instances}
     # Those not serving first: restarting them costs no capacity.
-    targets = sorted((n for n in names if n in instances), key=lambda n: _serving(current[n]))
+    targets = sorted((n for n in names if n in instances), key=lambda n: current[n].serving)
     for group in ([[n] for n in targets] if rolling else [targets] if targets else []):
         on_progress(Progress(0, len(group), f"restarting {', '.join(group)}"))
-        if careful and _serving(current[group[0]]):
+        if careful and current[group[0]].serving:
             others_serving(layout, settings, group[0], on_progress)
         old = drain(layout, settings, supervisor, group, "TERM", on_progress)
         for name in group:
@@ -664,17 +675,13 @@ def restart(layout: Layout, names: list[str] | None = None, on_progress: Report 
     return names
 
 
-def _serving(item: InstanceStatus) -> bool:
-    return item.state == "RUNNING" and item.ready and item.in_rotation
-
-
 def others_serving(layout: Layout, settings: Settings, name: str, on_progress: Report) -> None:
     """Before a drained stop of ``name``: wait until every other instance (but those given
     up on) serves, so the stop costs one instance of capacity and never the last one."""
     deadline = time.monotonic() + settings.startup_timeout + 30
     while True:
         others = [i for i in status(layout).instances if i.name != name and not i.failed]
-        short = [i.name for i in others if not _serving(i)]
+        short = [i.name for i in others if not i.serving]
         if not short:
             return
         if time.monotonic() > deadline:
@@ -699,9 +706,9 @@ def drain(layout: Layout, settings: Settings, supervisor: Supervisor, names: lis
     while any(layout.restart_request(n).exists() for n in names) and time.monotonic() < deadline:
         time.sleep(0.1)
     ignored = [n for n in names if layout.restart_request(n).exists()]
-    given_up = {i.name for i in status(layout).instances if i.failed} if ignored else set()
+    tracks = health_tracks(layout)
     for name in ignored:
-        if name not in given_up:  # (kept for one given up on: the health loop clears it when back)
+        if not tracks.get(name, {}).get("failed"):  # (kept for one given up on: the health loop clears it)
             layout.restart_request(name).unlink(missing_ok=True)
         on_progress(Progress(0, len(names), f"the health loop did not take the request: stopping {name} directly"))
         if name in running:
@@ -711,17 +718,10 @@ def drain(layout: Layout, settings: Settings, supervisor: Supervisor, names: lis
     held = [n for n in running if n not in ignored]
     if action == "HOLD" and held:
         deadline = time.monotonic() + settings.drain_timeout + max(15.0, 10 * settings.probe_interval)
-        while time.monotonic() < deadline and not all(_signalled(layout, n) for n in held):
+        while time.monotonic() < deadline and not all(health_tracks(layout).get(n, {}).get("signalled_at")
+                                                      for n in held):
             time.sleep(0.1)
     return running
-
-
-def _signalled(layout: Layout, name: str) -> bool:
-    try:
-        track = json.loads(layout.health_json.read_text())["instances"][name]
-    except (OSError, ValueError, KeyError):
-        return False
-    return bool(track.get("signalled_at"))
 
 
 def serving_or_fail(layout: Layout, settings: Settings, names: list[str], on_progress: Report,

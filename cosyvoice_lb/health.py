@@ -308,7 +308,7 @@ class HealthLoop:
         ))
         now = time.time()
         kills: list[str] = []
-        self.taken: list[str] = []  # restart requests handled this step (removed once saved)
+        self.taken = []  # restart requests handled this step (removed once saved)
         for slot in self.slots:
             name, before = slot.name, self.tracks[slot.name]
             starts = self.layout.starts_count(name)

@@ -72,6 +72,16 @@ def _listens_on(proc: psutil.Process, port: int) -> bool:
     return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in conns)
 
 
+def nginx_on_port(port: int) -> list[psutil.Process]:
+    """nginx processes that themselves hold a listening socket on ``port`` (every worker,
+    not only the one pid the system-wide socket table names)."""
+    found = []
+    for proc in psutil.process_iter(["name"]):
+        if "nginx" in (proc.info["name"] or "") and _listens_on(proc, port):
+            found.append(proc)
+    return found
+
+
 def orphan_nginx(port: int, master_pid: int) -> list[psutil.Process]:
     """nginx workers whose master is gone and that still hold ``port`` (never a master, nor
     a worker of another nginx, e.g. the system's or another cluster's).
@@ -80,13 +90,12 @@ def orphan_nginx(port: int, master_pid: int) -> list[psutil.Process]:
     supervisord starts next can never bind it.
     """
     orphans = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
+    for proc in nginx_on_port(port):
         try:
-            if ("nginx" not in (proc.info["name"] or "") or proc.pid == master_pid
-                    or "worker process" not in " ".join(proc.info["cmdline"] or [])):
+            if proc.pid == master_pid or "worker process" not in " ".join(proc.cmdline()):
                 continue
             parent = proc.parent()  # an orphan's master is gone: another nginx's workers have theirs
-            if (parent is None or "nginx" not in parent.name()) and _listens_on(proc, port):
+            if parent is None or "nginx" not in parent.name():
                 orphans.append(proc)
         except psutil.Error:
             pass
@@ -100,12 +109,7 @@ def stray_processes(layout: Layout, public_port: int | None) -> list[psutil.Proc
         if is_cluster_program(proc.info["cmdline"] or [], layout):
             found[proc.pid] = proc
     if public_port:  # nginx workers name nothing; they hold the public port
-        for proc in listeners(public_port):
-            try:
-                if "nginx" in proc.name():
-                    found[proc.pid] = proc
-            except psutil.NoSuchProcess:
-                pass
+        found.update((proc.pid, proc) for proc in nginx_on_port(public_port))
     found.pop(os.getpid(), None)
     return list(found.values())
 

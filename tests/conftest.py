@@ -12,7 +12,10 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
+from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import requests
@@ -63,6 +66,21 @@ def state_dir():
     path = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def http_server(handler: type) -> Iterator[int]:
+    """A small threaded HTTP server on 127.0.0.1 answering with ``handler``; its port."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+    thread.start()
+    try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
 
 
 # --- a running cluster ------------------------------------------------------------------

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, http_server
 
 sys.path.insert(0, str(ROOT / "bench"))
 import load  # noqa: E402
@@ -36,13 +35,8 @@ def server():
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1/tts", seen
-    httpd.shutdown()
-    httpd.server_close()
+    with http_server(Handler) as port:
+        yield f"http://127.0.0.1:{port}/v1/tts", seen
 
 
 def test_open_loop_sends_poisson_arrivals_at_the_rate_and_times_every_request(server):

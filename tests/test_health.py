@@ -11,10 +11,11 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
+from conftest import http_server
 from cosyvoice_lb.health import Policy, Probe, Track, judge, probe
 from cosyvoice_lb.settings import Settings
 from cosyvoice_lb.supervision import ProcessInfo
@@ -364,15 +365,9 @@ def server():
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
-    thread.start()
-    yield httpd.server_address[1], reply
-    release.set()
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(5)
+    with http_server(Handler) as port:
+        yield port, reply
+        release.set()
 
 
 @pytest.mark.parametrize("status, body, expected", [
