@@ -24,7 +24,7 @@ Scenarios, in this order, each on its own:
 
 Per scenario: wait until the cluster is fully serving (what ``cosyvoice-lb status`` exits 0
 on); K clients POST /v1/tts through nginx; 2 s of baseline; inject; poll
-``cluster.status()`` every 0.2 s until the target is back; 2 s more; stop the clients.
+``status()`` every 0.2 s until the target is back; 2 s more; stop the clients.
 
 Columns: "out of rotation s" is the time from the fault until the instance hit was first
 seen out of rotation or replaced (how fast the fault is noticed) -- for rolling-restart and
@@ -63,10 +63,9 @@ import numpy as np
 import psutil
 import requests
 
-from cosyvoice_lb import cluster
-from cosyvoice_lb.cluster import ClusterStatus, InstanceStatus
+from cosyvoice_lb.layout import Layout, layout_for
 from cosyvoice_lb.processes import orphan_nginx, stray_processes
-from cosyvoice_lb.render import Layout
+from cosyvoice_lb.status import ClusterStatus, InstanceStatus, status
 from load import cli_command, free_port_block  # bench/load.py
 
 # --- bounds ------------------------------------------------------------------------------
@@ -129,7 +128,7 @@ class Run:
 
     @property
     def layout(self) -> Layout:
-        return cluster.layout_for(str(self.state_dir))
+        return layout_for(str(self.state_dir))
 
     @property
     def url(self) -> str:
@@ -227,7 +226,7 @@ def wait_serving(layout: Layout, within: float) -> tuple[ClusterStatus | None, s
     problems = "no status yet"
     while time.monotonic() < deadline:
         try:
-            current = cluster.status(layout)
+            current = status(layout)
         except Exception as exc:  # supervisord busy restarting something: ask again
             problems = f"status failed: {exc}"
         else:
@@ -332,7 +331,7 @@ class Observation:
 def observe(layout: Layout, t0: float) -> Observation | None:
     t = time.monotonic() - t0
     try:
-        return Observation(t, cluster.status(layout))
+        return Observation(t, status(layout))
     except Exception:  # e.g. supervisord's socket busy: one poll less
         return None
 

@@ -1,28 +1,64 @@
-"""The ``cosyvoice-lb`` command: parse, call the cluster functions, print."""
+"""The ``cosyvoice-lb`` command: parse, call one function of the core per command, print.
+
+The options come from the settings' declarations (``settings.py``), each with its
+``COSYVOICE_LB_*`` environment variable.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__, cluster
+from . import __version__, calibration, footprint, lifecycle
+from .configs import render_only
+from .errors import ClusterError
+from .layout import layout_for
 from .planner import PlanError, format_size
 from .render import RenderError
 from .render import warnings as render_warnings
-from .settings import CLUSTER_OPTIONS, PLAN_OPTIONS, Settings, options
+from .settings import CLUSTER_OPTIONS, PLAN_OPTIONS, Settings, absolute, envvar, flag
+from .status import SERVICES, status
 from .supervision import SupervisionError, read_tail
 
 # Wide tables and unwrapped messages when piped (rich assumes 80 columns off a terminal).
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
-USER_ERRORS = (PlanError, RenderError, cluster.ClusterError, SupervisionError)
+USER_ERRORS = (PlanError, RenderError, ClusterError, SupervisionError)
+
+
+def options(*names: str) -> Callable:
+    """Click options for the named settings, from their declarations."""
+    by_name = {f.name: f for f in dataclasses.fields(Settings)}
+
+    def decorate(command: Callable) -> Callable:
+        for name in reversed(names):
+            f = by_name[name]
+            meta = f.metadata
+            kwargs: dict[str, Any] = {
+                "envvar": envvar(name), "show_envvar": True, "help": meta["help"],
+                "default": f.default, "show_default": not meta["is_flag"] and name != "python",
+            }
+            if meta["is_flag"]:
+                kwargs["is_flag"] = True
+            elif meta["choices"]:
+                kwargs["type"] = click.Choice(meta["choices"])
+            elif meta["type"]:
+                kwargs["type"] = meta["type"]
+            if meta["metavar"]:
+                kwargs["metavar"] = meta["metavar"]
+            command = click.option(flag(name), name, **kwargs)(command)
+        return command
+
+    return decorate
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -31,7 +67,7 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def settings_from(kwargs: dict[str, Any]) -> Settings:
-    return cluster.absolute(Settings.from_mapping(kwargs))
+    return absolute(Settings.from_mapping(kwargs))
 
 
 class Command(click.Group):
@@ -61,11 +97,10 @@ def main() -> None:
 def plan_command(as_json: bool, **kwargs: Any) -> None:
     """Show how many instances fit, on which device and port."""
     settings = settings_from(kwargs)
-    result, source = cluster.make_plan(settings)
+    report = footprint.plan_report(settings)
+    result = report.plan
     if as_json:
-        click.echo(json.dumps({**result.as_dict(), "engine": settings.resolved_engine, "gpu_source": source,
-                               "footprint_source": cluster.budget_for(settings, cluster.layout_for(settings))[1]},
-                              indent=2))
+        click.echo(json.dumps(report.as_dict(settings.resolved_engine), indent=2))
         return
     table = Table(title=f"cosyvoice-lb plan: {len(result.slots)} instance(s), engine {settings.resolved_engine}")
     for column in ("instance", "device", "memory", "port"):
@@ -81,8 +116,7 @@ def plan_command(as_json: bool, **kwargs: Any) -> None:
         fits.add_row(fit.device, format_size(fit.total), format_size(fit.free), str(fit.by_total),
                      str(fit.by_free), str(fit.fits), fit.limit)
     out.print(fits)
-    out.print(f"GPU inventory: {source}; footprint: "
-              f"{cluster.budget_for(settings, cluster.layout_for(settings))[1]}", highlight=False)
+    out.print(f"GPU inventory: {report.gpu_source}; footprint: {report.footprint_source}", highlight=False)
     for note in result.notes:
         out.print(f"note: {note}", highlight=False)
 
@@ -92,7 +126,7 @@ def plan_command(as_json: bool, **kwargs: Any) -> None:
 def render_command(**kwargs: Any) -> None:
     """Write every config (supervisord, nginx) into the state dir; start nothing."""
     settings = settings_from(kwargs)
-    result, layout, written = cluster.render_only(settings)
+    result, layout, written = render_only(settings)
     for path in written:
         click.echo(str(path))
     click.echo(f"{len(result.slots)} instance(s); nginx -t accepts {layout.nginx_conf}")
@@ -114,14 +148,14 @@ def up_command(**kwargs: Any) -> None:
                       TextColumn("{task.fields[detail]}"), console=err, transient=True) as bar:
             task = bar.add_task("instances ready", total=None, detail="starting")
 
-            def report(progress: cluster.Progress) -> None:
+            def report(progress: lifecycle.Progress) -> None:
                 bar.update(task, total=progress.total, completed=progress.ready, detail=progress.detail[:80])
 
-            current = cluster.up(settings, report)
+            current = lifecycle.up(settings, report)
     else:  # a log, not a screen
-        current = cluster.up(settings, line_reporter(started))
+        current = lifecycle.up(settings, line_reporter(started))
     elapsed = time.monotonic() - started
-    layout = cluster.layout_for(settings)
+    layout = layout_for(settings)
     failed = [i for i in current.instances if i.failed]
     serving = len(current.instances) - len(failed)
     click.echo(f"cosyvoice-lb is up: {serving} instance(s) ready in {elapsed:.1f}s"
@@ -129,17 +163,17 @@ def up_command(**kwargs: Any) -> None:
     click.echo(f"  UI and API: {current.url}/   (API: POST {current.url}/v1/tts, health: {current.url}/ping)")
     click.echo(f"  state: {layout.root}   stop with: cosyvoice-lb down --state-dir {layout.root}")
     if failed:
-        for line in cluster.failure_report(layout, current):
+        for line in current.report:
             click.echo(line, err=True)
         fail(f"{len(failed)} instance(s) failed to start and stay stopped while the rest serve: fix the cause, "
              f"then 'cosyvoice-lb restart {' '.join(i.name for i in failed)} --state-dir {layout.root}'", code=1)
 
 
-def line_reporter(started: float) -> Callable[[cluster.Progress], None]:
+def line_reporter(started: float) -> Callable[[lifecycle.Progress], None]:
     """Progress as plain lines on stderr, one whenever something changes."""
     last = [""]
 
-    def report(progress: cluster.Progress) -> None:
+    def report(progress: lifecycle.Progress) -> None:
         line = f"{progress.ready}/{progress.total} ready: {progress.detail}"
         if line != last[0]:
             click.echo(f"[{time.monotonic() - started:5.1f}s] {line}", err=True)
@@ -153,10 +187,10 @@ def line_reporter(started: float) -> Callable[[cluster.Progress], None]:
 def calibrate_command(**kwargs: Any) -> None:
     """Measure one instance's peak GPU memory (NVML) and keep it as the footprint to plan with."""
     settings = settings_from(kwargs)
-    entry = cluster.calibrate(settings, line_reporter(time.monotonic()))
-    click.echo(f"peak GPU memory of one {cluster.flags_key(settings)} instance: {format_size(entry['peak_bytes'])}; "
+    entry = calibration.calibrate(settings, line_reporter(time.monotonic()))
+    click.echo(f"peak GPU memory of one {footprint.flags_key(settings)} instance: {format_size(entry['peak_bytes'])}; "
                f"planning with {format_size(entry['gpu_bytes'])} (+10 %) from now on "
-               f"({cluster.layout_for(settings).footprint_json})")
+               f"({layout_for(settings).footprint_json})")
 
 
 def state_dir_option(command):
@@ -169,12 +203,12 @@ def state_dir_option(command):
               help="Print the status as JSON.")
 def status_command(state_dir: str, as_json: bool) -> None:
     """Exit 0 when all is up and ready, 1 when something falls short, 3 when not running."""
-    current = cluster.status(cluster.layout_for(state_dir))
+    current = status(layout_for(state_dir))
     if as_json:
         click.echo(json.dumps(current.as_dict(), indent=2))
         sys.exit(current.exit_code)
     if not current.running:
-        click.echo(f"not running ({cluster.layout_for(state_dir).root})")
+        click.echo(f"not running ({layout_for(state_dir).root})")
         for problem in current.problems[1:]:
             click.echo(problem)
         sys.exit(current.exit_code)
@@ -185,11 +219,11 @@ def status_command(state_dir: str, as_json: bool) -> None:
         table.add_row(i.name, str(i.port), "cpu" if i.gpu is None else f"gpu{i.gpu}", str(i.pid), i.state,
                       "yes" if i.ready else "no", "yes" if i.in_rotation else "no", str(i.restarts),
                       f"{i.uptime:.0f}s", i.reason)
-    for name in cluster.SERVICES:
+    for name in SERVICES:
         info = getattr(current, name)
         table.add_row(name, str(info.get("port", "")), "", str(info["pid"]), info["state"], "", "", "", "", "")
     out.print(table)
-    for line in cluster.failure_report(cluster.layout_for(state_dir), current):
+    for line in current.report:
         click.echo(line)
     click.echo("ok" if current.exit_code == 0 else "problems: " + "; ".join(current.problems))
     sys.exit(current.exit_code)
@@ -199,8 +233,8 @@ def status_command(state_dir: str, as_json: bool) -> None:
 @state_dir_option
 def down_command(state_dir: str) -> None:
     """Drain and stop everything the cluster started."""
-    layout = cluster.layout_for(state_dir)
-    pids = cluster.down(layout)
+    layout = layout_for(state_dir)
+    pids = lifecycle.down(layout)
     click.echo(f"stopped {len(pids)} process(es)" if pids else f"not running ({layout.root})")
 
 
@@ -216,10 +250,10 @@ def down_command(state_dir: str) -> None:
 def restart_command(state_dir: str, names: tuple[str, ...], restart_all: bool, rolling: bool) -> None:
     """Restart instances (or nginx, health) by name, or --all instances. Each instance leaves
     nginx's rotation first and stops once its requests are done (a drained restart)."""
-    layout = cluster.layout_for(state_dir)
+    layout = layout_for(state_dir)
     if bool(names) == restart_all:
         fail("name the instances to restart (e.g. instance-0) or pass --all, not both")
-    for name in cluster.restart(layout, None if restart_all else list(names), line_reporter(time.monotonic()),
+    for name in lifecycle.restart(layout, None if restart_all else list(names), line_reporter(time.monotonic()),
                                 rolling=rolling):
         click.echo(f"restarted {name}")
 
@@ -233,10 +267,10 @@ def restart_command(state_dir: str, names: tuple[str, ...], restart_all: bool, r
               help="How many lines to show first.")
 def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
     """Print a program's log: an instance, nginx, nginx-error, nginx-access, health, supervisord."""
-    layout = cluster.layout_for(state_dir)
+    layout = layout_for(state_dir)
     path = layout.log(name)
     if not path.exists():
-        known = ", ".join(cluster.log_names(layout)) or "none yet"
+        known = ", ".join(lifecycle.log_names(layout)) or "none yet"
         fail(f"no log named {name!r} in {layout.logs} (known: {known})")
     click.echo("\n".join(read_tail(path, 200 * lines).splitlines()[-lines:]))
     if not follow:

@@ -201,8 +201,8 @@ def plan(
     if inventory.gpus:
         mode = "gpu"
         fits = [_fit_gpu(g, budget) for g in inventory.gpus]
-        devices = [g.index for g in inventory.gpus]
-        per_device = {g.index: budget.on_card(g) for g in inventory.gpus}
+        devices: list[int | None] = [g.index for g in inventory.gpus]
+        per_device: dict[int | None, int] = {g.index: budget.on_card(g) for g in inventory.gpus}
         per_slot = max(per_device.values())
         for fit in fits:
             if fit.fits == 0:

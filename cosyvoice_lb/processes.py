@@ -7,7 +7,7 @@ import socket
 
 import psutil
 
-from .render import Layout
+from .layout import Layout
 
 
 def listeners(port: int) -> list[psutil.Process]:
@@ -51,7 +51,7 @@ def is_cluster_program(args: list[str], layout: Layout) -> bool:
     """True for the command line of a program the cluster in ``layout`` runs.
 
     Each program names its own file in the state dir: supervisord and nginx their config
-    (``-c``), an instance its ``--starts-file``, the health loop ``cosyvoice_lb.health
+    (``-c``), an instance its ``--starts-file``, the health loop ``cosyvoice_lb.health_loop
     --state-dir``. Nothing else matches, not even a ``cosyvoice-lb logs -f`` on the dir.
     """
     pairs = list(zip(args, args[1:]))
@@ -59,7 +59,9 @@ def is_cluster_program(args: list[str], layout: Layout) -> bool:
         return True
     if any(flag == "--starts-file" and value.startswith(str(layout.run) + os.sep) for flag, value in pairs):
         return True
-    return "cosyvoice_lb.health" in args and ("--state-dir", str(layout.root)) in pairs
+    # (cosyvoice_lb.health: the loop's module before it was split from the rules)
+    loop = "cosyvoice_lb.health_loop" in args or "cosyvoice_lb.health" in args
+    return loop and ("--state-dir", str(layout.root)) in pairs
 
 
 def _listens_on(proc: psutil.Process, port: int) -> bool:
@@ -120,6 +122,7 @@ def stop(procs: list[psutil.Process], timeout: float, term: bool = True) -> None
         for proc in procs:
             try:
                 proc.terminate()
+                proc.resume()  # a stopped (SIGSTOP) process acts on its TERM only once continued
             except psutil.NoSuchProcess:
                 pass
     _gone, alive = psutil.wait_procs(procs, timeout=timeout)

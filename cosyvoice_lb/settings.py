@@ -1,18 +1,25 @@
 """Every setting declared once: field, default, help, flag and environment variable.
 
 The CLI options, the ``COSYVOICE_LB_*`` environment variables, ``cluster.json`` and the
-README's table all come from :class:`Settings`, so they cannot drift apart.
+README's table all come from :class:`Settings`, so they cannot drift apart; so does every instance's command line (built by
+:func:`instance_args`, parsed back by :func:`instance_parser`), and each setting carries
+the check that refuses a value that cannot work.
+
+No click here: the instance imports this module in the model's Python environment.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
-import click
+from .planner import parse_size
 
 ENV_PREFIX = "COSYVOICE_LB_"
 
@@ -37,10 +44,54 @@ VLLM_CARD_FRACTION = 0.2
 ENGINES = ("auto", "espeak", "cosyvoice3", "simulated")
 
 
+# --- validators: each returns what is wrong with a value ("" when nothing) ------------------
+
+Check = Callable[[str, Any], str]
+
+
+def above_zero(flag: str, value: Any) -> str:
+    return "" if value > 0 else f"{flag} must be above 0 seconds, got {value}"
+
+
+def not_negative(flag: str, value: Any) -> str:
+    return "" if value >= 0 else f"{flag} cannot be negative, got {value}"
+
+
+def at_least(least: int) -> Check:
+    def check(flag: str, value: Any) -> str:
+        return "" if value >= least else f"{flag} must be at least {least}, got {value}"
+
+    return check
+
+
+def tcp_port(flag: str, value: Any) -> str:
+    return "" if 1 <= value <= 65535 else f"{flag} {value} is not a TCP port (1-65535)"
+
+
+def size(flag: str, value: Any) -> str:
+    if value == "":
+        return ""
+    try:
+        parse_size(value)
+    except ValueError as exc:
+        return f"{flag}: {exc}"
+    return ""
+
+
+def prompt_seconds(flag: str, value: Any) -> str:
+    if 0 < value <= 30:
+        return ""
+    return f"{flag} must be above 0 and at most 30 (upstream refuses longer prompts), got {value}"
+
+
 def setting(default: Any, help: str, *, type: Any = None, is_flag: bool = False,
-            choices: tuple[str, ...] | None = None, metavar: str | None = None) -> Any:
+            choices: tuple[str, ...] | None = None, metavar: str | None = None, check: Check | None = None,
+            instance: bool | str = False) -> Any:
+    """One setting. ``check`` refuses values that cannot work; ``instance`` passes it to every
+    instance's command line (a string: only to instances of that engine)."""
     return field(default=default, metadata={
-        "help": help, "type": type, "is_flag": is_flag, "choices": choices, "metavar": metavar,
+        "help": help, "type": type, "is_flag": is_flag, "choices": choices, "metavar": metavar, "check": check,
+        "instance": instance,
     })
 
 
@@ -51,80 +102,80 @@ class Settings:
     engine: str = setting("auto", "Speech engine of every instance: cosyvoice3 (with --model-dir; v2 and v1 model "
                                   "dirs work too), espeak (embedded, no weights); auto picks cosyvoice3 when "
                                   "--model-dir is given. simulated is a load model for benchmarks, not speech "
-                                  "(silence after a wait proportional to the text).", choices=ENGINES)
+                                  "(silence after a wait proportional to the text).", choices=ENGINES, instance=True)
     model_dir: str = setting("", "CosyVoice model dir (local, holding cosyvoice3.yaml, cosyvoice2.yaml or "
-                                 "cosyvoice.yaml).", metavar="DIR")
+                                 "cosyvoice.yaml).", metavar="DIR", instance="cosyvoice3")
     cosyvoice_root: str = setting("", "Upstream CosyVoice checkout (holds cosyvoice/ and third_party/Matcha-TTS); "
-                                      "not needed when --python's env imports cosyvoice already.", metavar="DIR")
+                                      "not needed when --python's env imports cosyvoice already.", metavar="DIR", instance="cosyvoice3")
     load_trt: bool = setting(False, "CosyVoice: TensorRT flow decoder (more GPU memory per instance).",
-                             is_flag=True)
+                             is_flag=True, instance="cosyvoice3")
     load_vllm: bool = setting(False, "CosyVoice2/3: vLLM for the LLM (reserves 0.2 x the card per instance).",
-                              is_flag=True)
-    fp16: bool = setting(False, "CosyVoice: half precision.", is_flag=True)
+                              is_flag=True, instance="cosyvoice3")
+    fp16: bool = setting(False, "CosyVoice: half precision.", is_flag=True, instance="cosyvoice3")
     simulated_ms_per_char: float = setting(4.0, "--engine simulated: milliseconds of service time per character "
-                                                "of text.", type=float)
+                                                "of text.", type=float, check=not_negative, instance="simulated")
     simulated_base_ms: float = setting(0.0, "--engine simulated: milliseconds of service time per request.",
-                                       type=float)
+                                       type=float, check=not_negative, instance="simulated")
     instances: str = setting("auto", "How many instances: a number, or 'auto' for as many as fit.",
                              metavar="N|auto")
     gpus: str = setting("", "Plan for these GPUs instead of asking NVML, e.g. 24GiB,24GiB "
                             "(a card's total; free is taken as total).", metavar="SIZES")
     footprint: str = setting("", "Memory per instance (GPU memory, or host RAM on a CPU-only box); "
-                                 "default: the engine's.", metavar="SIZE")
+                                 "default: the engine's.", metavar="SIZE", check=size)
     reserve: str = setting("1GiB", "Memory kept free on every GPU (and in RAM on a CPU-only box).",
-                           metavar="SIZE")
-    max_instances: int = setting(0, "Never plan more than this many instances (0: no cap).", type=int)
+                           metavar="SIZE", check=size)
+    max_instances: int = setting(0, "Never plan more than this many instances (0: no cap).", type=int, check=at_least(0))
     force: bool = setting(False, "Start --instances N even when fewer fit.", is_flag=True)
     base_port: int = setting(7860, "Port of the first instance; instance i listens on base+i (127.0.0.1).",
-                             type=int)
-    port: int = setting(8080, "The public port nginx listens on.", type=int)
+                             type=int, check=tcp_port)
+    port: int = setting(8080, "The public port nginx listens on.", type=int, check=tcp_port)
     host: str = setting("0.0.0.0", "The address nginx listens on.")
     state_dir: str = setting(".", "Where configs, logs, sockets and state live.", metavar="DIR")
     python: str = setting(sys.executable, "Python that runs the instances.", metavar="PATH")
     nginx: str = setting("nginx", "The nginx binary.", metavar="PATH")
-    max_chars: int = setting(500, "Longest text one request may ask for.", type=int)
+    max_chars: int = setting(500, "Longest text one request may ask for.", type=int, check=at_least(1), instance=True)
     max_prompt_seconds: float = setting(15.0, "Longer prompt audio is trimmed to this many seconds (with a notice).",
-                                        type=float)
-    max_upload: str = setting("10MiB", "Largest prompt audio upload.", metavar="SIZE")
+                                        type=float, check=prompt_seconds, instance=True)
+    max_upload: str = setting("10MiB", "Largest prompt audio upload.", metavar="SIZE", check=size, instance=True)
     instance_concurrency: int = setting(1, "Syntheses one instance runs at once (upstream's streaming shares "
-                                           "state between requests: scale with instances instead).", type=int)
+                                           "state between requests: scale with instances instead).", type=int, check=at_least(1), instance=True)
     max_queue: int = setting(2, "API requests one instance lets wait for its engine; past that it answers 503 "
                                 "at once and nginx tries another instance (all full: the client gets 503 with "
-                                "Retry-After instead of an unbounded wait).", type=int)
+                                "Retry-After instead of an unbounded wait).", type=int, check=not_negative, instance=True)
     outputs_dir: str = setting("", "Where instances keep every result (default: outputs/ in the state dir).",
-                               metavar="DIR")
-    outputs_max_age: float = setting(86400.0, "Results older than this many seconds are deleted.", type=float)
+                               metavar="DIR", instance=True)
+    outputs_max_age: float = setting(86400.0, "Results older than this many seconds are deleted.", type=float, check=above_zero, instance=True)
     outputs_max_size: str = setting("2GiB", "The outputs dir is kept under this size (oldest deleted first).",
-                                    metavar="SIZE")
+                                    metavar="SIZE", check=size, instance=True)
     stagger: bool = setting(False, "Start instances one after another, each loaded before the next "
                                    "(N model loads at once can exhaust host memory).", is_flag=True)
-    probe_interval: float = setting(1.0, "Seconds between two health probes of an instance.", type=float)
-    probe_timeout: float = setting(2.0, "Seconds a probe may take before it counts as failed.", type=float)
+    probe_interval: float = setting(1.0, "Seconds between two health probes of an instance.", type=float, check=above_zero)
+    probe_timeout: float = setting(2.0, "Seconds a probe may take before it counts as failed.", type=float, check=above_zero)
     fail_threshold: int = setting(3, "Failed probes in a row that take an instance out and restart it.",
-                                  type=int)
+                                  type=int, check=at_least(1))
     recover_threshold: int = setting(2, "Good probes in a row that put an instance back in rotation.",
-                                     type=int)
+                                     type=int, check=at_least(1))
     hang_timeout: float = setting(60.0, "A synthesis that yields no audio for this many seconds means the instance "
                                         "is hung: it is taken out and restarted, and nginx retries its requests "
                                         "elsewhere (keep it below --request-timeout so there is time for that).",
-                                  type=float)
+                                  type=float, check=above_zero)
     request_timeout: float = setting(90.0, "Longest an API request waits for its answer (or a stream for its first "
                                            "chunk), counted from its arrival at nginx, retries included; past it "
-                                           "the client gets a 504 that says so.", type=float)
+                                           "the client gets a 504 that says so.", type=float, check=above_zero, instance=True)
     startup_timeout: float = setting(300.0, "Seconds an instance may take to load before it counts as "
-                                            "failed (never killed for being slow before that).", type=float)
+                                            "failed (never killed for being slow before that).", type=float, check=above_zero)
     max_requests: int = setting(0, "Recycle an instance (a drained restart, one at a time) after this many "
-                                   "requests, against slow leaks (0: never).", type=int)
+                                   "requests, against slow leaks (0: never).", type=int, check=not_negative)
     max_requests_jitter: int = setting(0, "Add 0..N to --max-requests per instance, so they do not all recycle "
-                                          "together.", type=int)
+                                          "together.", type=int, check=not_negative)
     max_memory: str = setting("", "Recycle an instance whose RSS (or GPU memory, per process) grows past this, "
-                                  "e.g. 12GiB (empty: never).", metavar="SIZE")
+                                  "e.g. 12GiB (empty: never).", metavar="SIZE", check=size)
     drain_timeout: float = setting(30.0, "Seconds in-flight requests get to finish when an instance stops.",
-                                   type=float)
+                                   type=float, check=not_negative, instance=True)
     start_retries: int = setting(3, "Failed starts in a row before supervisord gives an instance up.",
-                                 type=int)
+                                 type=int, check=at_least(0))
     retries: int = setting(3, "Instances nginx tries for one API request (refused, dead or loading).",
-                           type=int)
+                           type=int, check=at_least(1))
 
     @property
     def staggered(self) -> bool:
@@ -142,46 +193,91 @@ class Settings:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_mapping(cls, values: dict[str, Any]) -> "Settings":
+    def from_mapping(cls, values: dict[str, Any]) -> Settings:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names and v is not None})
+
+
+def absolute(settings: Settings) -> Settings:
+    """Paths made absolute now: supervisord runs everything from the state dir."""
+    paths: dict[str, Any] = {}
+    for name in ("model_dir", "cosyvoice_root", "outputs_dir"):
+        value = getattr(settings, name)
+        if value:
+            paths[name] = str(Path(value).expanduser().resolve())
+    return dataclasses.replace(settings, **paths)
 
 
 def envvar(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-def options(*names: str) -> Callable:
-    """Click options for the named settings, each with its ``COSYVOICE_LB_*`` variable."""
-    by_name = {f.name: f for f in dataclasses.fields(Settings)}
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
-    def decorate(command: Callable) -> Callable:
-        for name in reversed(names):
-            f = by_name[name]
-            meta = f.metadata
-            kwargs: dict[str, Any] = {
-                "envvar": envvar(name), "show_envvar": True, "help": meta["help"],
-                "default": f.default, "show_default": not meta["is_flag"] and name != "python",
-            }
-            if meta["is_flag"]:
-                kwargs["is_flag"] = True
-            elif meta["choices"]:
-                kwargs["type"] = click.Choice(meta["choices"])
-            elif meta["type"]:
-                kwargs["type"] = meta["type"]
-            if meta["metavar"]:
-                kwargs["metavar"] = meta["metavar"]
-            command = click.option("--" + name.replace("_", "-"), name, **kwargs)(command)
-        return command
 
-    return decorate
+def declarations() -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(Settings)
+
+
+def problems(settings: Settings) -> list[str]:
+    """What is wrong with these settings, each setting checked by its own declaration, then
+    what no single setting can say ([] when they can work)."""
+    found = [message for f in declarations() if f.metadata["check"]
+             for message in [f.metadata["check"](flag(f.name), getattr(settings, f.name))] if message]
+    if settings.resolved_engine == "cosyvoice3" and not settings.model_dir:
+        found.append("--engine cosyvoice3 needs --model-dir (a local CosyVoice model dir)")
+    return found
+
+
+def instance_settings(engine: str) -> list[dataclasses.Field]:
+    """The settings an instance of ``engine`` takes on its command line."""
+    return [f for f in declarations() if f.metadata["instance"] in (True, engine)]
+
+
+def instance_args(settings: Settings, **resolved: Any) -> list[str]:
+    """The instance's share of ``settings`` as command-line flags (``resolved``: values the
+    launcher worked out, e.g. the engine ``auto`` stands for, or the default outputs dir)."""
+    values = {**dataclasses.asdict(settings), "engine": settings.resolved_engine, **resolved}
+    args: list[str] = []
+    for f in instance_settings(values["engine"]):
+        value = values[f.name]
+        if f.metadata["is_flag"]:
+            args += [flag(f.name)] if value else []
+        elif value != "":  # (empty: the instance's default, which is empty too)
+            args += [flag(f.name), str(value)]
+    return args
+
+
+def instance_parser(description: str) -> argparse.ArgumentParser:
+    """Parses what :func:`instance_args` writes: the same names, types and defaults (plus
+    what only an instance has: its port and address, and its starts file)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--starts-file", default="", help="a line is appended here at every start (restart counting)")
+    for f in declarations():
+        if not f.metadata["instance"]:
+            continue
+        meta = f.metadata
+        if meta["is_flag"]:
+            parser.add_argument(flag(f.name), dest=f.name, action="store_true", help=meta["help"])
+        else:
+            parser.add_argument(flag(f.name), dest=f.name, default=f.default, type=meta["type"] or str,
+                                choices=meta["choices"], metavar=meta["metavar"], help=meta["help"])
+    return parser
+
+
+def parse_instance_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
+    """An instance's settings from its command line, and the namespace (port, host, starts file)."""
+    args = instance_parser("One cosyvoice-lb instance (run by supervisord).").parse_args(argv)
+    names = {f.name for f in declarations() if f.metadata["instance"]}
+    return Settings.from_mapping({k: v for k, v in vars(args).items() if k in names}), args
 
 
 PLAN_OPTIONS = ("engine", "model_dir", "load_trt", "load_vllm", "fp16", "instances", "gpus", "footprint", "reserve",
                 "max_instances", "force", "base_port", "state_dir")
-CLUSTER_OPTIONS = PLAN_OPTIONS + tuple(
-    f.name for f in dataclasses.fields(Settings) if f.name not in PLAN_OPTIONS
-)
+CLUSTER_OPTIONS = PLAN_OPTIONS + tuple(f.name for f in dataclasses.fields(Settings) if f.name not in PLAN_OPTIONS)
 
 
 def markdown_table() -> str:

@@ -1,23 +1,56 @@
-"""supervisord adapter: start it, talk XML-RPC over its 0700 unix socket, stop it."""
+"""supervisord adapter: start it, talk XML-RPC over its 0700 unix socket, stop it.
+
+Every failure of a call (an XML-RPC fault, a socket that times out or refuses, a broken
+answer) leaves this module as :class:`SupervisionError`, which says which call on which
+socket failed; callers never see supervisor's or the socket's own exceptions.
+"""
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import xmlrpc.client
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from supervisor.xmlrpc import SupervisorTransport
 
-from .render import Layout
+from .layout import Layout
+from .timeouts import SUPERVISOR_CALL
+
+# What a call to supervisord can raise: faults, protocol errors, and the socket's errors
+# (a timeout is an OSError; so is a refused or missing socket).
+RPC_ERRORS = (OSError, xmlrpc.client.Fault, xmlrpc.client.ProtocolError, xmlrpc.client.ResponseError,
+              http.client.HTTPException, EOFError)
+
+
+class TimedUnixConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket with a timeout on connect and on every read (supervisor's own
+    connection has none: a stopped supervisord would hang its caller forever)."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
 
 
 class SupervisionError(RuntimeError):
-    pass
+    """A supervisord call failed; the message says which and why."""
+
+    def __init__(self, message: str, fault: str = "", timed_out: bool = False):
+        super().__init__(message)
+        self.fault = fault  # supervisord's fault name (e.g. BAD_NAME), "" for a transport failure
+        self.timed_out = timed_out  # it is there but did not answer in time (busy or stopped)
 
 
 @dataclass(frozen=True)
@@ -38,36 +71,59 @@ class ProcessInfo:
 class Supervisor:
     """One cluster's supervisord, addressed through the socket in its state dir."""
 
-    def __init__(self, layout: Layout, timeout: float = 10.0):
+    def __init__(self, layout: Layout, timeout: float = SUPERVISOR_CALL):
         self.layout = layout
         self.timeout = timeout
 
-    @property
-    def rpc(self):
+    def _rpc(self, method: str, *args: Any, harmless: str = "") -> Any:
+        """One XML-RPC call; a fault naming ``harmless`` (already in that state) is fine."""
         transport = SupervisorTransport(None, None, f"unix://{self.layout.socket}")
-        transport.timeout = self.timeout
-        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
+        path, timeout = str(self.layout.socket), self.timeout
+        transport._get_connection = lambda: TimedUnixConnection(path, timeout)
+        proxy = xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
+        try:
+            return getattr(proxy.supervisor, method)(*args)
+        except xmlrpc.client.Fault as fault:
+            if harmless and harmless in fault.faultString:
+                return None
+            raise SupervisionError(f"supervisord refused {method}{args!r}: {fault.faultString}",
+                                   fault=fault.faultString.split(":")[0]) from None
+        except TimeoutError:
+            raise SupervisionError(f"supervisord did not answer {method} within {self.timeout:g}s on "
+                                   f"{self.layout.socket} (busy or stopped?)", timed_out=True) from None
+        except RPC_ERRORS as exc:
+            raise SupervisionError(f"supervisord could not be asked {method} on {self.layout.socket}: "
+                                   f"{type(exc).__name__}: {exc}") from None
 
     def running(self) -> bool:
         """True when a supervisord answers on this state dir's socket."""
         if not self.layout.socket.exists():
             return False
         try:
-            return self.rpc.supervisor.getState()["statename"] == "RUNNING"
-        except (OSError, xmlrpc.client.Fault, xmlrpc.client.ProtocolError, socket.timeout):
+            return self._rpc("getState")["statename"] == "RUNNING"
+        except (SupervisionError, KeyError, TypeError):
             return False
 
     def pid(self) -> int:
-        return int(self.rpc.supervisor.getPID())
+        return int(self._rpc("getPID"))
 
     def start_daemon(self, wait: float = 15.0) -> None:
         """Start supervisord (it daemonizes) and wait until its socket answers."""
-        done = subprocess.run(
-            [sys.executable, "-m", "supervisor.supervisord", "-c", str(self.layout.supervisord_conf)],
-            capture_output=True, text=True, cwd=str(self.layout.root), check=False,
-        )
+        # Its output goes to a file, not a pipe: the daemon it forks could hold a pipe open
+        # (and this wait with it) for as long as it lives.
+        with tempfile.TemporaryFile() as output:
+            try:
+                done = subprocess.run(
+                    [sys.executable, "-m", "supervisor.supervisord", "-c", str(self.layout.supervisord_conf)],
+                    stdout=output, stderr=subprocess.STDOUT, cwd=str(self.layout.root), check=False, timeout=wait,
+                )
+            except subprocess.TimeoutExpired:
+                raise SupervisionError(f"supervisord did not start within {wait:.0f}s; "
+                                       f"see {self.layout.log('supervisord')}") from None
+            output.seek(0)
+            said = output.read().decode("utf-8", errors="replace").strip()
         if done.returncode != 0:
-            raise SupervisionError(f"supervisord did not start: {(done.stderr or done.stdout).strip()[-800:]}")
+            raise SupervisionError(f"supervisord did not start: {said[-800:]}")
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             if self.running():
@@ -79,30 +135,25 @@ class Supervisor:
         )
 
     def processes(self) -> dict[str, ProcessInfo]:
-        return {
-            p["name"]: ProcessInfo(
-                name=p["name"], state=p["statename"], pid=int(p["pid"]), start=float(p["start"]),
-                now=float(p["now"]), description=p["description"], exitstatus=int(p["exitstatus"]),
-            )
-            for p in self.rpc.supervisor.getAllProcessInfo()
-        }
+        try:
+            return {
+                p["name"]: ProcessInfo(
+                    name=p["name"], state=p["statename"], pid=int(p["pid"]), start=float(p["start"]),
+                    now=float(p["now"]), description=p["description"], exitstatus=int(p["exitstatus"]),
+                )
+                for p in self._rpc("getAllProcessInfo")
+            }
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SupervisionError(f"supervisord answered getAllProcessInfo oddly: {exc!r}") from None
 
     def signal(self, name: str, signal: str) -> None:
-        self.rpc.supervisor.signalProcess(name, signal)
-
-    def _call(self, method: str, *args, harmless: str = "") -> None:
-        """One XML-RPC call; a fault naming ``harmless`` (already in that state) is fine."""
-        try:
-            getattr(self.rpc.supervisor, method)(*args)
-        except xmlrpc.client.Fault as fault:
-            if not harmless or harmless not in fault.faultString:
-                raise
+        self._rpc("signalProcess", name, signal)
 
     def start(self, name: str, wait: bool = False) -> None:
-        self._call("startProcess", name, wait, harmless="ALREADY_STARTED")
+        self._rpc("startProcess", name, wait, harmless="ALREADY_STARTED")
 
     def stop(self, name: str, wait: bool = True) -> None:
-        self._call("stopProcess", name, wait, harmless="NOT_RUNNING")
+        self._rpc("stopProcess", name, wait, harmless="NOT_RUNNING")
 
     def tail(self, name: str, length: int = 4000) -> str:
         """The last ``length`` bytes of a program's log, read from the file itself."""
@@ -111,21 +162,21 @@ class Supervisor:
 
     def reload(self) -> tuple[list[str], list[str], list[str]]:
         """Re-read the config file; (added, changed, removed) groups, not yet applied."""
-        added, changed, removed = self.rpc.supervisor.reloadConfig()[0]
+        added, changed, removed = self._rpc("reloadConfig")[0]
         return added, changed, removed
 
     def add_group(self, name: str) -> None:
-        self._call("addProcessGroup", name, harmless="ALREADY_ADDED")
+        self._rpc("addProcessGroup", name, harmless="ALREADY_ADDED")
 
     def remove_group(self, name: str) -> None:
         self.stop_group(name)
-        self._call("removeProcessGroup", name, harmless="BAD_NAME")
+        self._rpc("removeProcessGroup", name, harmless="BAD_NAME")
 
     def stop_group(self, name: str) -> None:
-        self._call("stopProcessGroup", name, True, harmless="BAD_NAME")
+        self._rpc("stopProcessGroup", name, True, harmless="BAD_NAME")
 
     def shutdown(self) -> None:
-        self.rpc.supervisor.shutdown()
+        self._rpc("shutdown")
 
 
 def read_tail(path: Path, length: int = 4000) -> str:

@@ -138,3 +138,11 @@ class Load:
                     self.ports[port] = self.ports.get(port, 0) + 1
                 else:
                     self.failures.append(detail)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/integration/ starts real processes: marked, so that
+    ``-m "not integration"`` is the quick loop."""
+    for item in items:
+        if "integration" in Path(str(item.fspath)).parts:
+            item.add_marker(pytest.mark.integration)

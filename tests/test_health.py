@@ -7,16 +7,12 @@ tiny HTTP server on 127.0.0.1.
 from __future__ import annotations
 
 import dataclasses
-import json
-import socket
-import threading
-import time
-from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from conftest import http_server
-from cosyvoice_lb.health import Policy, Probe, Track, judge, probe
+from cosyvoice_lb.health import Policy, Track, judge
+from cosyvoice_lb.probe import Probe
+from cosyvoice_lb.protocol import DrainAction
 from cosyvoice_lb.settings import Settings
 from cosyvoice_lb.supervision import ProcessInfo
 
@@ -140,7 +136,7 @@ def test_hang_restarts_even_a_newcomer_on_its_first_probe():
 
 
 def test_a_hung_instance_already_on_its_way_out_is_not_restarted_twice():
-    going = serving(in_rotation=False, draining_since=NOW, drain_signal="KILL", restarts=1)
+    going = serving(in_rotation=False, draining_since=NOW, drain_signal=DrainAction.KILL, restarts=1)
     verdict = judge(going, process(), Probe("ready", stalled=(500.0,)), POLICY)
     assert not verdict.restart and verdict.track.restarts == 1
 
@@ -156,22 +152,22 @@ from cosyvoice_lb.health import drain_done, failed_starts, start_drain  # noqa: 
 
 
 def test_start_drain_takes_it_out_and_counts_one_restart():
-    track = start_drain(serving(restarts=2), "restart requested", "TERM", NOW)
+    track = start_drain(serving(restarts=2), "restart requested", DrainAction.TERM, NOW)
     assert (track.in_rotation, track.draining_since, track.drain_signal, track.restarts) == (False, NOW, "TERM", 3)
-    again = start_drain(track, "a synthesis has made no progress", "KILL", NOW + 5)  # escalated, same stop
+    again = start_drain(track, "a synthesis has made no progress", DrainAction.KILL, NOW + 5)  # escalated, same stop
     assert (again.draining_since, again.drain_signal, again.restarts) == (NOW, "KILL", 3)
 
 
 @pytest.mark.parametrize("signal_name, probe_, elapsed, done", [
-    ("TERM", Probe("ready", inflight=0, waiting=0), 1.0, True),
-    ("TERM", Probe("ready", inflight=1, stalled=(0.1,)), 1.0, False),  # one still synthesizing
-    ("TERM", Probe("ready", inflight=0, waiting=1), 1.0, False),  # one queued, still to be served
-    ("TERM", Probe("ready", inflight=1, stalled=(0.1,)), 30.5, True),  # --drain-timeout
-    ("TERM", Probe("failed"), 1.0, True),  # does not answer: TERM now (it drains itself anyway)
-    ("HOLD", Probe("ready", inflight=0), 1.0, True),
-    ("KILL", Probe("ready", inflight=1, stalled=(500.0,)), 1.0, True),  # only the hung one is left
-    ("KILL", Probe("ready", inflight=2, stalled=(500.0, 0.2)), 1.0, False),  # another still progresses
-    ("KILL", Probe("ready", inflight=2, stalled=(500.0, 0.2)), 31.0, True),
+    (DrainAction.TERM, Probe("ready", inflight=0, waiting=0), 1.0, True),
+    (DrainAction.TERM, Probe("ready", inflight=1, stalled=(0.1,)), 1.0, False),  # one still synthesizing
+    (DrainAction.TERM, Probe("ready", inflight=0, waiting=1), 1.0, False),  # one queued, still to be served
+    (DrainAction.TERM, Probe("ready", inflight=1, stalled=(0.1,)), 30.5, True),  # --drain-timeout
+    (DrainAction.TERM, Probe("failed"), 1.0, True),  # does not answer: TERM now (it drains itself anyway)
+    (DrainAction.HOLD, Probe("ready", inflight=0), 1.0, True),
+    (DrainAction.KILL, Probe("ready", inflight=1, stalled=(500.0,)), 1.0, True),  # only the hung one is left
+    (DrainAction.KILL, Probe("ready", inflight=2, stalled=(500.0, 0.2)), 1.0, False),  # another still progresses
+    (DrainAction.KILL, Probe("ready", inflight=2, stalled=(500.0, 0.2)), 31.0, True),
 ])
 def test_drain_done(signal_name, probe_, elapsed, done):
     track = start_drain(serving(), "why", signal_name, NOW)
@@ -179,7 +175,7 @@ def test_drain_done(signal_name, probe_, elapsed, done):
 
 
 def test_a_signalled_instance_stays_out_until_its_new_process_serves():
-    track = dataclasses.replace(start_drain(serving(), "restart requested", "TERM", NOW), signalled_at=NOW + 1)
+    track = dataclasses.replace(start_drain(serving(), "restart requested", DrainAction.TERM, NOW), signalled_at=NOW + 1)
     verdict = judge(track, process(pid=100), READY, Policy(recover_threshold=1))
     assert not verdict.track.in_rotation and not verdict.restart
     new = judge(verdict.track, process(pid=101, uptime=5.0), READY, Policy(recover_threshold=1)).track
@@ -329,111 +325,6 @@ def test_full_cycle_failure_restart_and_recovery():
     assert all(v.restart == "" for v in verdicts)
 
 
-# --- probe() against a real HTTP server on 127.0.0.1 --------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def no_proxy(monkeypatch):
-    """requests honours *_PROXY variables: keep the probes on 127.0.0.1 whatever the env says."""
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-
-
-class Reply:
-    def __init__(self):
-        self.status, self.body, self.delay = 200, b"{}", 0.0
-        self.paths: list[str] = []
-
-
-@pytest.fixture
-def server():
-    """(port, reply): an HTTP server on 127.0.0.1 answering every GET with ``reply``."""
-    reply = Reply()
-    release = threading.Event()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            reply.paths.append(self.path)
-            if reply.delay:
-                release.wait(reply.delay)
-            self.send_response(reply.status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(reply.body)))
-            self.end_headers()
-            self.wfile.write(reply.body)
-
-        def log_message(self, *args):
-            pass
-
-    with http_server(Handler) as port:
-        yield port, reply
-        release.set()
-
-
-@pytest.mark.parametrize("status, body, expected", [
-    (200, {"ready": True, "busy_seconds": 3}, Probe("ready", busy_seconds=3.0)),
-    (200, {"ready": True, "busy_seconds": 0.25}, Probe("ready", busy_seconds=0.25)),
-    (200, {"ready": True}, Probe("ready", busy_seconds=0.0)),
-    (200, {"ready": True, "busy_seconds": 9, "stalled_seconds": [7.5, 0.2], "inflight": 2, "waiting": 1},
-     Probe("ready", busy_seconds=9.0, stalled=(7.5, 0.2), inflight=2, waiting=1)),
-    (200, {"ready": True, "stalled_seconds": "long"},
-     Probe("failed", detail="/ping answered stalled_seconds='long', not a list of numbers")),
-    (200, {"ready": True, "stalled_seconds": [1, True]},
-     Probe("failed", detail="/ping answered stalled_seconds=[1, True], not a list of numbers")),
-    (503, {"state": "loading"}, Probe("loading")),
-    (200, {"ready": False}, Probe("failed", detail="/ping answered 200")),
-    (503, {"state": "draining"}, Probe("failed", detail="/ping answered 503")),
-    (503, {"ready": True}, Probe("failed", detail="/ping answered 503")),
-    (500, {"error": "boom"}, Probe("failed", detail="/ping answered 500")),
-    (404, {}, Probe("failed", detail="/ping answered 404")),
-    (200, b"OK, ready", Probe("failed", detail="/ping answered 200")),  # not JSON
-    (503, b"loading...", Probe("failed", detail="/ping answered 503")),
-    (500, b"", Probe("failed", detail="/ping answered 500")),
-])
-def test_probe_reads_the_answer(server, status, body, expected):
-    port, reply = server
-    reply.status, reply.body = status, body if isinstance(body, bytes) else json.dumps(body).encode()
-    assert probe(port, timeout=2.0) == expected
-    assert reply.paths == ["/ping"]
-
-
-def test_probe_of_a_server_that_never_answers_fails_after_the_timeout(server):
-    port, reply = server
-    reply.delay = 5.0  # accepts the connection, then sits on the request
-    started = time.monotonic()
-    result = probe(port, timeout=0.3)
-    assert time.monotonic() - started < 2.0
-    assert result == Probe("failed", detail="/ping did not answer within 0.3s")
-
-
-def test_probe_of_a_closed_port_fails():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    # nothing listens there now
-    assert probe(port, timeout=1.0) == Probe("failed", detail="/ping: ConnectionError")
-
-
-@pytest.mark.parametrize("body", [b"null", b"[]", b'"ready"', b'{"ready": true, "busy_seconds": null}',
-                                  b'{"ready": true, "busy_seconds": "soon"}'])
-def test_probe_of_an_odd_json_body_fails_cleanly(server, body):
-    port, reply = server
-    reply.body = body
-    assert probe(port, timeout=2.0).status == "failed"
-
-
-def test_probe_ignores_proxy_settings(server, monkeypatch):
-    port, reply = server
-    reply.body = json.dumps({"ready": True}).encode()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead_proxy = sock.getsockname()[1]
-    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{dead_proxy}")
-    assert probe(port, timeout=2.0) == Probe("ready")
-
-
-# --- recycling ------------------------------------------------------------------------------
-
 from cosyvoice_lb.health import pick_recycle, recycle_due  # noqa: E402
 
 RECYCLE = Policy(max_requests=100, max_memory=8 * 2**30)
@@ -485,7 +376,7 @@ def test_the_start_after_a_planned_stop_is_no_crash_even_while_loading():
     policy = Policy(start_retries=1)
     track = judge(Track(), process(pid=5, uptime=2.0), LOADING, policy, starts=1).track  # loading, never ready
     for start in range(2, 6):  # restarted by hand (or replaced) again and again while it loads
-        track = dataclasses.replace(start_drain(track, "restart requested", "TERM", NOW), signalled_at=NOW + 1)
+        track = dataclasses.replace(start_drain(track, "restart requested", DrainAction.TERM, NOW), signalled_at=NOW + 1)
         verdict = judge(track, process(pid=5 + start, uptime=1.0), LOADING, policy, starts=start)
         assert not verdict.give_up and verdict.track.reason == "loading"
         track = verdict.track

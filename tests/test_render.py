@@ -23,9 +23,9 @@ from supervisor.datatypes import RestartUnconditionally, dict_of_key_value_pairs
 from supervisor.options import ServerOptions
 
 from cosyvoice_lb.planner import GiB, MiB, Budget, Gpu, Inventory, plan
+from cosyvoice_lb.layout import Layout
 from cosyvoice_lb.render import (
     MAX_SOCKET_PATH,
-    Layout,
     Programs,
     RenderError,
     check,
@@ -194,7 +194,7 @@ def test_supervisord_conf_nginx_and_health_programs():
     ]
     assert conf["program:nginx"]["stopsignal"] == "QUIT"  # graceful
     assert shlex.split(conf["program:health"]["command"]) == [
-        sys.executable, "-m", "cosyvoice_lb.health", "--state-dir", str(SHORT),
+        sys.executable, "-m", "cosyvoice_lb.health_loop", "--state-dir", str(SHORT),
     ]
     for name in ("nginx", "health"):
         assert conf[f"program:{name}"]["autorestart"] == "true"

@@ -1,31 +1,55 @@
-"""The instance app in-process (Starlette's test client): validation, /ping, errors."""
+"""The instance app in-process (Starlette's test client) and on a real uvicorn on 127.0.0.1:
+/ping, the API's answers and errors, the pipeline's bookkeeping, drains."""
 
 from __future__ import annotations
 
 import io
 import json
+import threading
+import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
+import requests
 import soundfile
 from fastapi.testclient import TestClient
 
 from cosyvoice_lb.engines import SynthesisRequest
 from cosyvoice_lb.engines.espeak import EspeakEngine
-from cosyvoice_lb.server import BadRequest, Instance, InstanceState, Limits, build_app, form_payload, make_request
+from conftest import free_port_block
+from cosyvoice_lb.admission import Admission, Overloaded
+from cosyvoice_lb.pipeline import Job, Pipeline
+from cosyvoice_lb.server import build_app
+from cosyvoice_lb.validation import Limits
+
+
+def pipeline(engine, port: int = 7860, ready: bool = True, concurrency: int = 1, max_queue: int | None = None,
+             request_timeout: float = 0.0, limits: Limits | None = None) -> Pipeline:
+    admission = Admission(concurrency, max_queue)
+    if ready:
+        admission.become_ready()
+    return Pipeline(engine, admission, limits, port=port, request_timeout=request_timeout)
+
+
+def app(p: Pipeline):
+    return build_app(p, p.engine.name, p.port)
+
+
+def snap(p: Pipeline):
+    return p.admission.snapshot()
 
 
 @pytest.fixture(scope="module")
 def loaded():
-    instance = Instance(EspeakEngine(), InstanceState(engine_name="espeak", port=7860, max_chars=40),
-                        Limits(max_chars=40))
-    instance.load()
-    return instance
+    p = pipeline(EspeakEngine(), ready=False, limits=Limits(max_chars=40))
+    p.load()
+    return p
 
 
 @pytest.fixture(scope="module")
 def client(loaded):
-    with TestClient(build_app(loaded), raise_server_exceptions=False) as c:
+    with TestClient(app(loaded), raise_server_exceptions=False) as c:
         yield c
 
 
@@ -38,8 +62,7 @@ def test_ping_is_200_and_says_ready_after_warm_up(client):
 
 
 def test_ping_is_503_while_loading():
-    instance = Instance(EspeakEngine(), InstanceState(engine_name="espeak", port=7861))
-    with TestClient(build_app(instance)) as c:
+    with TestClient(app(pipeline(EspeakEngine(), port=7861, ready=False))) as c:
         r = c.get("/ping")
         assert r.status_code == 503 and r.json()["state"] == "loading" and r.json()["ready"] is False
         tts = c.post("/v1/tts", json={"text": "hi"})
@@ -47,13 +70,13 @@ def test_ping_is_503_while_loading():
 
 
 def test_tts_answers_wav_and_counts_it(client, loaded):
-    served = loaded.state.served
+    served = snap(loaded).served
     r = client.post("/v1/tts", json={"text": "Hello world", "speed": 1.2})
     assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
     audio, rate = soundfile.read(io.BytesIO(r.content))
     assert rate == 22050 and audio.size > 0.3 * rate
     assert float(r.headers["X-Audio-Seconds"]) == pytest.approx(audio.size / rate, abs=0.01)
-    assert loaded.state.served == served + 1
+    assert snap(loaded).served == served + 1
 
 
 @pytest.mark.parametrize("body, status, words", [
@@ -95,57 +118,22 @@ def test_wrong_method_and_unknown_path_are_json_errors(client):
     assert client.get("/ping").status_code == 200
 
 
-def test_make_request_accepts_the_documented_shape():
-    espeak = dict(limits=Limits(max_chars=10), modes=("sft",), speakers=[], has_prompt=False)
-    assert make_request({"text": "hi"}, **espeak) == SynthesisRequest("hi", 1.0)
-    assert make_request({"text": "hi", "speed": 2, "seed": 7}, **espeak) == SynthesisRequest("hi", 2.0, seed=7)
-    with pytest.raises(BadRequest) as exc:
-        make_request({"text": "x" * 11}, **espeak)
-    assert exc.value.status == 413
-
-
-@pytest.mark.parametrize("payload, has_prompt, words", [
-    ({"text": "hi", "mode": "zero_shot", "prompt_text": "hello"}, False, "needs prompt_audio"),
-    ({"text": "hi", "mode": "zero_shot"}, True, "needs prompt_text"),
-    ({"text": "hi", "mode": "cross_lingual"}, False, "needs prompt_audio"),
-    ({"text": "hi", "mode": "instruct"}, True, "needs instruct_text"),
-    ({"text": "hi", "mode": "sft"}, False, "not available with this model"),
-])
-def test_cloning_modes_check_what_they_need(payload, has_prompt, words):
-    v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
-    with pytest.raises(BadRequest, match=words):
-        make_request(payload, has_prompt=has_prompt, **v3)
-
-
-def test_a_complete_clone_request_passes():
-    v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
-    request = make_request({"text": "hi", "mode": "zero_shot", "prompt_text": "the transcript", "seed": 3},
-                           has_prompt=True, **v3)
-    assert (request.mode, request.prompt_text, request.seed) == ("zero_shot", "the transcript", 3)
-
-
-def test_form_fields_get_their_types():
-    assert form_payload({"text": "hi", "speed": "1.5", "seed": "42", "stream": "true", "mode": ""}) == {
-        "text": "hi", "speed": 1.5, "seed": 42, "stream": True}
-    with pytest.raises(BadRequest, match='"speed" must be a number'):
-        form_payload({"speed": "fast"})
-    with pytest.raises(BadRequest, match='"stream" must be true or false'):
-        form_payload({"stream": "maybe"})
-
-
-def test_inflight_is_tracked_during_a_synthesis(loaded):
+def test_inflight_is_tracked_during_a_synthesis():
     seen = []
 
     class Watching:
         name, sample_rate, modes = "espeak", 22050, ("sft",)
 
+        def speakers(self):
+            return []
+
         def synthesize(self, request):
-            seen.append(loaded.state.ping()["inflight"])
+            seen.append(snap(watcher).inflight)
             yield np.zeros(10, dtype=np.float32)
 
-    watcher = Instance(Watching(), loaded.state)
-    watcher.synthesize(SynthesisRequest("x"))
-    assert seen == [1] and loaded.state.ping()["inflight"] == 0
+    watcher = pipeline(Watching())
+    watcher.synthesize(Job(SynthesisRequest("x")))
+    assert seen == [1] and snap(watcher).inflight == 0 and snap(watcher).served == 1
 
 
 def test_a_stop_signal_drains_syntheses_in_flight_before_the_server_exits():
@@ -156,14 +144,15 @@ def test_a_stop_signal_drains_syntheses_in_flight_before_the_server_exits():
 
     from cosyvoice_lb.server import draining_server
 
-    state = InstanceState(engine_name="espeak", port=7862, ready=True, phase="ready")
-    state.inflight["busy"] = time.monotonic()
-    server = draining_server(uvicorn.Config(app=lambda *a: None), state, drain_timeout=5.0)
+    admission = Admission()
+    admission.become_ready()
+    busy = admission.admit()
+    server = draining_server(uvicorn.Config(app=lambda *a: None), admission, drain_timeout=5.0)
     server.handle_exit(signal.SIGTERM, None)
-    assert state.phase == "draining" and state.ready is False  # /ping now says so; no new work
+    assert admission.phase == "draining" and not admission.snapshot().ready  # /ping now says so; no new work
     time.sleep(0.3)
     assert server.should_exit is False  # still waiting for the synthesis
-    del state.inflight["busy"]
+    busy.release(True)
     deadline = time.monotonic() + 2
     while not server.should_exit and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -178,19 +167,21 @@ def test_the_drain_is_bounded():
 
     from cosyvoice_lb.server import draining_server
 
-    state = InstanceState(engine_name="espeak", port=7863, ready=True, phase="ready")
-    state.inflight["stuck"] = time.monotonic()
-    server = draining_server(uvicorn.Config(app=lambda *a: None), state, drain_timeout=0.3)
+    admission = Admission()
+    admission.become_ready()
+    admission.admit()  # stuck: never released
+    server = draining_server(uvicorn.Config(app=lambda *a: None), admission, drain_timeout=0.3)
     server.handle_exit(signal.SIGTERM, None)
     deadline = time.monotonic() + 3
     while not server.should_exit and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert server.should_exit is True and "stuck" in state.inflight
+    assert server.should_exit is True and admission.snapshot().inflight == 1
 
 
 def test_draining_instance_answers_503_so_nginx_tries_another(loaded):
-    state = InstanceState(engine_name="espeak", port=7864, phase="draining")
-    with TestClient(build_app(Instance(loaded.engine, state))) as c:
+    draining = pipeline(loaded.engine, port=7864)
+    draining.admission.drain()
+    with TestClient(app(draining)) as c:
         r = c.post("/v1/tts", json={"text": "hi"})
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
         assert c.get("/ping").json()["state"] == "draining"
@@ -216,25 +207,19 @@ class Refusing:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_refused_input_is_a_422_even_when_streaming(stream):
-    state = InstanceState(engine_name="refusing", port=7865, ready=True, phase="ready")
-    with TestClient(build_app(Instance(Refusing(), state))) as c:
+    refusing = pipeline(Refusing(), port=7865)
+    with TestClient(app(refusing)) as c:
         r = c.post("/v1/tts", json={"text": "hi", "stream": stream})
         assert r.status_code == 422 and "refused this input" in r.json()["error"]["message"]
-        assert state.ping()["inflight"] == 0 and c.get("/ping").status_code == 200
+        assert snap(refusing).inflight == 0 and c.get("/ping").status_code == 200
+        assert snap(refusing).failed >= 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_no_audio_at_all_is_a_422(stream):
-    state = InstanceState(engine_name="refusing", port=7866, ready=True, phase="ready")
-    with TestClient(build_app(Instance(Refusing(yields_nothing=True), state))) as c:
+    with TestClient(app(pipeline(Refusing(yields_nothing=True), port=7866))) as c:
         r = c.post("/v1/tts", json={"text": "...", "stream": stream})
         assert r.status_code == 422 and "no audio" in r.json()["error"]["message"]
-
-
-def test_an_uploaded_prompt_without_mode_still_needs_its_transcript():
-    v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
-    with pytest.raises(BadRequest, match="needs prompt_text"):
-        make_request({"text": "hi"}, has_prompt=True, **v3)
 
 
 class Blocking:
@@ -259,40 +244,35 @@ def test_a_full_queue_is_refused_at_once_and_frees_up_again():
     import threading
     import time
 
-    from cosyvoice_lb.server import Overloaded
-
     engine = Blocking()
-    state = InstanceState(engine_name="blocking", port=7867, ready=True, phase="ready")
-    instance = Instance(engine, state, concurrency=1, max_queue=1)
+    p = pipeline(engine, port=7867, concurrency=1, max_queue=1)
     results = []
-    workers = [threading.Thread(target=lambda: results.append(instance.synthesize(SynthesisRequest("x"),
-                                                                                   bounded=True).size))
+    workers = [threading.Thread(target=lambda: results.append(p.synthesize(Job(SynthesisRequest("x")),
+                                                                            bounded=True).size))
                for _ in range(2)]
     for w in workers:  # one synthesizing, one waiting
         w.start()
     deadline = time.monotonic() + 5
-    while state.ping()["inflight"] + state.ping()["waiting"] < 2 and time.monotonic() < deadline:
+    while snap(p).inflight + snap(p).waiting < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert (state.ping()["inflight"], state.ping()["waiting"]) == (1, 1)
+    assert (snap(p).inflight, snap(p).waiting) == (1, 1)
     started = time.monotonic()
     with pytest.raises(Overloaded, match="1 synthesizing, 1 waiting"):
-        instance.synthesize(SynthesisRequest("x"), bounded=True)
+        p.synthesize(Job(SynthesisRequest("x")), bounded=True)
     assert time.monotonic() - started < 0.5  # refused at once, not queued
     # unbounded callers (the UI, whose own queue bounds it; the warm-up) still wait their turn
     engine.release.set()
     for w in workers:
         w.join(5)
-    assert results == [100, 100] and state.ping()["waiting"] == 0
-    assert instance.synthesize(SynthesisRequest("x"), bounded=True).size == 100
+    assert results == [100, 100] and snap(p).waiting == 0
+    assert p.synthesize(Job(SynthesisRequest("x")), bounded=True).size == 100
 
 
 def test_busy_instance_answers_503_with_retry_after():
     engine = Blocking()
-    state = InstanceState(engine_name="blocking", port=7868, ready=True, phase="ready")
-    instance = Instance(engine, state, concurrency=1, max_queue=0)
-    with state.lock:
-        state.inflight["someone"] = [0.0, 0.0]  # the one slot is taken
-    with TestClient(build_app(instance)) as c:
+    p = pipeline(engine, port=7868, concurrency=1, max_queue=0)
+    p.admission.admit()  # the one slot is taken
+    with TestClient(app(p)) as c:
         for body in ({"text": "hi"}, {"text": "hi", "stream": True}):
             r = c.post("/v1/tts", json=body)
             assert r.status_code == 503 and r.headers["Retry-After"] == "1"
@@ -322,33 +302,27 @@ class Chunky:
         self.finished += 1
 
 
-def ready_state(port: int) -> InstanceState:
-    return InstanceState(engine_name="test", port=port, ready=True, phase="ready")
-
-
-def test_the_deadline_counts_from_nginx_stamp():
+def test_the_pipeline_deadline_reads_nginx_stamp():
     import time
 
-    instance = Instance(Chunky(1, 0), ready_state(7870), request_timeout=10.0)
+    p = pipeline(Chunky(1, 0), port=7870, request_timeout=10.0)
     now = time.monotonic()
-    assert instance.deadline(None) == pytest.approx(now + 10, abs=0.2)
-    assert instance.deadline(f"{time.time() - 4:.3f}") == pytest.approx(now + 6, abs=0.2)  # 4 s spent already
-    for odd in ("soon", "", f"{time.time() + 100:.3f}", f"{time.time() - 10**6:.3f}"):
-        assert instance.deadline(odd) == pytest.approx(now + 10, abs=0.2)
-    assert Instance(Chunky(1, 0), ready_state(7870)).deadline(None) is None  # no --request-timeout: no bound
+    assert p.deadline(None) == pytest.approx(now + 10, abs=0.2)
+    assert p.deadline(f"{time.time() - 4:.3f}") == pytest.approx(now + 6, abs=0.2)  # 4 s spent already
+    assert pipeline(Chunky(1, 0), port=7870).deadline(None) is None  # no --request-timeout: no bound
 
 
 def test_a_synthesis_running_past_the_request_timeout_is_a_504_and_frees_the_engine():
     import time
 
     engine = Chunky(chunks=20, every=0.2)
-    state = ready_state(7871)
-    with TestClient(build_app(Instance(engine, state, request_timeout=1.0))) as c:
+    p = pipeline(engine, port=7871, request_timeout=1.0)
+    with TestClient(app(p)) as c:
         started = time.monotonic()
         r = c.post("/v1/tts", json={"text": "long"})
         assert r.status_code == 504 and "ran past the request timeout" in r.json()["error"]["message"]
         assert time.monotonic() - started < 3  # at the bound, not after the 4 s the synthesis wanted
-        assert state.ping()["inflight"] == 0 and engine.finished == 0  # stopped at the next chunk
+        assert snap(p).inflight == 0 and engine.finished == 0  # stopped at the next chunk
         stamped = c.post("/v1/tts", json={"text": "x"}, headers={"X-Request-Start": f"{time.time() - 5:.3f}"})
         assert stamped.status_code == 504  # its time was spent before it got here (a retry)
 
@@ -357,9 +331,9 @@ def test_a_stuck_engine_is_answered_504_at_the_bound_and_shows_as_stalled():
     import time
 
     engine = Blocking()
-    state = ready_state(7872)
+    p = pipeline(engine, port=7872, request_timeout=1.0)
     try:
-        with TestClient(build_app(Instance(engine, state, request_timeout=1.0))) as c:
+        with TestClient(app(p)) as c:
             r = c.post("/v1/tts", json={"text": "stuck"})
             assert r.status_code == 504 and "no answer within the request timeout" in r.json()["error"]["message"]
             ping = c.get("/ping").json()  # the stuck synthesis still holds the engine, visibly
@@ -369,9 +343,9 @@ def test_a_stuck_engine_is_answered_504_at_the_bound_and_shows_as_stalled():
     finally:
         engine.release.set()
     deadline = time.monotonic() + 5
-    while state.ping()["inflight"] and time.monotonic() < deadline:
+    while snap(p).inflight and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert state.ping()["inflight"] == 0
+    assert snap(p).inflight == 0
 
 
 def test_stalled_seconds_restart_with_every_chunk():
@@ -379,31 +353,30 @@ def test_stalled_seconds_restart_with_every_chunk():
     import time
 
     engine = Chunky(chunks=6, every=0.25)
-    state = ready_state(7873)
-    instance = Instance(engine, state)
-    worker = threading.Thread(target=instance.synthesize, args=(SynthesisRequest("x"),))
+    p = pipeline(engine, port=7873)
+    worker = threading.Thread(target=p.synthesize, args=(Job(SynthesisRequest("x")),))
     worker.start()
     time.sleep(1.0)
-    ping = state.ping()
+    ping = snap(p)
     worker.join(5)
-    assert ping["inflight"] == 1 and ping["busy_seconds"] >= 0.9
-    assert ping["stalled_seconds"][0] < 0.3  # it made a chunk a moment ago: not stuck, only long
+    assert ping.inflight == 1 and ping.busy_seconds >= 0.9
+    assert ping.stalled_seconds[0] < 0.3  # it made a chunk a moment ago: not stuck, only long
 
 
 def test_a_slow_stream_reader_is_not_a_stalled_synthesis():
     import time
 
     engine = Chunky(chunks=3, every=0.3)
-    state = ready_state(7874)
-    chunks = Instance(engine, state).stream(SynthesisRequest("x"))
+    p = pipeline(engine, port=7874)
+    chunks = p.chunks(Job(SynthesisRequest("x")))
     next(chunks)  # a chunk made; the reader now takes its time
     time.sleep(0.8)
-    waiting_for_reader = state.ping()
-    assert waiting_for_reader["inflight"] == 1 and waiting_for_reader["stalled_seconds"] == [0.0]
+    waiting_for_reader = snap(p)
+    assert waiting_for_reader.inflight == 1 and waiting_for_reader.stalled_seconds == (0.0,)
     next(chunks)  # the engine worked 0.3 s on the second chunk: counted from the resume, not before
-    assert state.ping()["stalled_seconds"] == [0.0]
+    assert snap(p).stalled_seconds == (0.0,)
     chunks.close()
-    assert state.ping()["inflight"] == 0
+    assert snap(p).inflight == 0
 
 
 def test_the_simulated_engine_waits_in_proportion_to_the_text_and_returns_silence():
@@ -420,3 +393,106 @@ def test_the_simulated_engine_waits_in_proportion_to_the_text_and_returns_silenc
     started = time.process_time()
     list(engine.synthesize(SynthesisRequest("x" * 30)))
     assert time.process_time() - started < 0.05  # waiting, not computing: it models a GPU-bound instance
+
+
+# --- races ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def serving(p: Pipeline):
+    """The app on a real uvicorn on 127.0.0.1 (a client can go away for real); its URL."""
+    import uvicorn
+
+    port = free_port_block(1)
+    server = uvicorn.Server(uvicorn.Config(app(p), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+class PerChar:
+    """An engine that makes one chunk per character, 0.1 s each (a long text streams for seconds)."""
+
+    name, sample_rate, modes = "perchar", 24000, ("sft",)
+
+    def speakers(self):
+        return []
+
+    def synthesize(self, request):
+        for _ in request.text:
+            time.sleep(0.1)
+            yield np.zeros(2400, dtype=np.float32)
+
+
+def test_a_streaming_client_that_goes_away_frees_its_engine_slot_at_once():
+    """A race: the slot used to stay taken until the socket's buffers filled (seconds)."""
+    p = pipeline(PerChar(), port=7875, max_queue=2, request_timeout=60)
+    session = requests.Session()
+    session.trust_env = False
+    with serving(p) as url:
+        stream = session.post(url + "/v1/tts", json={"text": "x" * 100, "stream": True}, stream=True, timeout=30)
+        assert stream.status_code == 200
+        next(stream.iter_content(1024))  # the header and the first chunk arrived
+        stream.close()  # the client goes away ~9.9 s of audio early
+        gone = time.monotonic()
+        inflight = session.get(url + "/ping", timeout=5).json()["inflight"]
+        while inflight and time.monotonic() - gone < 5:
+            time.sleep(0.05)
+            inflight = session.get(url + "/ping", timeout=5).json()["inflight"]
+        freed_after = time.monotonic() - gone
+        assert inflight == 0
+        assert freed_after < 1.0, f"the slot stayed taken {freed_after:.1f}s after the client left"
+        asked = time.monotonic()
+        nxt = session.post(url + "/v1/tts", json={"text": "x"}, timeout=30)
+        assert nxt.status_code == 200
+        assert time.monotonic() - asked < 1.0  # served at once, not behind the abandoned stream
+    snapshot = snap(p)
+    assert (snapshot.served, snapshot.failed) == (1, 0)  # the abandoned stream counts as neither
+
+
+class WarmUpGate:
+    """An engine whose warm-up synthesis waits for the test."""
+
+    name, sample_rate, modes = "gate", 24000, ("sft",)
+
+    def __init__(self):
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def load(self):
+        pass
+
+    def speakers(self):
+        return []
+
+    def synthesize(self, request):
+        self.started.set()
+        self.release.wait(10)
+        yield np.ones(240, dtype=np.float32) * 0.1
+
+
+def test_an_instance_drained_during_its_warm_up_never_turns_ready():
+    import signal
+
+    import uvicorn
+
+    from cosyvoice_lb.server import draining_server
+
+    engine = WarmUpGate()
+    p = pipeline(engine, ready=False)
+    loader = threading.Thread(target=p.load)
+    loader.start()
+    assert engine.started.wait(5)
+    server = draining_server(uvicorn.Config(app=lambda *a: None), p.admission, drain_timeout=5.0)
+    server.handle_exit(signal.SIGTERM, None)  # supervisord's TERM while the warm-up runs
+    engine.release.set()
+    loader.join(5)
+    assert p.admission.phase == "draining" and not snap(p).ready
+    with TestClient(app(p)) as c:
+        assert c.get("/ping").status_code == 503 and c.get("/ping").json()["state"] == "draining"

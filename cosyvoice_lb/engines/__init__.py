@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
-
 
 MODES = ("zero_shot", "cross_lingual", "instruct", "sft")
 

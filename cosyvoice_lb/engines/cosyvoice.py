@@ -13,8 +13,8 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -110,7 +110,7 @@ class CosyVoiceEngine:
         except ImportError as exc:
             raise EngineError(f"cannot import upstream CosyVoice ({exc}): pass --cosyvoice-root with the "
                               "checkout that holds cosyvoice/ and third_party/Matcha-TTS") from None
-        kwargs = {"model_dir": self.model_dir}
+        kwargs: dict[str, object] = {"model_dir": self.model_dir}
         cls_name = {3: "CosyVoice3", 2: "CosyVoice2", 1: "CosyVoice"}[self.version]
         cls = getattr(sys.modules["cosyvoice.cli.cosyvoice"], cls_name, None)
         accepted = inspect.signature(cls).parameters if cls else {}
@@ -123,8 +123,8 @@ class CosyVoiceEngine:
             register_vllm()
         log.info("loading %s from %s (%s)", cls_name, self.model_dir,
                  ", ".join(f"{k}={v}" for k, v in self.flags.items()))
-        self.model = AutoModel(**kwargs)
-        self.sample_rate = int(self.model.sample_rate)
+        model = self.model = AutoModel(**kwargs)
+        self.sample_rate = int(model.sample_rate)
         self.modes = self._modes(self.speakers())
 
     def speakers(self) -> list[str]:
@@ -138,8 +138,9 @@ class CosyVoiceEngine:
         """Upstream's bundled prompt (path, transcript), from the checkout in use."""
         roots = [Path(self.cosyvoice_root)] if self.cosyvoice_root else []
         module = sys.modules.get("cosyvoice")
-        if module is not None and getattr(module, "__file__", None):
-            roots.append(Path(module.__file__).resolve().parents[1])  # <checkout>/cosyvoice/__init__.py
+        source = getattr(module, "__file__", None)
+        if source:
+            roots.append(Path(source).resolve().parents[1])  # <checkout>/cosyvoice/__init__.py
         for root in roots:
             path = root / DEFAULT_PROMPT[0]
             if path.is_file():
@@ -183,9 +184,8 @@ def register_vllm() -> None:
     """What upstream's vllm_example.py does before loading with load_vllm=True: make
     vLLM know CosyVoice's LLM architecture."""
     try:
-        from vllm import ModelRegistry
-
         from cosyvoice.vllm.cosyvoice2 import CosyVoice2ForCausalLM
+        from vllm import ModelRegistry
     except ImportError as exc:
         raise EngineError(f"--load-vllm needs vllm in the instances' Python ({exc}): pip install vllm "
                           "(the version upstream's README names)") from None

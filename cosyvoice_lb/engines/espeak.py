@@ -12,7 +12,7 @@ import io
 import re
 import shutil
 import subprocess
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import soundfile

@@ -10,7 +10,7 @@ default; choose it only to measure routing, overhead and scale-out.
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import psutil
 
-from conftest import cli, free_port_block
+from conftest import ROOT, clean_env, cli, free_port_block, wait_for
 
 
 def cluster_processes(state_dir) -> list[psutil.Process]:
@@ -101,3 +102,34 @@ def test_down_cleans_up_after_a_killed_supervisord(state_dir):
     from conftest import port_free
 
     assert port_free(port) and port_free(base) and port_free(base + 1)
+
+
+def test_a_supervisord_that_stops_answering_while_up_waits_is_a_clear_error_and_nothing_is_left(state_dir):
+    """A race: a supervisord that hangs (here SIGSTOPped) while `up` waits used to end in a
+    traceback, or a wait for the whole startup timeout, with the cluster left half-started."""
+    port, base = free_port_block(1), free_port_block(2)
+    env = clean_env()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cosyvoice_lb.cli", "up", "--instances", "2", "--host", "127.0.0.1",
+         "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+    pid_file = state_dir / "run/supervisord.pid"
+    stopped = None
+    deadline = time.monotonic() + 60
+    while stopped is None and time.monotonic() < deadline and proc.poll() is None:
+        try:
+            stopped = psutil.Process(int(pid_file.read_text().strip()))
+            stopped.suspend()  # busy forever, from `up`'s point of view
+        except (OSError, ValueError, psutil.Error):
+            time.sleep(0.05)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert stopped is not None, "supervisord never started"
+    assert proc.returncode != 0
+    assert "supervisord" in err and "The cluster was stopped" in err, err
+    assert "Traceback" not in err
+    left = wait_for(lambda: [] if not cluster_processes(state_dir) else None, timeout=30) or cluster_processes(state_dir)
+    assert left == [], [p.info["cmdline"] for p in left]

@@ -1,0 +1,106 @@
+"""Where everything of one cluster lives inside its state dir: path arithmetic only.
+
+Every adapter (supervision, nginx, the health loop, the launcher) takes its paths from
+here; nothing here reads or writes a file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything of one cluster lives inside its state dir (path arithmetic only)."""
+
+    root: Path
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def nginx_dir(self) -> Path:
+        return self.root / "nginx"
+
+    @property
+    def run(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def cluster_json(self) -> Path:
+        return self.run / "cluster.json"
+
+    @property
+    def health_json(self) -> Path:
+        return self.run / "health.json"
+
+    @property
+    def supervisord_conf(self) -> Path:
+        return self.run / "supervisord.conf"
+
+    @property
+    def socket(self) -> Path:
+        return self.run / "supervisor.sock"
+
+    @property
+    def supervisord_pid(self) -> Path:
+        return self.run / "supervisord.pid"
+
+    @property
+    def nginx_conf(self) -> Path:
+        return self.nginx_dir / "nginx.conf"
+
+    @property
+    def upstreams_conf(self) -> Path:
+        return self.nginx_dir / "upstreams.conf"
+
+    @property
+    def nginx_pid(self) -> Path:
+        return self.run / "nginx.pid"
+
+    @property
+    def nginx_tmp(self) -> Path:
+        return self.nginx_dir / "tmp"
+
+    @property
+    def gradio_tmp(self) -> Path:
+        return self.run / "gradio"
+
+    def nginx_temp(self, kind: str) -> Path:
+        return self.nginx_tmp / kind
+
+    def log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+    @property
+    def instance_lib(self) -> Path:
+        """The staged copy of app.py and the instance modules."""
+        return self.run / "lib"
+
+    @property
+    def outputs(self) -> Path:
+        return self.root / "outputs"
+
+    @property
+    def footprint_json(self) -> Path:
+        return self.run / "footprint.json"
+
+    def starts(self, name: str) -> Path:
+        """A line per start of the instance (it appends one itself): restarts, crash loops."""
+        return self.run / f"{name}.starts"
+
+    def drain_request(self, name: str) -> Path:
+        """The launcher asks the health loop for a drained stop of an instance with this file
+        (see ``protocol``)."""
+        return self.run / f"{name}.restart"
+
+    def relative(self, path: Path) -> str:
+        return str(path.relative_to(self.root))
+
+
+def layout_for(settings_or_dir: object) -> Layout:
+    """The layout of a state dir, given as a path or as the settings that name it."""
+    state_dir = getattr(settings_or_dir, "state_dir", settings_or_dir)
+    return Layout(Path(str(state_dir)).expanduser().resolve())

@@ -1,0 +1,344 @@
+"""The cluster's lifecycle: up (start, or update a running one), restart, drain, down.
+
+Everything that changes what runs goes through here. Planned stops of instances are
+drained: the launcher asks the health loop (``protocol``), which takes the instance out
+of rotation and stops it once its requests are done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+from . import processes
+from .configs import recorded, render_to_disk
+from .errors import ClusterError
+from .footprint import make_plan
+from .layout import Layout, layout_for
+from .planner import Slot
+from .preflight import check_ports, check_tools
+from .protocol import (
+    DrainAction,
+    answer_drain,
+    ask_drain,
+    clear_drains,
+    clear_starts,
+    drain_pending,
+    read_report,
+    report_tracks,
+)
+from .settings import Settings
+from .status import SERVICES, ClusterStatus, failure_report, last_lines, status
+from .supervision import SupervisionError, Supervisor
+from .timeouts import SUPERVISOR_SILENT, Timeouts
+
+Report = Callable[["Progress"], None]
+
+
+@dataclass
+class Progress:
+    """What `up` and `restart` report while they wait."""
+
+    ready: int
+    total: int
+    detail: str
+
+
+def loop_reported(layout: Layout, settings: Settings, since: float) -> None:
+    """Wait (bounded) until the health loop has written a report after ``since``: it has
+    then published the rotation for the slots it read at its start."""
+    deadline = time.monotonic() + Timeouts(settings).loop_answer
+    while time.monotonic() < deadline and float(read_report(layout).get("updated", 0)) <= since:
+        time.sleep(0.1)
+
+
+# --- up --------------------------------------------------------------------------------
+
+def up(settings: Settings, on_progress: Report = lambda p: None) -> ClusterStatus:
+    """Start the cluster, or bring a running one to these settings; wait until all ready."""
+    layout = layout_for(settings)
+    check_tools(settings)
+    supervisor = Supervisor(layout)
+    previous = recorded(layout) if supervisor.running() else None
+    if previous is None:
+        current = _start(settings, layout, supervisor, on_progress)
+    else:
+        current = _update(settings, layout, supervisor, previous, on_progress)
+    current.report = failure_report(layout, current)
+    return current
+
+
+def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progress: Report) -> ClusterStatus:
+    result, _ = make_plan(settings)
+    check_ports(settings, result.slots, held=set())
+    if layout.run.is_dir():  # restarts are counted from this up; old requests are void
+        clear_starts(layout)
+        clear_drains(layout)
+    layout.health_json.unlink(missing_ok=True)
+    result, layout, _ = render_to_disk(settings, planned=result)
+    try:
+        supervisor.start_daemon()
+        if settings.staggered:  # one model load at a time: each instance serves before the next starts
+            for slot in result.slots:
+                on_progress(Progress(slot.index, len(result.slots), f"starting {slot.name} (--stagger)"))
+                supervisor.start(slot.name)
+                try:
+                    wait_serving(layout, settings, [slot.name], on_progress)
+                except ClusterError:  # this one failed: the others may still serve (checked below)
+                    pass
+        # Serving with some instances failed is still serving: they are reported, not fatal.
+        return wait_serving(layout, settings, [s.name for s in result.slots], on_progress)
+    except BaseException as exc:  # never a half-started cluster, whatever went wrong (Ctrl-C too)
+        down(layout)
+        what = str(exc) if isinstance(exc, (ClusterError, SupervisionError)) else (
+            "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}")
+        raise ClusterError(f"{what}\nThe cluster was stopped; logs are in {layout.logs}") from None
+
+
+def _update(settings: Settings, layout: Layout, supervisor: Supervisor,
+            previous: tuple[Settings, tuple[Slot, ...]], on_progress: Report) -> ClusterStatus:
+    """Apply new settings to a running cluster, one instance at a time."""
+    old_settings, old_slots = previous
+    result, _ = make_plan(settings, own=old_slots)
+    check_ports(settings, result.slots, held={old_settings.port, *(s.port for s in old_slots)})
+    result, layout, changed = render_to_disk(settings, own=old_slots, planned=result, live=True)
+    names = [s.name for s in result.slots]
+    if changed:
+        added, groups_changed, removed = supervisor.reload()
+        # The health loop reads its slots at start; it re-publishes the rotation at once.
+        supervisor.stop("health")
+        restarted = time.time()
+        supervisor.start("health", wait=True)  # it must be there to drain the instances replaced below
+        loop_reported(layout, settings, restarted)
+        for name in removed:
+            supervisor.remove_group(name)
+            clear_starts(layout, name)
+        for name in added:
+            supervisor.add_group(name)
+        supervisor.signal("nginx", "HUP")
+        # New instance code (staged in run/lib) means every instance is "changed".
+        if any(layout.instance_lib in path.parents for path in changed):
+            groups_changed = sorted(set(groups_changed) | (set(names) - set(added)))
+        # Changed instances are replaced one after another, each serving before the next:
+        # out of rotation and idle first (the health loop's drain), then the new config.
+        for name in [n for n in groups_changed if n not in SERVICES]:
+            on_progress(Progress(0, len(names), f"replacing {name} with its new settings"))
+            others_serving(layout, settings, name, on_progress)
+            old = drain(layout, settings, supervisor, [name], DrainAction.HOLD, on_progress)
+            supervisor.remove_group(name)
+            supervisor.add_group(name)
+            serving_or_fail(layout, settings, [name], on_progress, old)
+        if "nginx" in groups_changed:
+            supervisor.remove_group("nginx")
+            supervisor.add_group("nginx")
+    return wait_serving(layout, settings, names, on_progress)
+
+
+# --- restart, down, logs ---------------------------------------------------------------
+
+def restart(layout: Layout, names: list[str] | None = None, on_progress: Report = lambda p: None,
+            rolling: bool = True) -> list[str]:
+    """Restart the named programs (every instance when ``names`` is None). Instances get a
+    drained restart: out of nginx's rotation first, stopped once their requests are done.
+    ``rolling``: one at a time, each serving again before the next goes; otherwise all at
+    once (an outage while they load)."""
+    supervisor = Supervisor(layout)
+    record = recorded(layout)
+    if not supervisor.running() or record is None:
+        raise ClusterError(f"no cluster runs in {layout.root}: start it with 'cosyvoice-lb up'")
+    settings, slots = record
+    instances = [s.name for s in slots]
+    # --all --rolling keeps capacity: each waits for the others to serve. Names given by
+    # hand are restarted as asked.
+    careful = names is None and rolling
+    names = instances if names is None else names
+    known = supervisor.processes()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ClusterError(f"no program named {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    for name in [n for n in names if n in SERVICES]:
+        on_progress(Progress(0, 1, f"restarting {name}"))
+        supervisor.stop(name)
+        supervisor.start(name)
+    current = {i.name: i for i in status(layout).instances}
+    # Those not serving first: restarting them costs no capacity.
+    targets = sorted((n for n in names if n in instances), key=lambda n: current[n].serving)
+    for group in ([[n] for n in targets] if rolling else [targets] if targets else []):
+        on_progress(Progress(0, len(group), f"restarting {', '.join(group)}"))
+        if careful and current[group[0]].serving:
+            others_serving(layout, settings, group[0], on_progress)
+        old = drain(layout, settings, supervisor, group, DrainAction.TERM, on_progress)
+        for name in group:
+            if name not in old:  # stopped (given up on after a crash loop, or crashed): start it
+                supervisor.start(name)
+        serving_or_fail(layout, settings, group, on_progress, old)
+    return names
+
+
+def others_serving(layout: Layout, settings: Settings, name: str, on_progress: Report) -> None:
+    """Before a drained stop of ``name``: wait until every other instance (but those given
+    up on) serves, so the stop costs one instance of capacity and never the last one."""
+    deadline = time.monotonic() + Timeouts(settings).others_serving
+    while True:
+        others = [i for i in status(layout).instances if i.name != name and not i.failed]
+        short = [i.name for i in others if not i.serving]
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{', '.join(short)} did not serve within --startup-timeout: not stopping {name} "
+                               "as well; see 'cosyvoice-lb status' (restart NAME restarts one regardless)")
+        on_progress(Progress(len(others) - len(short), len(others), f"before {name}: waiting for {', '.join(short)}"))
+        time.sleep(0.5)
+
+
+def drain(layout: Layout, settings: Settings, supervisor: Supervisor, names: list[str], action: DrainAction,
+          on_progress: Report) -> dict[str, int]:
+    """Ask the health loop for a drained stop of ``names``: out of rotation, then (once their
+    requests are done) TERM, or for HOLD nothing: the caller replaces them. Returns the pids
+    of those that were running. Without a working health loop they are stopped directly
+    (each still drains its own requests on TERM; nginx retries the ones it refuses)."""
+    procs = supervisor.processes()
+    running = {n: procs[n].pid for n in names if n in procs and procs[n].state in ("RUNNING", "STARTING")}
+    timeouts = Timeouts(settings)
+    for name in names:
+        ask_drain(layout, name, action)
+    health_up = "health" in procs and procs["health"].state in ("RUNNING", "STARTING")
+    deadline = time.monotonic() + (timeouts.loop_answer if health_up else 0.0)
+    while any(drain_pending(layout, n) for n in names) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ignored = [n for n in names if drain_pending(layout, n)]
+    tracks = report_tracks(layout)
+    for name in ignored:
+        if not tracks.get(name, {}).get("failed"):  # (kept for one given up on: the health loop clears it)
+            answer_drain(layout, name)
+        on_progress(Progress(0, len(names), f"the health loop did not take the request: stopping {name} directly"))
+        if name in running:
+            supervisor.stop(name)
+            if action is DrainAction.TERM:
+                supervisor.start(name)
+    held = [n for n in running if n not in ignored]
+    if action is DrainAction.HOLD and held:
+        deadline = time.monotonic() + timeouts.hold_done
+        while time.monotonic() < deadline and not all(report_tracks(layout).get(n, {}).get("signalled_at")
+                                                      for n in held):
+            time.sleep(0.1)
+    return running
+
+
+def serving_or_fail(layout: Layout, settings: Settings, names: list[str], on_progress: Report,
+                    replacing: dict[str, int]) -> ClusterStatus:
+    """Wait for ``names`` (new processes) to serve; any of them failing is an error."""
+    current = wait_serving(layout, settings, names, on_progress, replacing=replacing)
+    report = failure_report(layout, current, names)
+    if report:
+        raise ClusterError("\n".join(report))
+    return current
+
+
+def down(layout: Layout, timeout: float | None = None) -> list[int]:
+    """Stop everything the cluster started; returns the pids that were stopped."""
+    supervisor = Supervisor(layout)
+    record = recorded(layout)
+    pids: list[int] = []
+    if supervisor.running():
+        try:
+            root = psutil.Process(supervisor.pid())
+            tree = [root] + root.children(recursive=True)
+            pids = [p.pid for p in tree]
+            # Stops by priority: the health loop, then the instances (each drains), then nginx.
+            supervisor.shutdown()
+            bound = Timeouts(record[0] if record else Settings()).down
+            processes.stop(tree, timeout=bound if timeout is None else timeout, term=False)
+        except (SupervisionError, psutil.Error):  # it went away (or stopped answering) meanwhile
+            pass
+    strays = processes.stray_processes(layout, record[0].port if record else None)
+    if strays:
+        pids += [p.pid for p in strays]
+        processes.stop(strays, timeout=10)
+    layout.socket.unlink(missing_ok=True)
+    return pids
+
+
+def instance_names(layout: Layout) -> list[str]:
+    record = recorded(layout)
+    return [s.name for s in record[1]] if record else []
+
+
+def log_names(layout: Layout) -> list[str]:
+    return sorted(p.stem for p in layout.logs.glob("*.log"))
+
+
+
+# --- waiting ---------------------------------------------------------------------------
+
+def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progress: Report,
+                 poll: float = 0.25, replacing: dict[str, int] | None = None) -> ClusterStatus:
+    """Wait until each named instance serves (ready and in rotation; for ``replacing``,
+    a process other than the pid given) or has failed, and nginx answers.
+
+    An instance has failed when the health loop gave up on it (a crash loop: it tells
+    restarts it ordered from crashes) or supervisord did (FATAL). One seen serving once is
+    done, even if it is recycled while the others are waited for. The others are still
+    waited for; :class:`ClusterError` only when none of them serves.
+    """
+    supervisor = Supervisor(layout)
+    replacing = replacing or {}
+    since = time.time()  # a failure the health loop recorded before this wait is not this start's
+    deadline = time.monotonic() + Timeouts(settings).serving
+    failed: dict[str, str] = {}
+    served: set[str] = set()
+    answered = time.monotonic()
+    while True:
+        current = status(layout)
+        if current.unanswered or not current.running:
+            # supervisord stopped answering (stopped, swapping, stuck) or went away: no
+            # instance can be started or checked; bounded, then a clear error.
+            if time.monotonic() - answered > SUPERVISOR_SILENT or not current.unanswered:
+                raise ClusterError(f"supervisord stopped answering while instances started: "
+                                   f"{'; '.join(current.problems)}; see {layout.log('supervisord')}")
+            on_progress(Progress(0, len(names), "supervisord does not answer; asking again"))
+            time.sleep(poll)
+            continue
+        answered = time.monotonic()
+        for item in current.instances:
+            if item.name not in names:
+                continue
+            if item.serving and item.pid != replacing.get(item.name):
+                served.add(item.name)
+            recorded = item.failed if item.failed_at >= since or item.state == "FATAL" else ""
+            if item.name not in failed and item.name not in served and recorded:
+                failed[item.name] = recorded
+            item.failed = failed.get(item.name, "")
+        for service in SERVICES:
+            state = getattr(current, service).get("state")
+            if state in ("FATAL", "BACKOFF", "EXITED", "MISSING"):
+                raise ClusterError(f"{service} does not stay up ({state}); last log lines:\n"
+                                   f"{last_lines(supervisor, service)}")
+        waiting = [i for i in current.instances
+                   if i.name in names and i.name not in served and i.name not in failed]
+        if not waiting and failed and len(failed) == len(names):
+            first = "no instance could start:" if len(names) > 1 else f"{names[0]} could not start:"
+            raise ClusterError("\n".join([first] + failure_report(layout, current, names)))
+        if not waiting and current.nginx.get("answers") == 200:
+            on_progress(Progress(len(names) - len(failed), len(names),
+                                 "all ready" if not failed else f"{len(failed)} failed: {', '.join(failed)}"))
+            return current
+        detail = ", ".join(i.name + (f" ({i.reason})" if i.reason else "") for i in waiting) or "nginx"
+        on_progress(Progress(len(names) - len(waiting) - len(failed), len(names), "waiting for " + detail))
+        if time.monotonic() > deadline:
+            if len(waiting) + len(failed) < len(names):  # some serve: the slow ones are reported, not fatal
+                for item in waiting:
+                    item.failed = failed[item.name] = (f"failed: not ready within --startup-timeout "
+                                                       f"{settings.startup_timeout:.0f}s")
+                on_progress(Progress(len(names) - len(failed), len(names), f"{len(failed)} failed"))
+                return current
+            tails = "\n".join(f"--- {i.name} ({layout.log(i.name)}):\n{last_lines(supervisor, i.name, 8)}"
+                              for i in waiting)
+            raise ClusterError(
+                f"not ready within --startup-timeout {settings.startup_timeout:.0f}s: "
+                f"{'; '.join(current.problems) or 'nginx does not answer /ping with 200'}\n{tails}"
+            )
+        time.sleep(poll)

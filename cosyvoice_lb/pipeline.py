@@ -1,0 +1,253 @@
+"""The one synthesis pipeline of an instance: validate → prompt → admission → synthesize →
+encode → keep.
+
+Every entry point (the HTTP API, the Gradio UI, and whatever comes next) is a small
+adapter onto :class:`Pipeline`: it decodes its own input into a payload, calls
+:meth:`Pipeline.prepare` and one of the synthesis methods, and turns the errors into its
+own answers through :func:`describe`, the one table from exceptions to HTTP statuses.
+
+Instance side: standard library, numpy and what ``audio``/``engines`` use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .admission import Admission, Cancelled, Clock, NotReady, Overloaded, TimedOut, deadline_for
+from .audio import Outputs, PromptError, read_prompt, wav_bytes, write_wav
+from .engines import Engine, EngineError, SynthesisRequest
+from .timeouts import WORKER_GRACE
+from .validation import BadRequest, Limits, make_request
+
+log = logging.getLogger("cosyvoice_lb.instance")
+
+CLONING = ("zero_shot", "cross_lingual", "instruct")
+
+
+class NoAudio(ValueError):
+    """The model said nothing for this text (e.g. punctuation only)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What an entry point answers for an exception."""
+
+    status: int
+    message: str
+    headers: dict[str, str] = field(default_factory=dict)
+    level: int = logging.DEBUG  # how loudly the instance logs it
+
+
+# The one table from exceptions to answers; the first matching row wins.
+ERRORS: tuple[tuple[type[BaseException], Callable[[Any], Failure]], ...] = (
+    (BadRequest, lambda e: Failure(e.status, str(e))),
+    (PromptError, lambda e: Failure(400, str(e))),
+    (NotReady, lambda e: Failure(503, str(e), {"Retry-After": "2"})),
+    (Overloaded, lambda e: Failure(503, str(e), {"Retry-After": "1"})),
+    (TimedOut, lambda e: Failure(504, str(e), level=logging.WARNING)),
+    (NoAudio, lambda e: Failure(422, "the model produced no audio for this text: send words to speak")),
+    # upstream checks its input with assert
+    (AssertionError, lambda e: Failure(422, f"the model refused this input: {e}", level=logging.ERROR)),
+    (EngineError, lambda e: Failure(500, f"synthesis failed: {e}", level=logging.ERROR)),
+    (Cancelled, lambda e: Failure(499, "the client went away", level=logging.INFO)),
+)
+
+
+def describe(exc: BaseException) -> Failure | None:
+    """The answer for ``exc``, or None for an exception the pipeline does not expect."""
+    for kind, make in ERRORS:
+        if isinstance(exc, kind):
+            return make(exc)
+    return None
+
+
+@dataclass
+class Job:
+    """A validated request on its way: the synthesis, notices for the client, and the
+    prompt file written for it (removed by :meth:`Pipeline.finish`)."""
+
+    request: SynthesisRequest
+    notices: list[str] = field(default_factory=list)
+    prompt_path: str = ""
+
+
+class Pipeline:
+    """The engine, its admission and the outputs dir, shared by every entry point."""
+
+    def __init__(self, engine: Engine, admission: Admission | None = None, limits: Limits | None = None,
+                 outputs: Outputs | None = None, scratch: str = "", port: int = 0, request_timeout: float = 0.0,
+                 wall: Clock = time.time):
+        self.engine = engine
+        self.admission = admission or Admission()
+        self.limits = limits or Limits()
+        self.port = port
+        self.outputs = outputs or Outputs("", port, 0, 0)
+        self.scratch = scratch or tempfile.gettempdir()
+        self.request_timeout = request_timeout  # seconds per API request, retries included; 0: none
+        self.wall = wall
+        # API syntheses run here rather than in the server's shared pool: a request whose
+        # time ran out is answered while a stuck engine call keeps only its own thread.
+        self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="synthesis")
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return self.engine.modes or ("sft",)
+
+    # --- loading ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the engine, run one warm-up synthesis, then turn ready (unless a drain came
+        first: a drained instance never turns ready)."""
+        t0 = time.monotonic()
+        self.engine.load()
+        try:
+            warm_up: SynthesisRequest | None = self.complete(SynthesisRequest(text="Warm-up."))
+        except BadRequest as exc:  # a cloning-only model and no bundled prompt to clone
+            warm_up = None
+            log.warning("no warm-up synthesis (%s): ready after loading only", exc)
+        if warm_up is not None and self.synthesize(Job(warm_up), count=False).size == 0:
+            raise EngineError("the warm-up synthesis returned no audio")
+        if self.admission.become_ready():
+            log.info("ready: engine %s loaded and warmed up in %.1fs (modes: %s)", self.engine.name,
+                     time.monotonic() - t0, ", ".join(self.engine.modes))
+
+    # --- validate → prompt ---------------------------------------------------------------
+
+    def prepare(self, payload: dict, prompt_data: bytes | None = None) -> Job:
+        """Validate, refuse when not ready, write the prompt file, fill in the defaults."""
+        request = make_request(payload, self.limits, self.modes, self.engine.speakers(),
+                               has_prompt=prompt_data is not None)
+        self.admission.check_ready()
+        job = Job(request)
+        try:
+            if prompt_data is not None:
+                job.prompt_path, job.notices = self.prepare_prompt(prompt_data)
+                job.request = replace(job.request, prompt_wav=job.prompt_path)
+            job.request = self.complete(job.request)
+        except BaseException:
+            self.finish(job)
+            raise
+        return job
+
+    def prepare_prompt(self, data: bytes) -> tuple[str, list[str]]:
+        """Decode an upload and write it as the WAV file upstream wants; (path, notices)."""
+        prompt = read_prompt(data, self.limits.max_prompt_seconds)
+        path = os.path.join(self.scratch, f"prompt-{self.port}-{uuid.uuid4().hex}.wav")
+        write_wav(Path(path), prompt.audio, prompt.rate)
+        return path, prompt.notices
+
+    def complete(self, request: SynthesisRequest) -> SynthesisRequest:
+        """Fill what the client left to the engine: the default mode and, for a cloning mode
+        without prompt audio, the engine's bundled prompt."""
+        mode = request.mode or self.engine.modes[0]
+        if mode in CLONING and not request.prompt_wav:
+            default = getattr(self.engine, "default_prompt", lambda: ("", ""))()
+            if mode == "instruct" and self.engine.speakers():
+                default = ("", "")
+            if default[0]:
+                request = replace(request, prompt_wav=default[0], prompt_text=request.prompt_text or default[1])
+            elif mode != "instruct" or not self.engine.speakers():
+                raise BadRequest(f"mode {mode} needs prompt_audio and this model has no default prompt: "
+                                 "send prompt_audio")
+        if mode == "instruct" and not request.instruct_text:
+            request = replace(request, instruct_text="Speak naturally.")
+        return replace(request, mode=mode)
+
+    def finish(self, job: Job) -> None:
+        """The job is done with its prompt file."""
+        if job.prompt_path:
+            try:
+                os.unlink(job.prompt_path)
+            except FileNotFoundError:
+                pass
+            job.prompt_path = ""
+
+    # --- admission → synthesize ----------------------------------------------------------
+
+    def deadline(self, stamp: str | None) -> float | None:
+        """The request's deadline on the admission clock (nginx's X-Request-Start stamp)."""
+        return deadline_for(self.request_timeout, stamp, self.wall(), self.admission.clock())
+
+    def chunks(self, job: Job, *, bounded: bool = False, deadline: float | None = None,
+               chunk_deadline: bool = False, count: bool = True,
+               cancelled: Any = None) -> Iterator[np.ndarray]:
+        """Chunks as the engine makes them, holding an engine slot from the first ``next``.
+
+        ``bounded``/``deadline``: see :meth:`Admission.admit`; with ``chunk_deadline`` the
+        synthesis itself stops at the first chunk past the deadline. ``cancelled`` (an
+        Event): set when the client went away; the synthesis stops at its next chunk and
+        frees the slot, counted neither served nor failed.
+        """
+        ticket = self.admission.admit(bounded=bounded, deadline=deadline)
+        outcome: bool | None = None
+        made: Iterator[Any] | None = None
+        try:
+            made = iter(self.engine.synthesize(job.request))
+            for chunk in made:
+                if cancelled is not None and cancelled.is_set():
+                    return
+                if chunk_deadline and deadline is not None and self.admission.clock() > deadline:
+                    raise TimedOut("the synthesis ran past the request timeout: send shorter text, stream "
+                                   "it (\"stream\": true), or raise --request-timeout")
+                ticket.handed_out()  # the engine made a chunk; now it is the reader's turn
+                yield np.asarray(chunk, dtype=np.float32).reshape(-1)
+                if cancelled is not None and cancelled.is_set():  # gone while it had the chunk
+                    return
+                ticket.working()  # back in the engine: the stall clock runs from here
+            outcome = True
+        except GeneratorExit:
+            raise
+        except Exception:
+            outcome = False
+            raise
+        finally:
+            close = getattr(made, "close", None)
+            if close is not None:
+                close()  # the engine's generator lets go of what it holds
+            ticket.release(outcome if count else None)
+
+    def synthesize(self, job: Job, *, bounded: bool = False, deadline: float | None = None,
+                   count: bool = True) -> np.ndarray:
+        """The whole audio (stops at the first chunk past ``deadline``)."""
+        chunks = list(self.chunks(job, bounded=bounded, deadline=deadline, chunk_deadline=True, count=count))
+        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+
+    async def run(self, deadline: float | None, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a synthesis worker; past the deadline (plus a moment for the
+        worker's own, clearer timeout) the request is answered while the worker runs on."""
+        future = asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+        if deadline is None:
+            return await future
+        try:
+            return await asyncio.wait_for(future, max(0.0, deadline - self.admission.clock()) + WORKER_GRACE)
+        except asyncio.TimeoutError:
+            raise TimedOut(f"no answer within the request timeout ({self.request_timeout:g}s): the synthesis "
+                           "is stuck or too long for the bound; retry (the health loop restarts hung "
+                           "instances), send shorter text, or raise --request-timeout") from None
+
+    # --- encode → keep -------------------------------------------------------------------
+
+    def encode_wav(self, audio: np.ndarray) -> bytes:
+        if audio.size == 0:  # e.g. text of punctuation only: the model says nothing
+            raise NoAudio()
+        return wav_bytes(audio, self.engine.sample_rate)
+
+    def keep(self, audio: np.ndarray) -> str:
+        """Save a result in the outputs dir; a full disk must not cost the client its answer."""
+        try:
+            return self.outputs.save(audio, self.engine.sample_rate)
+        except OSError as exc:
+            log.error("could not keep the result in the outputs dir: %s", exc)
+            return ""

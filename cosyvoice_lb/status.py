@@ -1,0 +1,180 @@
+"""`cosyvoice-lb status`: what supervisord, the health loop, the instances and nginx say.
+
+Read-only; ``lifecycle`` polls it while it waits for instances to serve.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from . import processes
+from .configs import recorded
+from .layout import Layout
+from .planner import Slot
+from .probe import Prober
+from .protocol import read_report, starts_count
+from .settings import Settings
+from .supervision import SupervisionError, Supervisor, read_tail
+from .timeouts import SUPERVISOR_POLL, Timeouts
+
+SERVICES = ("nginx", "health")
+
+
+@dataclass
+class InstanceStatus:
+    name: str
+    port: int
+    gpu: int | None
+    pid: int
+    state: str
+    ready: bool
+    in_rotation: bool
+    restarts: int
+    uptime: float
+    reason: str = ""
+    inflight: int = 0
+    failed: str = ""  # given up on after a crash loop: why (it stays stopped until restarted)
+    failed_at: float = 0.0
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "RUNNING" and self.ready and self.in_rotation
+
+
+@dataclass
+class ClusterStatus:
+    running: bool
+    url: str = ""
+    instances: list[InstanceStatus] = field(default_factory=list)
+    nginx: dict = field(default_factory=dict)
+    health: dict = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    report: list[str] = field(default_factory=list)  # per failed instance: why, and its log's last lines
+    unanswered: bool = False  # supervisord's socket is there but it does not answer
+
+    @property
+    def exit_code(self) -> int:
+        if not self.running:
+            return 3
+        return 1 if self.problems else 0
+
+    def instance(self, name: str) -> InstanceStatus | None:
+        return next((i for i in self.instances if i.name == name), None)
+
+    def as_dict(self) -> dict:
+        return {
+            "running": self.running, "ok": self.running and not self.problems, "url": self.url,
+            "instances": [i.__dict__ for i in self.instances], "nginx": self.nginx, "health": self.health,
+            "problems": self.problems,
+        }
+
+
+def public_url(settings: Settings) -> str:
+    host = settings.host
+    if host in ("0.0.0.0", "*", ""):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "[::1]"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{settings.port}"
+
+
+def ask_all(prober: Prober, slots: list[Slot], timeout: float, url: str) -> tuple[dict[str, dict], int]:
+    """Every instance's /ping body and nginx's /ping status, all asked at once: instances
+    that do not answer cost one timeout together, not one each."""
+    with ThreadPoolExecutor(max_workers=len(slots) + 1) as pool:
+        nginx = pool.submit(prober.get_status, url + "/ping", timeout + 1)
+        bodies = dict(zip([s.name for s in slots], pool.map(lambda s: prober.ping(s.port, timeout), slots)))
+        return bodies, nginx.result()
+
+
+def status(layout: Layout, prober: Prober | None = None) -> ClusterStatus:
+    """The cluster as supervisord, the health loop, the instances' /ping and nginx see it.
+
+    The instances are asked in parallel (with nginx): an instance that does not answer
+    costs one probe timeout, not one per instance. A supervisord that does not answer
+    makes a status with ``running`` False and that said in ``problems``."""
+    supervisor = Supervisor(layout, timeout=SUPERVISOR_POLL)
+    record = recorded(layout)
+    if record is not None and layout.socket.exists():
+        try:
+            programs = supervisor.processes()
+        except SupervisionError as exc:
+            if exc.timed_out:
+                return ClusterStatus(running=False, problems=[f"supervisord does not answer: {exc}"],
+                                     unanswered=True)
+            programs = {}  # a socket nobody listens on: not running
+    else:
+        programs = {}
+    if not programs or record is None:
+        problems = [f"no cluster runs in {layout.root}"]
+        strays = processes.stray_processes(layout, record[0].port if record else None)
+        if strays:
+            problems.append(f"{len(strays)} process(es) of it outlived supervisord "
+                            f"(pids {', '.join(str(p.pid) for p in strays)}): 'cosyvoice-lb down' stops them")
+        return ClusterStatus(running=False, problems=problems)
+    settings, slots = record
+    health = read_report(layout)
+    tracks = health.get("instances", {})
+    result = ClusterStatus(running=True, url=public_url(settings))
+    running = [s for s in slots if s.name in programs and programs[s.name].state == "RUNNING"]
+    bodies, answer = ask_all(prober or Prober(len(slots) + 1), running, settings.probe_timeout, result.url)
+    for slot in slots:
+        proc = programs.get(slot.name)
+        body = bodies.get(slot.name, {})
+        track = tracks.get(slot.name, {})
+        ready = bool(body.get("ready"))
+        in_rotation = bool(track.get("in_rotation")) and track.get("pid") == (proc.pid if proc else None)
+        failed = track.get("failed", "") or ("failed: supervisord gave up starting it"
+                                             if proc and proc.state == "FATAL" else "")
+        item = InstanceStatus(
+            name=slot.name, port=slot.port, gpu=slot.gpu, pid=proc.pid if proc else 0,
+            state=proc.state if proc else "MISSING", ready=ready, in_rotation=in_rotation,
+            restarts=max(0, starts_count(layout, slot.name) - 1), uptime=round(proc.uptime, 1) if proc else 0.0,
+            reason="" if in_rotation else track.get("reason", ""), inflight=int(body.get("inflight", 0)),
+            failed=failed, failed_at=float(track.get("failed_at", 0.0)) if track.get("failed") else 0.0,
+        )
+        result.instances.append(item)
+        if failed:
+            result.problems.append(f"{slot.name} {failed}; see 'cosyvoice-lb logs {slot.name}', fix the cause, "
+                                   f"then 'cosyvoice-lb restart {slot.name}'")
+        elif item.state != "RUNNING" or not ready:
+            result.problems.append(f"{slot.name} is {item.state.lower()}{'' if ready else ', not ready'}")
+        elif not in_rotation:
+            result.problems.append(f"{slot.name} is ready but not in nginx's rotation yet")
+    for name in SERVICES:
+        proc = programs.get(name)
+        state = proc.state if proc else "MISSING"
+        setattr(result, name, {"state": state, "pid": proc.pid if proc else 0})
+        if state != "RUNNING":
+            result.problems.append(f"{name} is {state.lower()}")
+    result.nginx.update(port=settings.port, url=result.url, answers=answer)
+    if result.nginx["state"] == "RUNNING" and answer == 0:
+        result.problems.append(f"nginx does not answer on {result.url}")
+    age = time.time() - float(health.get("updated", 0))
+    result.health["updated_seconds_ago"] = round(age, 1) if health else None
+    if result.health["state"] == "RUNNING" and age > Timeouts(settings).health_stale:
+        result.problems.append(f"the health loop has not reported for {age:.0f}s (hung?)")
+    result.report = failure_report(layout, result)
+    return result
+
+
+def failure_report(layout: Layout, current: ClusterStatus, names: list[str] | None = None) -> list[str]:
+    """For each failed instance: why, and the last lines of its log."""
+    supervisor = Supervisor(layout)
+    lines = []
+    for item in current.instances:
+        if item.failed and (names is None or item.name in names):
+            lines.append(f"{item.name} {item.failed}; last lines of {layout.log(item.name)}:")
+            lines += ["    " + line for line in last_lines(supervisor, item.name, 12).splitlines()]
+    return lines
+
+
+def last_lines(supervisor: Supervisor, name: str, lines: int = 20) -> str:
+    text = supervisor.tail(name, 8000)
+    if name == "nginx":
+        text += read_tail(supervisor.layout.log("nginx-error"), 4000)
+    return "\n".join(text.strip().splitlines()[-lines:]) or "(empty log)"

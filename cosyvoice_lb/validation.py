@@ -1,0 +1,122 @@
+"""Request validation (pure): a decoded request in, a :class:`SynthesisRequest` or a
+:class:`BadRequest` that says what to change out. Every entry point (the API, the UI)
+validates through here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .engines import MODES, SynthesisRequest
+
+MIN_SPEED, MAX_SPEED = 0.5, 2.0
+FIELDS = ("text", "speed", "mode", "prompt_text", "instruct_text", "speaker", "seed", "stream")
+
+
+class BadRequest(ValueError):
+    """Client input that cannot be served; the message tells the client what to change."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_chars: int = 500
+    max_prompt_seconds: float = 15.0
+    max_upload_bytes: int = 10 * 1024 * 1024
+
+
+def check_text(text: Any, max_chars: int, name: str = "text", required: bool = True) -> str:
+    if text is None or (text == "" and not required):
+        if required:
+            raise BadRequest(f'"{name}" is missing: send the text to speak, e.g. {{"{name}": "Hello"}}')
+        return ""
+    if not isinstance(text, str):
+        raise BadRequest(f'"{name}" must be a string, not {type(text).__name__}')
+    if required and not text.strip():
+        raise BadRequest(f'"{name}" is empty: send some text')
+    if len(text) > max_chars:
+        raise BadRequest(f'"{name}" has {len(text)} characters, more than the limit of {max_chars}: '
+                         "split it into shorter requests", status=413)
+    return text
+
+
+def check_speed(speed: Any) -> float:
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)):
+        raise BadRequest(f'"speed" must be a number between {MIN_SPEED} and {MAX_SPEED}, not {speed!r}')
+    if not (math.isfinite(speed) and MIN_SPEED <= speed <= MAX_SPEED):
+        raise BadRequest(f'"speed" is {speed}: it must be between {MIN_SPEED} and {MAX_SPEED}')
+    return float(speed)
+
+
+def check_seed(seed: Any) -> int | None:
+    if seed is None or seed == "":
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise BadRequest(f'"seed" must be a whole number from 0 to {2**32 - 1}, not {seed!r}')
+    return seed
+
+
+def make_request(payload: dict, limits: Limits, modes: tuple[str, ...], speakers: list[str],
+                 has_prompt: bool) -> SynthesisRequest:
+    """Validate one request (already decoded: JSON or form) against what the engine offers.
+
+    ``has_prompt``: prompt audio came with it. Raises :class:`BadRequest`.
+    """
+    unknown = sorted(set(payload) - set(FIELDS))
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(unknown)}: accepted fields are {', '.join(FIELDS)}"
+                         " (and the file prompt_audio in a multipart form)")
+    text = check_text(payload.get("text"), limits.max_chars)
+    speed = check_speed(payload.get("speed", 1.0))
+    stream = payload.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f'"stream" must be true or false, not {stream!r}')
+    if stream and speed != 1.0:
+        raise BadRequest('"speed" works only without streaming: drop "stream" or use speed 1.0')
+    mode = payload.get("mode") or ""
+    if not isinstance(mode, str):
+        raise BadRequest(f'"mode" must be a string, one of {", ".join(MODES)}')
+    if mode and mode not in MODES:
+        raise BadRequest(f'unknown mode {mode!r}: choose one of {", ".join(MODES)}')
+    if mode and mode not in modes:
+        raise BadRequest(f'mode {mode} is not available with this model: choose one of {", ".join(modes)}')
+    effective = mode or modes[0]
+    prompt_text = check_text(payload.get("prompt_text", ""), limits.max_chars, "prompt_text", required=False)
+    instruct_text = check_text(payload.get("instruct_text", ""), limits.max_chars, "instruct_text", required=False)
+    speaker = payload.get("speaker") or ""
+    if not isinstance(speaker, str):
+        raise BadRequest('"speaker" must be a string')
+    if speaker and speaker not in speakers:
+        raise BadRequest(f'unknown speaker {speaker!r}: choose one of {", ".join(speakers) or "(none: this model has no built-in speakers)"}')
+    needs_prompt = effective in ("zero_shot", "cross_lingual") or (effective == "instruct" and not speakers)
+    if mode and needs_prompt and not has_prompt:
+        raise BadRequest(f"mode {mode} needs prompt_audio: send a multipart form with the file prompt_audio "
+                         "(3-15 s of the voice to clone)")
+    if effective == "zero_shot" and (mode or has_prompt) and not prompt_text.strip():
+        raise BadRequest("mode zero_shot needs prompt_text: the exact transcript of prompt_audio")
+    if effective == "instruct" and not instruct_text.strip():
+        raise BadRequest('mode instruct needs instruct_text, e.g. "Speak slowly and warmly"')
+    return SynthesisRequest(text=text, speed=speed, mode=mode, prompt_text=prompt_text, instruct_text=instruct_text,
+                            speaker=speaker, seed=check_seed(payload.get("seed")), stream=stream)
+
+
+def form_payload(form: dict[str, str]) -> dict:
+    """Form fields are strings: give speed, seed and stream their JSON types."""
+    payload: dict[str, Any] = {k: v for k, v in form.items() if v != ""}
+    for name, kind in (("speed", float), ("seed", int)):
+        if name in payload:
+            try:
+                payload[name] = kind(payload[name])
+            except ValueError:
+                raise BadRequest(f'"{name}" must be a number, not {payload[name]!r}') from None
+    if "stream" in payload:
+        value = payload["stream"].strip().lower()
+        if value not in ("true", "false", "1", "0", "yes", "no"):
+            raise BadRequest(f'"stream" must be true or false, not {payload["stream"]!r}')
+        payload["stream"] = value in ("true", "1", "yes")
+    return payload

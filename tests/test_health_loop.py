@@ -1,0 +1,385 @@
+"""The health loop (cosyvoice_lb/health_loop.py) driven step by step against scripted fakes.
+
+supervisord, the probes, the host's process facts and the clock are fakes that the test
+changes between steps; the state dir is real, since its files are the protocol (drain
+requests, starts files, health.json) and upstreams.conf is what nginx reads. Nothing
+sleeps and no process is started: a test plays supervisord's autorestart itself by giving
+an instance a new pid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+import signal
+from dataclasses import dataclass
+
+import pytest
+
+from cosyvoice_lb import protocol
+from cosyvoice_lb.health_loop import HealthLoop, Host
+from cosyvoice_lb.layout import Layout
+from cosyvoice_lb.planner import Slot
+from cosyvoice_lb.probe import Probe
+from cosyvoice_lb.protocol import DrainAction
+from cosyvoice_lb.settings import Settings
+from cosyvoice_lb.supervision import ProcessInfo, SupervisionError
+
+T0 = 1_700_000_000.0
+SLOTS = (Slot(0, 7860, None, 0), Slot(1, 7861, None, 0))
+A, B = (slot.name for slot in SLOTS)
+PORTS = {slot.name: slot.port for slot in SLOTS}
+READY = Probe("ready", busy_seconds=0.1)
+LOADING = Probe("loading")
+REFUSED = Probe("failed", detail="/ping: ConnectionError")
+HUP = ("signal", "nginx", "HUP")  # nginx reloads upstreams.conf
+
+
+class Clock:
+    def __init__(self, now: float = T0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeSupervisor:
+    """supervisord as the test says it is. Every call is recorded and changes nothing; the
+    calls named in ``refuse`` raise SupervisionError (after being recorded)."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.procs: dict[str, ProcessInfo] = {}
+        self.calls: list[tuple] = []
+        self.refuse: set[str] = set()
+        for name, pid in ((A, 100), (B, 101), ("nginx", 50), ("health", 51)):
+            self.set(name, "RUNNING", pid)
+
+    def set(self, name: str, state: str, pid: int = 0, uptime: float = 600.0) -> None:
+        start = self.clock.now - uptime if pid else 0.0
+        self.procs[name] = ProcessInfo(name, state, pid, start=start, now=start, description="", exitstatus=0)
+
+    def processes(self) -> dict[str, ProcessInfo]:
+        return {name: dataclasses.replace(p, now=self.clock.now) for name, p in self.procs.items()}
+
+    def _record(self, *call) -> None:
+        self.calls.append(call)
+        if call[0] in self.refuse:
+            raise SupervisionError(f"supervisord refused {call}")
+
+    def signal(self, name: str, signal: str) -> None:
+        self._record("signal", name, signal)
+
+    def start(self, name: str, wait: bool = False) -> None:
+        self._record("start", name, wait)
+
+    def stop(self, name: str, wait: bool = True) -> None:
+        self._record("stop", name, wait)
+
+    def tail(self, name: str, length: int = 4000) -> str:
+        self._record("tail", name, length)
+        return "RuntimeError: CUDA out of memory\n"
+
+
+class FakeProber:
+    def __init__(self):
+        self.answers = {port: READY for port in PORTS.values()}
+
+    def set(self, name: str, probe: Probe) -> None:
+        self.answers[PORTS[name]] = probe
+
+    def probe(self, port: int, timeout: float) -> Probe:
+        return self.answers[port]
+
+
+@dataclass(frozen=True)
+class FakeProcess:
+    """Stands in for a psutil.Process: the loop only hands it back to the host (and logs its pid)."""
+
+    pid: int
+
+
+class FakeHost(Host):
+    """The host's process facts, scripted (no psutil)."""
+
+    def __init__(self):
+        self.children_of: dict[int, list] = {}
+        self.children_asked: list[int] = []
+        self.killed: list[tuple[list, int]] = []  # (processes, signal), empty kills left out
+        self.orphans: list = []
+        self.orphans_asked: list[tuple[int, int]] = []
+
+    def children(self, pid):
+        self.children_asked.append(pid)
+        return self.children_of.get(pid, [])
+
+    def kill(self, procs, sig=signal.SIGKILL):
+        if procs:
+            self.killed.append((list(procs), sig))
+
+    def memory(self, pids):
+        return {name: 0 for name in pids}
+
+    def orphan_nginx(self, port, master_pid):
+        self.orphans_asked.append((port, master_pid))
+        return self.orphans
+
+
+@dataclass
+class Rig:
+    loop: HealthLoop
+    layout: Layout
+    sup: FakeSupervisor
+    prober: FakeProber
+    host: FakeHost
+    clock: Clock
+
+    def step(self, times: int = 1) -> None:
+        """The loop's next steps, a probe interval apart."""
+        for _ in range(times):
+            self.clock.now += self.loop.settings.probe_interval
+            self.loop.step()
+
+    def track(self, name: str):
+        return self.loop.tracks[name]
+
+    def report(self, name: str) -> dict:
+        return protocol.report_tracks(self.layout)[name]
+
+    def down(self) -> set[str]:
+        """The instances upstreams.conf marks down (in both upstreams alike)."""
+        found = re.findall(r"server \S+ max_fails=0( down)?;\s+# (\S+)", self.layout.upstreams_conf.read_text())
+        assert len(found) == 2 * len(SLOTS)
+        api, ui = found[:len(SLOTS)], found[len(SLOTS):]
+        assert api == ui
+        return {name for mark, name in api if mark}
+
+    def restarted(self, name: str, pid: int, state: str = "RUNNING") -> None:
+        """supervisord started ``name`` again: a new pid, and its line in the starts file."""
+        with self.layout.starts(name).open("a") as starts:
+            starts.write(f"{pid}\n")
+        self.sup.set(name, state, pid, uptime=1.0)
+
+
+@pytest.fixture
+def make_rig(tmp_path):
+    """A loop over two instances that both serve already (unless ``serving=False``); the
+    calls made to get there are forgotten."""
+    loops = []
+
+    def make(serving: bool = True, **changes) -> Rig:
+        layout = Layout(tmp_path)
+        layout.run.mkdir(exist_ok=True)
+        layout.nginx_dir.mkdir(exist_ok=True)
+        settings = Settings(**{"probe_interval": 1.0, "fail_threshold": 2, "recover_threshold": 2,
+                               "hang_timeout": 10.0, "drain_timeout": 30.0, "start_retries": 2, **changes})
+        clock, prober, host = Clock(), FakeProber(), FakeHost()
+        sup = FakeSupervisor(clock)
+        loop = HealthLoop(layout, settings, SLOTS, sup, prober, host, clock=clock, rng=random.Random(0))
+        loops.append(loop)
+        rig = Rig(loop, layout, sup, prober, host, clock)
+        if serving:
+            for slot in SLOTS:
+                layout.starts(slot.name).write_text(f"{sup.procs[slot.name].pid}\n")
+            rig.step(settings.recover_threshold)
+            assert rig.down() == set() and all(rig.track(s.name).in_rotation for s in SLOTS)
+            sup.calls.clear()
+        return rig
+
+    yield make
+    for loop in loops:
+        loop.pool.shutdown()
+
+
+def test_a_hung_instance_goes_out_then_is_killed_with_its_children_and_comes_back(make_rig):
+    rig = make_rig()
+    rig.host.children_of[100] = [FakeProcess(300)]  # e.g. a stuck espeak-ng
+    # one synthesis stalled past --hang-timeout, another still yielding audio
+    rig.prober.set(A, Probe("ready", inflight=2, stalled=(15.0, 3.0)))
+    rig.step()
+    track = rig.track(A)
+    assert (track.in_rotation, track.drain_signal, track.restarts) == (False, DrainAction.KILL, 1)
+    assert track.draining_since == rig.clock.now and track.signalled_at == 0.0
+    assert rig.down() == {A}
+    assert rig.sup.calls == [HUP]  # out of nginx's rotation, not killed in the same step
+
+    rig.step()  # the other synthesis still makes progress: it may finish
+    assert rig.sup.calls == [HUP] and rig.track(A).signalled_at == 0.0
+
+    rig.prober.set(A, Probe("ready", inflight=1, stalled=(17.0,)))
+    rig.step()
+    assert rig.sup.calls == [HUP, ("signal", A, "KILL")]
+    assert rig.host.children_asked == [100]
+    assert rig.host.killed == [([FakeProcess(300)], signal.SIGKILL)]
+    assert rig.track(A).signalled_at == rig.clock.now == rig.report(A)["signalled_at"]
+
+    rig.restarted(A, pid=200)
+    rig.prober.set(A, READY)
+    rig.step()  # a new process earns its place like any other
+    assert rig.down() == {A} and rig.track(A).pid == 200
+    rig.step()
+    assert rig.down() == set()
+    track = rig.track(A)
+    assert (track.in_rotation, track.restarts, track.draining_since, track.signalled_at) == (True, 1, 0.0, 0.0)
+    assert rig.report(A)["in_rotation"] and rig.report(A)["restarts"] == 1
+    assert rig.sup.calls == [HUP, ("signal", A, "KILL"), HUP]
+    assert rig.track(B).in_rotation
+
+
+def test_a_crash_loop_is_given_up_and_stays_stopped_while_the_other_serves(make_rig):
+    rig = make_rig(start_retries=2)
+    rig.prober.set(A, REFUSED)
+    rig.sup.set(A, "EXITED")  # it was ready once: this exit is not a failed start
+    rig.step()
+    assert rig.down() == {A} and rig.track(A).reason == "process exited"
+    for pid in (200, 201, 202):  # supervisord starts it again and again; it never gets ready
+        assert not rig.track(A).failed
+        rig.restarted(A, pid, state="STARTING")
+        rig.step()
+        rig.sup.set(A, "BACKOFF")
+        rig.step()
+    track = rig.track(A)
+    assert track.failed == "failed: it exited 3 times in a row without getting ready (--start-retries 2)"
+    assert track.failed_at == rig.clock.now and rig.report(A)["failed"] == track.failed
+    assert rig.sup.calls == [HUP, ("tail", A, 2000), ("stop", A, False)]
+
+    rig.sup.set(A, "STOPPED")
+    rig.step(3)
+    assert rig.sup.calls == [HUP, ("tail", A, 2000), ("stop", A, False)]  # nothing more to do
+    rig.restarted(A, 300)  # started behind the loop's back, and even ready: stopped again
+    rig.prober.set(A, READY)
+    rig.step()
+    assert rig.sup.calls[-1] == ("stop", A, False) and ("tail", A, 2000) not in rig.sup.calls[3:]
+    assert rig.track(A).failed == track.failed and not rig.track(A).in_rotation
+    assert rig.down() == {A} and rig.track(B).in_rotation
+    assert all(call[1] != B for call in rig.sup.calls)
+
+
+def test_recycling_drains_one_instance_at_a_time_and_terms_it_once_idle(make_rig):
+    rig = make_rig(max_requests=5)
+    assert rig.track(A).recycle_at == rig.track(B).recycle_at == 5  # no jitter asked
+    rig.prober.set(A, Probe("ready", served=5))
+    rig.prober.set(B, Probe("ready", served=4))
+    rig.step()
+    track = rig.track(A)
+    assert (track.drain_signal, track.restarts) == (DrainAction.TERM, 1)
+    assert track.reason == "recycling: served 5 requests (--max-requests 5)"
+    assert rig.down() == {A}
+    assert rig.sup.calls == [HUP]  # idle, but that probe predates nginx's reload
+
+    rig.prober.set(B, Probe("ready", served=9))  # due as well: waits for its turn
+    for busy in (Probe("ready", served=6, waiting=1), Probe("ready", served=7, inflight=1)):
+        rig.prober.set(A, busy)
+        rig.step()
+        assert rig.sup.calls == [HUP]
+        assert rig.down() == {A} and not rig.track(B).draining_since
+
+    rig.prober.set(A, Probe("ready", served=7))
+    rig.step()
+    assert rig.sup.calls == [HUP, ("signal", A, "TERM")]
+    assert rig.host.children_asked == []  # a TERMed instance takes its children down itself
+    assert rig.track(A).signalled_at == rig.clock.now
+    rig.step()  # still exiting
+    assert rig.sup.calls == [HUP, ("signal", A, "TERM")] and rig.down() == {A}
+
+    rig.restarted(A, 200)
+    rig.prober.set(A, READY)
+    rig.step()
+    assert rig.down() == {A} and not rig.track(B).draining_since  # A does not serve yet
+    rig.step()  # A back in rotation: now B's turn
+    assert rig.down() == {B}
+    assert rig.track(A).in_rotation and rig.track(A).restarts == 1 and rig.track(A).recycle_at == 5
+    assert rig.track(B).drain_signal is DrainAction.TERM
+    assert rig.sup.calls == [HUP, ("signal", A, "TERM"), HUP]
+
+
+def test_restart_by_hand_starts_a_given_up_instance_afresh(make_rig, monkeypatch):
+    rig = make_rig(start_retries=2)
+    rig.layout.starts(A).write_text("100\n201\n202\n203\n")  # three failed starts, then supervisord gave up
+    rig.sup.set(A, "FATAL")
+    rig.step()
+    assert rig.track(A).failed.startswith("failed: supervisord gave up starting it")
+    rig.sup.calls.clear()
+
+    answered = []  # what health.json said when the request was answered
+    real_answer = protocol.answer_drain
+
+    def answer(layout, name):
+        answered.append((name, protocol.report_tracks(layout)[name]))
+        real_answer(layout, name)
+
+    monkeypatch.setattr(protocol, "answer_drain", answer)
+    protocol.ask_drain(rig.layout, A, DrainAction.TERM)  # what `cosyvoice-lb restart instance-0` writes
+    rig.step()  # supervisord still says FATAL
+    assert rig.sup.calls == [("start", A, False)]
+    track = rig.track(A)
+    assert (track.failed, track.reason, track.in_rotation) == ("", "restarted by hand", False)
+    assert [(name, saved["failed"], saved["reason"]) for name, saved in answered] == [(A, "", "restarted by hand")]
+    assert not rig.layout.drain_request(A).exists()
+
+    rig.restarted(A, 300, state="STARTING")  # the crash count starts afresh: loading, not given up
+    rig.prober.set(A, LOADING)
+    rig.step()
+    assert rig.track(A).reason == "loading" and not rig.track(A).failed
+    rig.sup.set(A, "RUNNING", 300, uptime=20.0)
+    rig.prober.set(A, READY)
+    rig.step(2)
+    assert rig.down() == set() and rig.track(A).in_rotation
+    assert rig.sup.calls == [("start", A, False), HUP]
+
+
+def test_hold_takes_an_instance_out_and_marks_it_idle_without_signalling_it(make_rig):
+    rig = make_rig()
+    rig.prober.set(A, Probe("ready", inflight=1))
+    protocol.ask_drain(rig.layout, A, DrainAction.HOLD)  # the launcher is about to replace it
+    rig.step()
+    assert not rig.layout.drain_request(A).exists()  # answered in the step that took it
+    track = rig.track(A)
+    assert (track.in_rotation, track.drain_signal, track.draining_since) == (False, DrainAction.HOLD, rig.clock.now)
+    assert rig.report(A)["drain_signal"] == "HOLD" and rig.report(A)["signalled_at"] == 0.0
+    assert rig.down() == {A}
+
+    rig.step()  # its request is still running
+    assert rig.track(A).signalled_at == 0.0
+    rig.prober.set(A, READY)
+    rig.step()
+    assert rig.track(A).signalled_at == rig.clock.now == rig.report(A)["signalled_at"]  # the launcher's cue
+    assert rig.sup.calls == [HUP]  # no signal to it: the launcher replaces it
+    assert rig.host.children_asked == [] and rig.host.killed == []
+    assert rig.down() == {A} and rig.track(B).in_rotation
+
+
+def test_a_refused_supervisord_call_does_not_stop_the_step(make_rig):
+    rig = make_rig()
+    rig.sup.refuse.add("signal")
+    rig.prober.set(A, REFUSED)
+    rig.step(2)  # fail_threshold 2: restarted without a drain (it does not answer)
+    assert rig.sup.calls == [HUP, ("signal", A, "KILL")]  # both refused
+    track = rig.track(A)
+    assert track.reason == "2 probes failed in a row: /ping: ConnectionError"
+    assert (track.in_rotation, track.restarts) == (False, 1)
+    assert rig.report(A)["restarts"] == 1 and not rig.report(A)["in_rotation"]
+    assert rig.down() == {A}
+
+
+def test_orphaned_nginx_workers_get_a_graceful_quit_while_nginx_is_down(make_rig):
+    rig = make_rig()
+    assert rig.host.orphans_asked == []  # nginx RUNNING: nothing to look for
+    rig.host.orphans = [FakeProcess(61)]
+    rig.sup.set("nginx", "BACKOFF", 0)
+    rig.step()
+    assert rig.host.orphans_asked == [(8080, 0)]
+    assert rig.host.killed == [([FakeProcess(61)], signal.SIGQUIT)]
+
+
+def test_a_restarted_loop_picks_up_its_tracks_from_health_json(make_rig):
+    rig = make_rig(max_requests=5)
+    protocol.ask_drain(rig.layout, A, DrainAction.TERM)
+    rig.step()
+    again = HealthLoop(rig.layout, rig.loop.settings, SLOTS, rig.sup, rig.prober, rig.host, clock=rig.clock)
+    try:
+        assert again.tracks == rig.loop.tracks
+        assert again.tracks[A].drain_signal is DrainAction.TERM and again.tracks[A].draining_since
+    finally:
+        again.pool.shutdown()

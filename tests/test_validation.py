@@ -1,0 +1,52 @@
+"""Request validation (cosyvoice_lb/validation.py): pure, every refusal says what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from cosyvoice_lb.engines import SynthesisRequest
+from cosyvoice_lb.validation import BadRequest, Limits, form_payload, make_request
+
+
+def test_make_request_accepts_the_documented_shape():
+    espeak = dict(limits=Limits(max_chars=10), modes=("sft",), speakers=[], has_prompt=False)
+    assert make_request({"text": "hi"}, **espeak) == SynthesisRequest("hi", 1.0)
+    assert make_request({"text": "hi", "speed": 2, "seed": 7}, **espeak) == SynthesisRequest("hi", 2.0, seed=7)
+    with pytest.raises(BadRequest) as exc:
+        make_request({"text": "x" * 11}, **espeak)
+    assert exc.value.status == 413
+
+
+@pytest.mark.parametrize("payload, has_prompt, words", [
+    ({"text": "hi", "mode": "zero_shot", "prompt_text": "hello"}, False, "needs prompt_audio"),
+    ({"text": "hi", "mode": "zero_shot"}, True, "needs prompt_text"),
+    ({"text": "hi", "mode": "cross_lingual"}, False, "needs prompt_audio"),
+    ({"text": "hi", "mode": "instruct"}, True, "needs instruct_text"),
+    ({"text": "hi", "mode": "sft"}, False, "not available with this model"),
+])
+def test_cloning_modes_check_what_they_need(payload, has_prompt, words):
+    v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
+    with pytest.raises(BadRequest, match=words):
+        make_request(payload, has_prompt=has_prompt, **v3)
+
+
+def test_a_complete_clone_request_passes():
+    v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
+    request = make_request({"text": "hi", "mode": "zero_shot", "prompt_text": "the transcript", "seed": 3},
+                           has_prompt=True, **v3)
+    assert (request.mode, request.prompt_text, request.seed) == ("zero_shot", "the transcript", 3)
+
+
+def test_form_fields_get_their_types():
+    assert form_payload({"text": "hi", "speed": "1.5", "seed": "42", "stream": "true", "mode": ""}) == {
+        "text": "hi", "speed": 1.5, "seed": 42, "stream": True}
+    with pytest.raises(BadRequest, match='"speed" must be a number'):
+        form_payload({"speed": "fast"})
+    with pytest.raises(BadRequest, match='"stream" must be true or false'):
+        form_payload({"stream": "maybe"})
+
+
+def test_an_uploaded_prompt_without_mode_still_needs_its_transcript():
+    v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
+    with pytest.raises(BadRequest, match="needs prompt_text"):
+        make_request({"text": "hi"}, has_prompt=True, **v3)
