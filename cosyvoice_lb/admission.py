@@ -179,14 +179,18 @@ class Admission:
         with self._lock:
             busy = len(self._inflight) + self._waiting
             if bounded and self.max_queue is not None and busy >= self.concurrency + self.max_queue:
-                raise Overloaded(f"this instance is busy ({len(self._inflight)} synthesizing, "
-                                 f"{self._waiting} waiting): retry, another instance may be free")
+                raise Overloaded(
+                    f"this instance is busy ({len(self._inflight)} synthesizing, "
+                    f"{self._waiting} waiting): retry, another instance may be free"
+                )
             self._waiting += 1
         try:
             wait = None if deadline is None else max(0.0, deadline - self.clock())
             if not self._slots.acquire(timeout=wait):
-                raise TimedOut(f"no engine slot came free within the request timeout ({wait:.0f}s left "
-                               "when it arrived here): the cluster is overloaded, retry later")
+                raise TimedOut(
+                    f"no engine slot came free within the request timeout ({wait:.0f}s left "
+                    "when it arrived here): the cluster is overloaded, retry later"
+                )
         finally:
             with self._lock:
                 self._waiting -= 1
@@ -216,5 +220,13 @@ class Admission:
             busy = max((now - start for start, _ in self._inflight.values()), default=0.0)
             # (last is +inf while a chunk waits for its reader: a slow reader is not a hang)
             stalled = sorted((round(max(0.0, now - last), 3) for _, last in self._inflight.values()), reverse=True)
-            return Snapshot(self._phase, len(self._inflight), self._waiting, round(busy, 3), tuple(stalled),
-                            self._served, self._failed, self._error)
+            return Snapshot(
+                self._phase,
+                len(self._inflight),
+                self._waiting,
+                round(busy, 3),
+                tuple(stalled),
+                self._served,
+                self._failed,
+                self._error,
+            )

@@ -54,8 +54,10 @@ def read_prompt(data: bytes, max_seconds: float) -> Prompt:
     if audio.size == 0:
         raise PromptError("prompt_audio has no samples: upload a recording of 3 s or more")
     if rate < MIN_PROMPT_RATE:
-        raise PromptError(f"prompt_audio is sampled at {rate} Hz: CosyVoice needs 16 kHz or more "
-                          "(record or export it at 16 kHz, 24 kHz or 44.1 kHz)")
+        raise PromptError(
+            f"prompt_audio is sampled at {rate} Hz: CosyVoice needs 16 kHz or more "
+            "(record or export it at 16 kHz, 24 kHz or 44.1 kHz)"
+        )
     mono = audio.mean(axis=1).astype(np.float32)
     if not np.isfinite(mono).all() or float(np.abs(mono).max()) < 1e-4:
         raise PromptError("prompt_audio is silent: upload a recording of the voice to clone")
@@ -63,8 +65,10 @@ def read_prompt(data: bytes, max_seconds: float) -> Prompt:
     if audio.shape[1] > 1:
         prompt.notices.append(f"prompt audio mixed down from {audio.shape[1]} channels to mono")
     if total_seconds > max_seconds:
-        prompt.notices.append(f"prompt audio trimmed from {total_seconds:.1f} s to the first {max_seconds:g} s "
-                              "(--max-prompt-seconds); its transcript should match what is left")
+        prompt.notices.append(
+            f"prompt audio trimmed from {total_seconds:.1f} s to the first {max_seconds:g} s "
+            "(--max-prompt-seconds); its transcript should match what is left"
+        )
         prompt.audio = mono[: int(max_seconds * rate)]
     return prompt
 
@@ -87,12 +91,19 @@ def streaming_wav_header(rate: int) -> bytes:
     """A WAV header for a stream of unknown length (sizes at their maximum, as streaming
     servers and players agree), 16-bit mono."""
     unknown = 0xFFFFFFFF
-    return (b"RIFF" + struct.pack("<I", unknown) + b"WAVE"
-            + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
-            + b"data" + struct.pack("<I", unknown - 36))
+    return (
+        b"RIFF"
+        + struct.pack("<I", unknown)
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", unknown - 36)
+    )
 
 
 # --- outputs -----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class StoredFile:

@@ -38,10 +38,18 @@ def calibrate(settings: Settings, on_progress: Report = lambda p: None) -> dict:
     if not gpus:
         raise ClusterError(
             f"cannot calibrate: no GPU is visible to NVML ({source}). The footprint is measured per process "
-            "on a GPU; here plan and up keep the defaults (see 'cosyvoice-lb plan'). Run calibrate on the GPU box")
+            "on a GPU; here plan and up keep the defaults (see 'cosyvoice-lb plan'). Run calibrate on the GPU box"
+        )
     layout = layout_for(settings)
-    trial = dataclasses.replace(settings, state_dir=str(layout.root / "calibrate"), instances="1", force=True,
-                                gpus="", port=settings.port + 1000, base_port=settings.base_port + 1000)
+    trial = dataclasses.replace(
+        settings,
+        state_dir=str(layout.root / "calibrate"),
+        instances="1",
+        force=True,
+        gpus="",
+        port=settings.port + 1000,
+        base_port=settings.base_port + 1000,
+    )
     card = gpus[0].index  # a one-instance plan pins it to the first card
     baseline = device_used(card)
     peak = {"process": 0, "device": 0}
@@ -67,7 +75,9 @@ def calibrate(settings: Settings, on_progress: Report = lambda p: None) -> dict:
     try:
         current = up(trial, on_progress)
         url = current.url + "/v1/tts"
-        longest = ("This sentence is repeated to reach the longest text an instance accepts. " * 20)[:settings.max_chars]
+        longest = ("This sentence is repeated to reach the longest text an instance accepts. " * 20)[
+            : settings.max_chars
+        ]
         for text, streamed in ((longest, False), (longest, True), ("A short one.", False)):
             body = {"text": text, "stream": streamed}
             on_progress(Progress(0, 1, f"synthesizing ({len(text)} chars{', streamed' if streamed else ''})"))
@@ -81,9 +91,13 @@ def calibrate(settings: Settings, on_progress: Report = lambda p: None) -> dict:
     measured = peak["process"] or peak["device"]
     if measured <= 0:
         raise ClusterError("the instance ran but NVML saw no GPU memory for it: is it pinned to a GPU?")
-    entry = {"gpu_bytes": int(measured * 1.1), "peak_bytes": measured, "gpu": gpus[0].name,
-             "how": "per process" if peak["process"] else "card used memory above the baseline",
-             "when": time.strftime("%Y-%m-%d %H:%M")}
+    entry = {
+        "gpu_bytes": int(measured * 1.1),
+        "peak_bytes": measured,
+        "gpu": gpus[0].name,
+        "how": "per process" if peak["process"] else "card used memory above the baseline",
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+    }
     try:
         stored = json.loads(layout.footprint_json.read_text())
     except (OSError, ValueError):

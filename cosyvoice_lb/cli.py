@@ -44,8 +44,11 @@ def options(*names: str) -> Callable:
             f = by_name[name]
             meta = f.metadata
             kwargs: dict[str, Any] = {
-                "envvar": envvar(name), "show_envvar": True, "help": meta["help"],
-                "default": f.default, "show_default": not meta["is_flag"] and name != "python",
+                "envvar": envvar(name),
+                "show_envvar": True,
+                "help": meta["help"],
+                "default": f.default,
+                "show_default": not meta["is_flag"] and name != "python",
             }
             if meta["is_flag"]:
                 kwargs["is_flag"] = True
@@ -92,8 +95,9 @@ def main() -> None:
 
 @main.command("plan")
 @options(*PLAN_OPTIONS)
-@click.option("--json", "as_json", is_flag=True, envvar="COSYVOICE_LB_JSON", show_envvar=True,
-              help="Print the plan as JSON.")
+@click.option(
+    "--json", "as_json", is_flag=True, envvar="COSYVOICE_LB_JSON", show_envvar=True, help="Print the plan as JSON."
+)
 def plan_command(as_json: bool, **kwargs: Any) -> None:
     """Show how many instances fit, on which device and port."""
     settings = settings_from(kwargs)
@@ -106,15 +110,23 @@ def plan_command(as_json: bool, **kwargs: Any) -> None:
     for column in ("instance", "device", "memory", "port"):
         table.add_column(column)
     for slot in result.slots:
-        table.add_row(slot.name, "cpu" if slot.gpu is None else f"gpu{slot.gpu}", format_size(slot.memory),
-                      str(slot.port))
+        table.add_row(
+            slot.name, "cpu" if slot.gpu is None else f"gpu{slot.gpu}", format_size(slot.memory), str(slot.port)
+        )
     out.print(table)
     fits = Table(title="what fits per device")
     for column in ("device", "total", "free", "fits by total", "fits by free", "fits", "limited by"):
         fits.add_column(column)
     for fit in result.fits:
-        fits.add_row(fit.device, format_size(fit.total), format_size(fit.free), str(fit.by_total),
-                     str(fit.by_free), str(fit.fits), fit.limit)
+        fits.add_row(
+            fit.device,
+            format_size(fit.total),
+            format_size(fit.free),
+            str(fit.by_total),
+            str(fit.by_free),
+            str(fit.fits),
+            fit.limit,
+        )
     out.print(fits)
     out.print(f"GPU inventory: {report.gpu_source}; footprint: {report.footprint_source}", highlight=False)
     for note in result.notes:
@@ -143,9 +155,15 @@ def up_command(**kwargs: Any) -> None:
         err.print(f"[bold yellow]warning:[/] {warning}", markup=True, highlight=False)
     started = time.monotonic()
     if err.is_terminal:
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                      TextColumn("{task.fields[detail]}"), console=err, transient=True) as bar:
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[detail]}"),
+            console=err,
+            transient=True,
+        ) as bar:
             task = bar.add_task("instances ready", total=None, detail="starting")
 
             def report(progress: lifecycle.Progress) -> None:
@@ -158,15 +176,20 @@ def up_command(**kwargs: Any) -> None:
     layout = layout_for(settings)
     failed = [i for i in current.instances if i.failed]
     serving = len(current.instances) - len(failed)
-    click.echo(f"cosyvoice-lb is up: {serving} instance(s) ready in {elapsed:.1f}s"
-               + (f", {len(failed)} failed" if failed else ""))
+    click.echo(
+        f"cosyvoice-lb is up: {serving} instance(s) ready in {elapsed:.1f}s"
+        + (f", {len(failed)} failed" if failed else "")
+    )
     click.echo(f"  UI and API: {current.url}/   (API: POST {current.url}/v1/tts, health: {current.url}/ping)")
     click.echo(f"  state: {layout.root}   stop with: cosyvoice-lb down --state-dir {layout.root}")
     if failed:
         for line in current.report:
             click.echo(line, err=True)
-        fail(f"{len(failed)} instance(s) failed to start and stay stopped while the rest serve: fix the cause, "
-             f"then 'cosyvoice-lb restart {' '.join(i.name for i in failed)} --state-dir {layout.root}'", code=1)
+        fail(
+            f"{len(failed)} instance(s) failed to start and stay stopped while the rest serve: fix the cause, "
+            f"then 'cosyvoice-lb restart {' '.join(i.name for i in failed)} --state-dir {layout.root}'",
+            code=1,
+        )
 
 
 def line_reporter(started: float) -> Callable[[lifecycle.Progress], None]:
@@ -188,9 +211,11 @@ def calibrate_command(**kwargs: Any) -> None:
     """Measure one instance's peak GPU memory (NVML) and keep it as the footprint to plan with."""
     settings = settings_from(kwargs)
     entry = calibration.calibrate(settings, line_reporter(time.monotonic()))
-    click.echo(f"peak GPU memory of one {footprint.flags_key(settings)} instance: {format_size(entry['peak_bytes'])}; "
-               f"planning with {format_size(entry['gpu_bytes'])} (+10 %) from now on "
-               f"({layout_for(settings).footprint_json})")
+    click.echo(
+        f"peak GPU memory of one {footprint.flags_key(settings)} instance: {format_size(entry['peak_bytes'])}; "
+        f"planning with {format_size(entry['gpu_bytes'])} (+10 %) from now on "
+        f"({layout_for(settings).footprint_json})"
+    )
 
 
 def state_dir_option(command):
@@ -199,8 +224,9 @@ def state_dir_option(command):
 
 @main.command("status")
 @state_dir_option
-@click.option("--json", "as_json", is_flag=True, envvar="COSYVOICE_LB_JSON", show_envvar=True,
-              help="Print the status as JSON.")
+@click.option(
+    "--json", "as_json", is_flag=True, envvar="COSYVOICE_LB_JSON", show_envvar=True, help="Print the status as JSON."
+)
 def status_command(state_dir: str, as_json: bool) -> None:
     """Exit 0 when all is up and ready, 1 when something falls short, 3 when not running."""
     current = status(layout_for(state_dir))
@@ -216,9 +242,18 @@ def status_command(state_dir: str, as_json: bool) -> None:
     for column in ("name", "port", "device", "pid", "state", "ready", "in rotation", "restarts", "uptime", "note"):
         table.add_column(column)
     for i in current.instances:
-        table.add_row(i.name, str(i.port), "cpu" if i.gpu is None else f"gpu{i.gpu}", str(i.pid), i.state,
-                      "yes" if i.ready else "no", "yes" if i.in_rotation else "no", str(i.restarts),
-                      f"{i.uptime:.0f}s", i.reason)
+        table.add_row(
+            i.name,
+            str(i.port),
+            "cpu" if i.gpu is None else f"gpu{i.gpu}",
+            str(i.pid),
+            i.state,
+            "yes" if i.ready else "no",
+            "yes" if i.in_rotation else "no",
+            str(i.restarts),
+            f"{i.uptime:.0f}s",
+            i.reason,
+        )
     for name in SERVICES:
         info = getattr(current, name)
         table.add_row(name, str(info.get("port", "")), "", str(info["pid"]), info["state"], "", "", "", "", "")
@@ -241,30 +276,46 @@ def down_command(state_dir: str) -> None:
 @main.command("restart")
 @state_dir_option
 @click.argument("names", nargs=-1)
-@click.option("--all", "restart_all", is_flag=True, envvar="COSYVOICE_LB_ALL", show_envvar=True,
-              help="Restart every instance.")
-@click.option("--rolling/--no-rolling", default=True, show_default=True, envvar="COSYVOICE_LB_ROLLING",
-              show_envvar=True, help="One instance at a time, each serving again before the next goes (no "
-                                     "request lost); --no-rolling restarts them all at once (an outage while "
-                                     "they load).")
+@click.option(
+    "--all", "restart_all", is_flag=True, envvar="COSYVOICE_LB_ALL", show_envvar=True, help="Restart every instance."
+)
+@click.option(
+    "--rolling/--no-rolling",
+    default=True,
+    show_default=True,
+    envvar="COSYVOICE_LB_ROLLING",
+    show_envvar=True,
+    help="One instance at a time, each serving again before the next goes (no "
+    "request lost); --no-rolling restarts them all at once (an outage while "
+    "they load).",
+)
 def restart_command(state_dir: str, names: tuple[str, ...], restart_all: bool, rolling: bool) -> None:
     """Restart instances (or nginx, health) by name, or --all instances. Each instance leaves
     nginx's rotation first and stops once its requests are done (a drained restart)."""
     layout = layout_for(state_dir)
     if bool(names) == restart_all:
         fail("name the instances to restart (e.g. instance-0) or pass --all, not both")
-    for name in lifecycle.restart(layout, None if restart_all else list(names), line_reporter(time.monotonic()),
-                                rolling=rolling):
+    for name in lifecycle.restart(
+        layout, None if restart_all else list(names), line_reporter(time.monotonic()), rolling=rolling
+    ):
         click.echo(f"restarted {name}")
 
 
 @main.command("logs")
 @state_dir_option
 @click.argument("name")
-@click.option("-f", "--follow", is_flag=True, envvar="COSYVOICE_LB_FOLLOW", show_envvar=True,
-              help="Keep printing new lines.")
-@click.option("-n", "--lines", default=50, show_default=True, envvar="COSYVOICE_LB_LINES", show_envvar=True,
-              help="How many lines to show first.")
+@click.option(
+    "-f", "--follow", is_flag=True, envvar="COSYVOICE_LB_FOLLOW", show_envvar=True, help="Keep printing new lines."
+)
+@click.option(
+    "-n",
+    "--lines",
+    default=50,
+    show_default=True,
+    envvar="COSYVOICE_LB_LINES",
+    show_envvar=True,
+    help="How many lines to show first.",
+)
 def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
     """Print a program's log: an instance, nginx, nginx-error, nginx-access, health, supervisord."""
     layout = layout_for(state_dir)
@@ -290,8 +341,9 @@ def follow_file(path) -> None:
                 continue
             time.sleep(0.2)
             try:
-                rotated = os.stat(path).st_ino != os.fstat(handle.fileno()).st_ino or \
-                    os.stat(path).st_size < handle.tell()
+                rotated = (
+                    os.stat(path).st_ino != os.fstat(handle.fileno()).st_ino or os.stat(path).st_size < handle.tell()
+                )
             except FileNotFoundError:
                 continue  # between the rename and the new file
             if rotated:

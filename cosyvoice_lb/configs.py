@@ -37,20 +37,30 @@ def programs_for(settings: Settings) -> Programs:
     # As root, nginx's workers would drop to 'nobody' and could not write request-body
     # temp files in a private state dir; run them as the launcher's own user instead.
     user = pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() == 0 else ""
-    return Programs(app=str(layout_for(settings).instance_lib / "app.py"), launcher_python=sys.executable,
-                    nginx=find_nginx(settings.nginx),
-                    run_as_user=user, worker_processes=max(1, min(4, os.cpu_count() or 1)))
+    return Programs(
+        app=str(layout_for(settings).instance_lib / "app.py"),
+        launcher_python=sys.executable,
+        nginx=find_nginx(settings.nginx),
+        run_as_user=user,
+        worker_processes=max(1, min(4, os.cpu_count() or 1)),
+    )
 
 
 def make_dirs(layout: Layout) -> None:
-    for directory in (layout.logs, layout.run, layout.nginx_dir, layout.gradio_tmp,
-                      *(layout.nginx_temp(k) for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))):
+    for directory in (
+        layout.logs,
+        layout.run,
+        layout.nginx_dir,
+        layout.gradio_tmp,
+        *(layout.nginx_temp(k) for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")),
+    ):
         directory.mkdir(parents=True, exist_ok=True)
     os.chmod(layout.run, 0o700)
 
 
-def render_to_disk(settings: Settings, own: tuple[Slot, ...] = (), planned: Plan | None = None,
-                   live: bool = False) -> tuple[Plan, Layout, list[Path]]:
+def render_to_disk(
+    settings: Settings, own: tuple[Slot, ...] = (), planned: Plan | None = None, live: bool = False
+) -> tuple[Plan, Layout, list[Path]]:
     """Render every config into the state dir; returns the files whose content changed.
 
     The configs are first rendered into a scratch dir and checked with ``nginx -t``, so a
@@ -86,8 +96,10 @@ def render_only(settings: Settings) -> tuple[Plan, Layout, list[Path]]:
     """`cosyvoice-lb render`: never touches the files of a running cluster."""
     layout = layout_for(settings)
     if Supervisor(layout).running():
-        raise ClusterError(f"a cluster runs in {layout.root}: 'cosyvoice-lb up' applies new settings to it; "
-                           "to look at a config, render into another --state-dir")
+        raise ClusterError(
+            f"a cluster runs in {layout.root}: 'cosyvoice-lb up' applies new settings to it; "
+            "to look at a config, render into another --state-dir"
+        )
     if settings.resolved_engine == "cosyvoice3":
         check_model(settings)
     return render_to_disk(settings)
@@ -95,9 +107,20 @@ def render_only(settings: Settings) -> tuple[Plan, Layout, list[Path]]:
 
 def check_nginx(settings: Settings, layout: Layout) -> None:
     done = subprocess.run(
-        [find_nginx(settings.nginx), "-t", "-q", "-p", str(layout.nginx_dir), "-c", str(layout.nginx_conf),
-         "-e", str(layout.log("nginx-error"))],
-        capture_output=True, text=True, check=False,
+        [
+            find_nginx(settings.nginx),
+            "-t",
+            "-q",
+            "-p",
+            str(layout.nginx_dir),
+            "-c",
+            str(layout.nginx_conf),
+            "-e",
+            str(layout.log("nginx-error")),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         raise ClusterError(f"nginx rejects the rendered config, nothing was changed:\n{done.stderr.strip()}")

@@ -62,8 +62,13 @@ def budget_for(settings: Settings, layout: Layout) -> tuple[Budget, str]:
     if settings.footprint:
         gpu = host = parse_size(settings.footprint)
         fraction, source = 0.0, "--footprint"
-    return Budget(gpu_footprint=gpu, host_footprint=host, reserve=parse_size(settings.reserve),
-                  max_instances=settings.max_instances or None, gpu_fraction=fraction), source
+    return Budget(
+        gpu_footprint=gpu,
+        host_footprint=host,
+        reserve=parse_size(settings.reserve),
+        max_instances=settings.max_instances or None,
+        gpu_fraction=fraction,
+    ), source
 
 
 def make_plan(settings: Settings, own: tuple[Slot, ...] = ()) -> tuple[Plan, str]:
@@ -73,8 +78,9 @@ def make_plan(settings: Settings, own: tuple[Slot, ...] = ()) -> tuple[Plan, str
     """
     budget, _ = budget_for(settings, layout_for(settings))
     box = with_own_slots(inventory(settings.gpus), own)
-    result = plan(box, budget, base_port=settings.base_port, instances=parse_instances(settings.instances),
-                  force=settings.force)
+    result = plan(
+        box, budget, base_port=settings.base_port, instances=parse_instances(settings.instances), force=settings.force
+    )
     return result, box.source
 
 
@@ -87,8 +93,12 @@ class PlanReport:
     footprint_source: str
 
     def as_dict(self, engine: str) -> dict:
-        return {**self.plan.as_dict(), "engine": engine, "gpu_source": self.gpu_source,
-                "footprint_source": self.footprint_source}
+        return {
+            **self.plan.as_dict(),
+            "engine": engine,
+            "gpu_source": self.gpu_source,
+            "footprint_source": self.footprint_source,
+        }
 
 
 def plan_report(settings: Settings) -> PlanReport:

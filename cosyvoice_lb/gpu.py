@@ -16,8 +16,7 @@ from .planner import Gpu, Inventory, PlanError, parse_size
 def host_inventory(gpus: tuple[Gpu, ...] = (), source: str = "none") -> Inventory:
     memory = psutil.virtual_memory()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return Inventory(gpus=gpus, cpu_cores=cores, ram_total=memory.total,
-                     ram_available=memory.available, source=source)
+    return Inventory(gpus=gpus, cpu_cores=cores, ram_total=memory.total, ram_available=memory.available, source=source)
 
 
 def parse_gpus(text: str) -> tuple[Gpu, ...]:
@@ -25,8 +24,9 @@ def parse_gpus(text: str) -> tuple[Gpu, ...]:
     sizes = [part for part in (p.strip() for p in text.split(",")) if part]
     if not sizes:
         raise PlanError("--gpus needs sizes, e.g. --gpus 24GiB,24GiB")
-    return tuple(Gpu(index=i, total=parse_size(s), free=parse_size(s), name="hypothetical")
-                 for i, s in enumerate(sizes))
+    return tuple(
+        Gpu(index=i, total=parse_size(s), free=parse_size(s), name="hypothetical") for i, s in enumerate(sizes)
+    )
 
 
 def visible_indexes(uuids: list[str], value: str | None) -> list[int]:

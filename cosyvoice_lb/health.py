@@ -64,10 +64,17 @@ class Policy:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Policy:
-        return cls(settings.fail_threshold, settings.recover_threshold, settings.hang_timeout,
-                   settings.startup_timeout, settings.max_requests, settings.max_requests_jitter,
-                   parse_size(settings.max_memory) if settings.max_memory else 0, settings.drain_timeout,
-                   settings.start_retries)
+        return cls(
+            settings.fail_threshold,
+            settings.recover_threshold,
+            settings.hang_timeout,
+            settings.startup_timeout,
+            settings.max_requests,
+            settings.max_requests_jitter,
+            parse_size(settings.max_memory) if settings.max_memory else 0,
+            settings.drain_timeout,
+            settings.start_retries,
+        )
 
 
 def failed_starts(starts: int, since_ready: int, alive: bool) -> int:
@@ -76,8 +83,9 @@ def failed_starts(starts: int, since_ready: int, alive: bool) -> int:
     return max(0, starts - since_ready - (1 if alive else 0))
 
 
-def judge(track: Track, process: ProcessInfo | None, probe: Probe, policy: Policy, starts: int = 0,
-          now: float = 0.0) -> Verdict:
+def judge(
+    track: Track, process: ProcessInfo | None, probe: Probe, policy: Policy, starts: int = 0, now: float = 0.0
+) -> Verdict:
     """The next :class:`Track` of one instance, and whether to restart it.
 
     ``starts``: how often the instance has been started (its starts file), for crash loops;
@@ -85,8 +93,17 @@ def judge(track: Track, process: ProcessInfo | None, probe: Probe, policy: Polic
     """
     if process is None or process.state not in ALIVE or process.pid == 0:
         state = process.state if process else "missing"
-        track = dataclasses.replace(track, in_rotation=False, fails=0, goods=0, pid=0, ever_ready=False,
-                                    draining_since=0.0, drain_signal=None, signalled_at=0.0)
+        track = dataclasses.replace(
+            track,
+            in_rotation=False,
+            fails=0,
+            goods=0,
+            pid=0,
+            ever_ready=False,
+            draining_since=0.0,
+            drain_signal=None,
+            signalled_at=0.0,
+        )
         if track.failed:
             return Verdict(track)
         crashes = failed_starts(starts, track.ready_starts, alive=False)
@@ -94,8 +111,9 @@ def judge(track: Track, process: ProcessInfo | None, probe: Probe, policy: Polic
             if state == "FATAL":
                 why = "supervisord gave up starting it" + (f" after {crashes} exits in a row" if crashes else "")
             else:
-                why = (f"it exited {crashes} times in a row without getting ready "
-                       f"(--start-retries {policy.start_retries})")
+                why = (
+                    f"it exited {crashes} times in a row without getting ready (--start-retries {policy.start_retries})"
+                )
             return _give_up(track, why, now)
         return Verdict(dataclasses.replace(track, reason=f"process {state.lower()}"))
     if track.failed:  # given up on, yet running (supervisord restarted it meanwhile): stop it again
@@ -113,22 +131,40 @@ def judge(track: Track, process: ProcessInfo | None, probe: Probe, policy: Polic
         if probe.stalled_seconds > policy.hang_timeout:
             if track.drain_signal is DrainAction.KILL:  # already on its way out
                 return Verdict(track)
-            return _restart(track, f"a synthesis has made no progress for {probe.stalled_seconds:.0f}s "
-                                   f"(hang timeout {policy.hang_timeout:.0f}s)", drain=True)
+            return _restart(
+                track,
+                f"a synthesis has made no progress for {probe.stalled_seconds:.0f}s "
+                f"(hang timeout {policy.hang_timeout:.0f}s)",
+                drain=True,
+            )
         goods = track.goods + 1
         back = not track.draining_since and (track.in_rotation or goods >= policy.recover_threshold)
-        return Verdict(dataclasses.replace(track, fails=0, goods=goods, ever_ready=True, in_rotation=back,
-                                           ready_starts=starts or track.ready_starts,
-                                           reason="" if back else track.reason))
+        return Verdict(
+            dataclasses.replace(
+                track,
+                fails=0,
+                goods=goods,
+                ever_ready=True,
+                in_rotation=back,
+                ready_starts=starts or track.ready_starts,
+                reason="" if back else track.reason,
+            )
+        )
     crashes = failed_starts(starts, track.ready_starts, alive=True)
     if not track.ever_ready and crashes > policy.start_retries:
-        return _give_up(track, f"it was started {crashes + 1} times without getting ready "
-                               f"(--start-retries {policy.start_retries})", now)
+        return _give_up(
+            track,
+            f"it was started {crashes + 1} times without getting ready (--start-retries {policy.start_retries})",
+            now,
+        )
     if loading:  # still loading its model (or not listening yet): never killed for being slow
         return Verdict(dataclasses.replace(track, in_rotation=False, fails=0, goods=0, reason="loading"))
     if probe.status == "loading":
-        detail = ("not ready after the startup timeout "
-                  f"({policy.startup_timeout:.0f}s)" if not track.ever_ready else "reports loading again")
+        detail = (
+            f"not ready after the startup timeout ({policy.startup_timeout:.0f}s)"
+            if not track.ever_ready
+            else "reports loading again"
+        )
         return _restart(track, detail, drain=True)
     fails = track.fails + 1
     if fails >= policy.fail_threshold:
@@ -148,15 +184,19 @@ def recycle_due(track: Track, probe: Probe, memory: int, policy: Policy) -> str:
     return ""
 
 
-def pick_recycle(candidates: dict[str, str], tracks: dict[str, Track],
-                 uptimes: dict[str, float]) -> tuple[str, str] | None:
+def pick_recycle(
+    candidates: dict[str, str], tracks: dict[str, Track], uptimes: dict[str, float]
+) -> tuple[str, str] | None:
     """At most one drained restart at a time, and only while every other instance serves;
     of those due, the oldest process first (so a busy cluster recycles every instance in
     turn, not the first names over and over)."""
     if any(t.draining_since or t.signalled_at for t in tracks.values()):
         return None
-    due = [(name, reason) for name, reason in candidates.items() if reason
-           and all(t.in_rotation for other, t in tracks.items() if other != name)]
+    due = [
+        (name, reason)
+        for name, reason in candidates.items()
+        if reason and all(t.in_rotation for other, t in tracks.items() if other != name)
+    ]
     return max(due, key=lambda item: (uptimes.get(item[0], 0.0), item[0]), default=None)
 
 
@@ -172,21 +212,42 @@ def drain_done(track: Track, probe: Probe, policy: Policy, now: float) -> bool:
 
 def start_drain(track: Track, reason: str, action: DrainAction, now: float) -> Track:
     """Out of rotation now; signalled by :func:`drain_done`'s say."""
-    return dataclasses.replace(track, in_rotation=False, goods=0, reason=reason, drain_signal=action,
-                               draining_since=track.draining_since or now,
-                               restarts=track.restarts + (0 if track.draining_since else 1))
+    return dataclasses.replace(
+        track,
+        in_rotation=False,
+        goods=0,
+        reason=reason,
+        drain_signal=action,
+        draining_since=track.draining_since or now,
+        restarts=track.restarts + (0 if track.draining_since else 1),
+    )
 
 
 def _restart(track: Track, reason: str, drain: bool = False) -> Verdict:
-    return Verdict(dataclasses.replace(track, in_rotation=False, fails=0, goods=0, reason=reason,
-                                       restarts=track.restarts + 1), restart=reason, drain=drain)
+    return Verdict(
+        dataclasses.replace(track, in_rotation=False, fails=0, goods=0, reason=reason, restarts=track.restarts + 1),
+        restart=reason,
+        drain=drain,
+    )
 
 
 def _give_up(track: Track, why: str, now: float) -> Verdict:
     reason = f"failed: {why}"
-    return Verdict(dataclasses.replace(track, in_rotation=False, fails=0, goods=0, reason=reason, failed=reason,
-                                       failed_at=now, draining_since=0.0, drain_signal=None,
-                                       signalled_at=0.0), give_up=reason)
+    return Verdict(
+        dataclasses.replace(
+            track,
+            in_rotation=False,
+            fails=0,
+            goods=0,
+            reason=reason,
+            failed=reason,
+            failed_at=now,
+            draining_since=0.0,
+            drain_signal=None,
+            signalled_at=0.0,
+        ),
+        give_up=reason,
+    )
 
 
 def track_from_dict(saved: dict) -> Track:

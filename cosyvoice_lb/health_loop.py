@@ -101,9 +101,17 @@ class Host:
 
 
 class HealthLoop:
-    def __init__(self, layout: Layout, settings: Settings, slots: tuple[Slot, ...], supervisor: Supervision,
-                 prober: Probing, host: Host | None = None, clock: Callable[[], float] = time.time,
-                 rng: random.Random | None = None):
+    def __init__(
+        self,
+        layout: Layout,
+        settings: Settings,
+        slots: tuple[Slot, ...],
+        supervisor: Supervision,
+        prober: Probing,
+        host: Host | None = None,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ):
         self.layout, self.settings, self.slots = layout, settings, slots
         self.policy = Policy.from_settings(settings)
         self.timeouts = Timeouts(settings)
@@ -119,17 +127,21 @@ class HealthLoop:
     def _load_tracks(self) -> dict[str, Track]:
         """Pick up where a previous loop left off (the loop itself may be restarted)."""
         saved = protocol.report_tracks(self.layout)
-        return {slot.name: track_from_dict(saved[slot.name]) if isinstance(saved.get(slot.name), dict) else Track()
-                for slot in self.slots}
+        return {
+            slot.name: track_from_dict(saved[slot.name]) if isinstance(saved.get(slot.name), dict) else Track()
+            for slot in self.slots
+        }
 
     def step(self) -> None:
         processes = self.supervisor.processes()
         self.pids = {name: p.pid for name, p in processes.items() if p.pid}
         self.clear_orphan_nginx(processes.get("nginx"))
-        probes = dict(zip(
-            [s.name for s in self.slots],
-            self.pool.map(lambda s: self.prober.probe(s.port, self.settings.probe_timeout), self.slots),
-        ))
+        probes = dict(
+            zip(
+                [s.name for s in self.slots],
+                self.pool.map(lambda s: self.prober.probe(s.port, self.settings.probe_timeout), self.slots),
+            )
+        )
         now = self.clock()
         kills: list[str] = []
         self.taken = []  # drain requests handled this step (answered once saved)
@@ -148,21 +160,34 @@ class HealthLoop:
             track = verdict.track
             if verdict.give_up:
                 if not before.failed:
-                    log.error("%s: given up, stopped until restarted by hand: %s; last log lines:\n%s", name,
-                              verdict.give_up, self.supervisor.tail(name, 2000).strip()[-1500:])
+                    log.error(
+                        "%s: given up, stopped until restarted by hand: %s; last log lines:\n%s",
+                        name,
+                        verdict.give_up,
+                        self.supervisor.tail(name, 2000).strip()[-1500:],
+                    )
                 # (exited meanwhile: stopped on a later step)
                 self._call(name, "stop", lambda: self.supervisor.stop(name, wait=False))
             elif verdict.restart and verdict.drain:
-                log.warning("%s: out of rotation; restarting once nothing in flight makes progress "
-                            "(at most %gs): %s", name, self.policy.drain_timeout, verdict.restart)
-                track = start_drain(dataclasses.replace(track, restarts=before.restarts),
-                                    verdict.restart, DrainAction.KILL, now)
+                log.warning(
+                    "%s: out of rotation; restarting once nothing in flight makes progress (at most %gs): %s",
+                    name,
+                    self.policy.drain_timeout,
+                    verdict.restart,
+                )
+                track = start_drain(
+                    dataclasses.replace(track, restarts=before.restarts), verdict.restart, DrainAction.KILL, now
+                )
             elif verdict.restart:
                 log.warning("%s: out of rotation and restarting: %s", name, verdict.restart)
                 kills.append(name)
             elif before.in_rotation != track.in_rotation:
-                log.info("%s: %s rotation%s", name, "back in" if track.in_rotation else "out of",
-                         f" ({track.reason})" if track.reason else "")
+                log.info(
+                    "%s: %s rotation%s",
+                    name,
+                    "back in" if track.in_rotation else "out of",
+                    f" ({track.reason})" if track.reason else "",
+                )
             self.tracks[name] = track
         self.take_requests(processes, now, killing=kills)
         self.recycle(processes, probes, now)
@@ -201,8 +226,9 @@ class HealthLoop:
             return
         memory: dict[str, int] = {}
         if policy.max_memory:
-            memory = self.host.memory({s.name: processes[s.name].pid for s in self.slots
-                                       if s.name in processes and processes[s.name].pid})
+            memory = self.host.memory(
+                {s.name: processes[s.name].pid for s in self.slots if s.name in processes and processes[s.name].pid}
+            )
         candidates = {}
         for slot in self.slots:
             track = self.tracks[slot.name]
@@ -229,8 +255,12 @@ class HealthLoop:
                 self.tracks[slot.name] = dataclasses.replace(track, signalled_at=now)
             # (Not in the step that took it out: that probe predates nginx's reload, and
             # requests may still have been sent to it since.)
-            elif (track.draining_since and track.draining_since < now and not track.signalled_at
-                  and drain_done(track, probes[slot.name], self.policy, now)):
+            elif (
+                track.draining_since
+                and track.draining_since < now
+                and not track.signalled_at
+                and drain_done(track, probes[slot.name], self.policy, now)
+            ):
                 if track.drain_signal is not DrainAction.HOLD:
                     self._signal(slot.name, track.drain_signal or DrainAction.TERM)
                 self.tracks[slot.name] = dataclasses.replace(track, signalled_at=now)
@@ -244,8 +274,12 @@ class HealthLoop:
             return
         orphans = self.host.orphan_nginx(self.settings.port, nginx.pid)
         if orphans:
-            log.warning("nginx: gracefully stopping %d orphaned worker(s) holding port %d (pids %s)",
-                        len(orphans), self.settings.port, ", ".join(str(p.pid) for p in orphans))
+            log.warning(
+                "nginx: gracefully stopping %d orphaned worker(s) holding port %d (pids %s)",
+                len(orphans),
+                self.settings.port,
+                ", ".join(str(p.pid) for p in orphans),
+            )
             self.host.kill(orphans, signal.SIGQUIT)
 
     def _call(self, name: str, what: str, call: Callable[[], None]) -> bool:
@@ -282,10 +316,16 @@ class HealthLoop:
 
     def run(self, sleep: Callable[[float], None] = time.sleep) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
-        log.info("health loop: %d instances, probe every %gs (timeout %gs), out after %d failures, "
-                 "back after %d good probes, hang timeout %gs", len(self.slots), self.settings.probe_interval,
-                 self.settings.probe_timeout, self.policy.fail_threshold, self.policy.recover_threshold,
-                 self.policy.hang_timeout)
+        log.info(
+            "health loop: %d instances, probe every %gs (timeout %gs), out after %d failures, "
+            "back after %d good probes, hang timeout %gs",
+            len(self.slots),
+            self.settings.probe_interval,
+            self.settings.probe_timeout,
+            self.policy.fail_threshold,
+            self.policy.recover_threshold,
+            self.policy.hang_timeout,
+        )
         while not self.stopping:
             started = time.monotonic()
             try:

@@ -57,6 +57,7 @@ def loop_reported(layout: Layout, settings: Settings, since: float) -> None:
 
 # --- up --------------------------------------------------------------------------------
 
+
 def up(settings: Settings, on_progress: Report = lambda p: None) -> ClusterStatus:
     """Start the cluster, or bring a running one to these settings; wait until all ready."""
     layout = layout_for(settings)
@@ -93,13 +94,21 @@ def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progre
         return wait_serving(layout, settings, [s.name for s in result.slots], on_progress)
     except BaseException as exc:  # never a half-started cluster, whatever went wrong (Ctrl-C too)
         down(layout)
-        what = str(exc) if isinstance(exc, (ClusterError, SupervisionError)) else (
-            "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}")
+        what = (
+            str(exc)
+            if isinstance(exc, (ClusterError, SupervisionError))
+            else ("interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}")
+        )
         raise ClusterError(f"{what}\nThe cluster was stopped; logs are in {layout.logs}") from None
 
 
-def _update(settings: Settings, layout: Layout, supervisor: Supervisor,
-            previous: tuple[Settings, tuple[Slot, ...]], on_progress: Report) -> ClusterStatus:
+def _update(
+    settings: Settings,
+    layout: Layout,
+    supervisor: Supervisor,
+    previous: tuple[Settings, tuple[Slot, ...]],
+    on_progress: Report,
+) -> ClusterStatus:
     """Apply new settings to a running cluster, one instance at a time."""
     old_settings, old_slots = previous
     result, _ = make_plan(settings, own=old_slots)
@@ -139,8 +148,10 @@ def _update(settings: Settings, layout: Layout, supervisor: Supervisor,
 
 # --- restart, down, logs ---------------------------------------------------------------
 
-def restart(layout: Layout, names: list[str] | None = None, on_progress: Report = lambda p: None,
-            rolling: bool = True) -> list[str]:
+
+def restart(
+    layout: Layout, names: list[str] | None = None, on_progress: Report = lambda p: None, rolling: bool = True
+) -> list[str]:
     """Restart the named programs (every instance when ``names`` is None). Instances get a
     drained restart: out of nginx's rotation first, stopped once their requests are done.
     ``rolling``: one at a time, each serving again before the next goes; otherwise all at
@@ -166,7 +177,7 @@ def restart(layout: Layout, names: list[str] | None = None, on_progress: Report 
     current = {i.name: i for i in status(layout).instances}
     # Those not serving first: restarting them costs no capacity.
     targets = sorted((n for n in names if n in instances), key=lambda n: current[n].serving)
-    for group in ([[n] for n in targets] if rolling else [targets] if targets else []):
+    for group in [[n] for n in targets] if rolling else [targets] if targets else []:
         on_progress(Progress(0, len(group), f"restarting {', '.join(group)}"))
         if careful and current[group[0]].serving:
             others_serving(layout, settings, group[0], on_progress)
@@ -188,14 +199,22 @@ def others_serving(layout: Layout, settings: Settings, name: str, on_progress: R
         if not short:
             return
         if time.monotonic() > deadline:
-            raise ClusterError(f"{', '.join(short)} did not serve within --startup-timeout: not stopping {name} "
-                               "as well; see 'cosyvoice-lb status' (restart NAME restarts one regardless)")
+            raise ClusterError(
+                f"{', '.join(short)} did not serve within --startup-timeout: not stopping {name} "
+                "as well; see 'cosyvoice-lb status' (restart NAME restarts one regardless)"
+            )
         on_progress(Progress(len(others) - len(short), len(others), f"before {name}: waiting for {', '.join(short)}"))
         time.sleep(0.5)
 
 
-def drain(layout: Layout, settings: Settings, supervisor: Supervisor, names: list[str], action: DrainAction,
-          on_progress: Report) -> dict[str, int]:
+def drain(
+    layout: Layout,
+    settings: Settings,
+    supervisor: Supervisor,
+    names: list[str],
+    action: DrainAction,
+    on_progress: Report,
+) -> dict[str, int]:
     """Ask the health loop for a drained stop of ``names``: out of rotation, then (once their
     requests are done) TERM, or for HOLD nothing: the caller replaces them. Returns the pids
     of those that were running. Without a working health loop they are stopped directly
@@ -222,14 +241,16 @@ def drain(layout: Layout, settings: Settings, supervisor: Supervisor, names: lis
     held = [n for n in running if n not in ignored]
     if action is DrainAction.HOLD and held:
         deadline = time.monotonic() + timeouts.hold_done
-        while time.monotonic() < deadline and not all(report_tracks(layout).get(n, {}).get("signalled_at")
-                                                      for n in held):
+        while time.monotonic() < deadline and not all(
+            report_tracks(layout).get(n, {}).get("signalled_at") for n in held
+        ):
             time.sleep(0.1)
     return running
 
 
-def serving_or_fail(layout: Layout, settings: Settings, names: list[str], on_progress: Report,
-                    replacing: dict[str, int]) -> ClusterStatus:
+def serving_or_fail(
+    layout: Layout, settings: Settings, names: list[str], on_progress: Report, replacing: dict[str, int]
+) -> ClusterStatus:
     """Wait for ``names`` (new processes) to serve; any of them failing is an error."""
     current = wait_serving(layout, settings, names, on_progress, replacing=replacing)
     report = failure_report(layout, current, names)
@@ -271,11 +292,17 @@ def log_names(layout: Layout) -> list[str]:
     return sorted(p.stem for p in layout.logs.glob("*.log"))
 
 
-
 # --- waiting ---------------------------------------------------------------------------
 
-def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progress: Report,
-                 poll: float = 0.25, replacing: dict[str, int] | None = None) -> ClusterStatus:
+
+def wait_serving(
+    layout: Layout,
+    settings: Settings,
+    names: list[str],
+    on_progress: Report,
+    poll: float = 0.25,
+    replacing: dict[str, int] | None = None,
+) -> ClusterStatus:
     """Wait until each named instance serves (ready and in rotation; for ``replacing``,
     a process other than the pid given) or has failed, and nginx answers.
 
@@ -297,8 +324,10 @@ def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progre
             # supervisord stopped answering (stopped, swapping, stuck) or went away: no
             # instance can be started or checked; bounded, then a clear error.
             if time.monotonic() - answered > SUPERVISOR_SILENT or not current.unanswered:
-                raise ClusterError(f"supervisord stopped answering while instances started: "
-                                   f"{'; '.join(current.problems)}; see {layout.log('supervisord')}")
+                raise ClusterError(
+                    f"supervisord stopped answering while instances started: "
+                    f"{'; '.join(current.problems)}; see {layout.log('supervisord')}"
+                )
             on_progress(Progress(0, len(names), "supervisord does not answer; asking again"))
             time.sleep(poll)
             continue
@@ -315,28 +344,35 @@ def wait_serving(layout: Layout, settings: Settings, names: list[str], on_progre
         for service in SERVICES:
             state = getattr(current, service).get("state")
             if state in ("FATAL", "BACKOFF", "EXITED", "MISSING"):
-                raise ClusterError(f"{service} does not stay up ({state}); last log lines:\n"
-                                   f"{last_lines(supervisor, service)}")
-        waiting = [i for i in current.instances
-                   if i.name in names and i.name not in served and i.name not in failed]
+                raise ClusterError(
+                    f"{service} does not stay up ({state}); last log lines:\n{last_lines(supervisor, service)}"
+                )
+        waiting = [i for i in current.instances if i.name in names and i.name not in served and i.name not in failed]
         if not waiting and failed and len(failed) == len(names):
             first = "no instance could start:" if len(names) > 1 else f"{names[0]} could not start:"
             raise ClusterError("\n".join([first] + failure_report(layout, current, names)))
         if not waiting and current.nginx.get("answers") == 200:
-            on_progress(Progress(len(names) - len(failed), len(names),
-                                 "all ready" if not failed else f"{len(failed)} failed: {', '.join(failed)}"))
+            on_progress(
+                Progress(
+                    len(names) - len(failed),
+                    len(names),
+                    "all ready" if not failed else f"{len(failed)} failed: {', '.join(failed)}",
+                )
+            )
             return current
         detail = ", ".join(i.name + (f" ({i.reason})" if i.reason else "") for i in waiting) or "nginx"
         on_progress(Progress(len(names) - len(waiting) - len(failed), len(names), "waiting for " + detail))
         if time.monotonic() > deadline:
             if len(waiting) + len(failed) < len(names):  # some serve: the slow ones are reported, not fatal
                 for item in waiting:
-                    item.failed = failed[item.name] = (f"failed: not ready within --startup-timeout "
-                                                       f"{settings.startup_timeout:.0f}s")
+                    item.failed = failed[item.name] = (
+                        f"failed: not ready within --startup-timeout {settings.startup_timeout:.0f}s"
+                    )
                 on_progress(Progress(len(names) - len(failed), len(names), f"{len(failed)} failed"))
                 return current
-            tails = "\n".join(f"--- {i.name} ({layout.log(i.name)}):\n{last_lines(supervisor, i.name, 8)}"
-                              for i in waiting)
+            tails = "\n".join(
+                f"--- {i.name} ({layout.log(i.name)}):\n{last_lines(supervisor, i.name, 8)}" for i in waiting
+            )
             raise ClusterError(
                 f"not ready within --startup-timeout {settings.startup_timeout:.0f}s: "
                 f"{'; '.join(current.problems) or 'nginx does not answer /ping with 200'}\n{tails}"

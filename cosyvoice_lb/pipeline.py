@@ -86,9 +86,17 @@ class Job:
 class Pipeline:
     """The engine, its admission and the outputs dir, shared by every entry point."""
 
-    def __init__(self, engine: Engine, admission: Admission | None = None, limits: Limits | None = None,
-                 outputs: Outputs | None = None, scratch: str = "", port: int = 0, request_timeout: float = 0.0,
-                 wall: Clock = time.time):
+    def __init__(
+        self,
+        engine: Engine,
+        admission: Admission | None = None,
+        limits: Limits | None = None,
+        outputs: Outputs | None = None,
+        scratch: str = "",
+        port: int = 0,
+        request_timeout: float = 0.0,
+        wall: Clock = time.time,
+    ):
         self.engine = engine
         self.admission = admission or Admission()
         self.limits = limits or Limits()
@@ -120,15 +128,20 @@ class Pipeline:
         if warm_up is not None and self.synthesize(Job(warm_up), count=False).size == 0:
             raise EngineError("the warm-up synthesis returned no audio")
         if self.admission.become_ready():
-            log.info("ready: engine %s loaded and warmed up in %.1fs (modes: %s)", self.engine.name,
-                     time.monotonic() - t0, ", ".join(self.engine.modes))
+            log.info(
+                "ready: engine %s loaded and warmed up in %.1fs (modes: %s)",
+                self.engine.name,
+                time.monotonic() - t0,
+                ", ".join(self.engine.modes),
+            )
 
     # --- validate → prompt ---------------------------------------------------------------
 
     def prepare(self, payload: dict, prompt_data: bytes | None = None) -> Job:
         """Validate, refuse when not ready, write the prompt file, fill in the defaults."""
-        request = make_request(payload, self.limits, self.modes, self.engine.speakers(),
-                               has_prompt=prompt_data is not None)
+        request = make_request(
+            payload, self.limits, self.modes, self.engine.speakers(), has_prompt=prompt_data is not None
+        )
         self.admission.check_ready()
         job = Job(request)
         try:
@@ -159,8 +172,9 @@ class Pipeline:
             if default[0]:
                 request = replace(request, prompt_wav=default[0], prompt_text=request.prompt_text or default[1])
             elif mode != "instruct" or not self.engine.speakers():
-                raise BadRequest(f"mode {mode} needs prompt_audio and this model has no default prompt: "
-                                 "send prompt_audio")
+                raise BadRequest(
+                    f"mode {mode} needs prompt_audio and this model has no default prompt: send prompt_audio"
+                )
         if mode == "instruct" and not request.instruct_text:
             request = replace(request, instruct_text="Speak naturally.")
         return replace(request, mode=mode)
@@ -180,9 +194,16 @@ class Pipeline:
         """The request's deadline on the admission clock (nginx's X-Request-Start stamp)."""
         return deadline_for(self.request_timeout, stamp, self.wall(), self.admission.clock())
 
-    def chunks(self, job: Job, *, bounded: bool = False, deadline: float | None = None,
-               chunk_deadline: bool = False, count: bool = True,
-               cancelled: Any = None) -> Iterator[np.ndarray]:
+    def chunks(
+        self,
+        job: Job,
+        *,
+        bounded: bool = False,
+        deadline: float | None = None,
+        chunk_deadline: bool = False,
+        count: bool = True,
+        cancelled: Any = None,
+    ) -> Iterator[np.ndarray]:
         """Chunks as the engine makes them, holding an engine slot from the first ``next``.
 
         ``bounded``/``deadline``: see :meth:`Admission.admit`; with ``chunk_deadline`` the
@@ -199,8 +220,10 @@ class Pipeline:
                 if cancelled is not None and cancelled.is_set():
                     return
                 if chunk_deadline and deadline is not None and self.admission.clock() > deadline:
-                    raise TimedOut("the synthesis ran past the request timeout: send shorter text, stream "
-                                   "it (\"stream\": true), or raise --request-timeout")
+                    raise TimedOut(
+                        "the synthesis ran past the request timeout: send shorter text, stream "
+                        'it ("stream": true), or raise --request-timeout'
+                    )
                 ticket.handed_out()  # the engine made a chunk; now it is the reader's turn
                 yield np.asarray(chunk, dtype=np.float32).reshape(-1)
                 if cancelled is not None and cancelled.is_set():  # gone while it had the chunk
@@ -218,8 +241,9 @@ class Pipeline:
                 close()  # the engine's generator lets go of what it holds
             ticket.release(outcome if count else None)
 
-    def synthesize(self, job: Job, *, bounded: bool = False, deadline: float | None = None,
-                   count: bool = True) -> np.ndarray:
+    def synthesize(
+        self, job: Job, *, bounded: bool = False, deadline: float | None = None, count: bool = True
+    ) -> np.ndarray:
         """The whole audio (stops at the first chunk past ``deadline``)."""
         chunks = list(self.chunks(job, bounded=bounded, deadline=deadline, chunk_deadline=True, count=count))
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
@@ -233,9 +257,11 @@ class Pipeline:
         try:
             return await asyncio.wait_for(future, max(0.0, deadline - self.admission.clock()) + WORKER_GRACE)
         except asyncio.TimeoutError:
-            raise TimedOut(f"no answer within the request timeout ({self.request_timeout:g}s): the synthesis "
-                           "is stuck or too long for the bound; retry (the health loop restarts hung "
-                           "instances), send shorter text, or raise --request-timeout") from None
+            raise TimedOut(
+                f"no answer within the request timeout ({self.request_timeout:g}s): the synthesis "
+                "is stuck or too long for the bound; retry (the health loop restarts hung "
+                "instances), send shorter text, or raise --request-timeout"
+            ) from None
 
     # --- encode → keep -------------------------------------------------------------------
 

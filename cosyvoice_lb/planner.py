@@ -29,9 +29,7 @@ def parse_size(text: str) -> int:
     """
     match = _SIZE.match(str(text))
     if not match:
-        raise PlanError(
-            f"cannot read size {text!r}: write a number with a unit, e.g. 24GiB, 24G or 24576MiB"
-        )
+        raise PlanError(f"cannot read size {text!r}: write a number with a unit, e.g. 24GiB, 24G or 24576MiB")
     number, unit = match.groups()
     return int(float(number) * _UNIT[(unit or "").upper()])
 
@@ -104,8 +102,7 @@ class Slot:
         NVML numbers cards by PCI bus; CUDA's default order is fastest first, so the index
         only means the same card with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
         """
-        return {"CUDA_VISIBLE_DEVICES": "" if self.gpu is None else str(self.gpu),
-                "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+        return {"CUDA_VISIBLE_DEVICES": "" if self.gpu is None else str(self.gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 @dataclass(frozen=True)
@@ -134,8 +131,14 @@ class Plan:
             "mode": self.mode,
             "capacity": self.capacity,
             "slots": [
-                {"name": s.name, "index": s.index, "port": s.port, "gpu": s.gpu,
-                 "memory": s.memory, "device": "cpu" if s.gpu is None else f"gpu{s.gpu}"}
+                {
+                    "name": s.name,
+                    "index": s.index,
+                    "port": s.port,
+                    "gpu": s.gpu,
+                    "memory": s.memory,
+                    "device": "cpu" if s.gpu is None else f"gpu{s.gpu}",
+                }
                 for s in self.slots
             ],
             "devices": [f.__dict__ for f in self.fits],
@@ -152,8 +155,13 @@ def _fit_gpu(gpu: Gpu, budget: Budget) -> DeviceFit:
     by_free = max(0, (min(gpu.free, usable)) // each)
     fits = min(by_total, by_free)
     return DeviceFit(
-        device=f"gpu{gpu.index}", total=gpu.total, free=gpu.free, by_total=by_total,
-        by_free=by_free, fits=fits, limit="free" if by_free < by_total else "total",
+        device=f"gpu{gpu.index}",
+        total=gpu.total,
+        free=gpu.free,
+        by_total=by_total,
+        by_free=by_free,
+        fits=fits,
+        limit="free" if by_free < by_total else "total",
     )
 
 
@@ -168,8 +176,13 @@ def _fit_cpu(inventory: Inventory, budget: Budget) -> DeviceFit:
     else:
         limit = "free" if by_free < by_total else "total"
     return DeviceFit(
-        device="cpu", total=inventory.ram_total, free=inventory.ram_available,
-        by_total=by_total, by_free=by_free, fits=fits, limit=limit,
+        device="cpu",
+        total=inventory.ram_total,
+        free=inventory.ram_available,
+        by_total=by_total,
+        by_free=by_free,
+        fits=fits,
+        limit=limit,
     )
 
 
@@ -256,12 +269,13 @@ def plan(
             notes.append(f"{count} instances on {inventory.cpu_cores} cores: they share the CPU")
 
     if base_port + count - 1 > 65535:  # before placing: a tiny footprint can "fit" billions
-        raise PlanError(f"ports {base_port}..{base_port + count - 1} run past 65535: "
-                        "lower --base-port, or check --footprint (plain numbers are bytes)")
+        raise PlanError(
+            f"ports {base_port}..{base_port + count - 1} run past 65535: "
+            "lower --base-port, or check --footprint (plain numbers are bytes)"
+        )
     placement = _place(count, fits, devices)
     slots = tuple(
-        Slot(index=i, port=base_port + i, gpu=device, memory=per_device[device])
-        for i, device in enumerate(placement)
+        Slot(index=i, port=base_port + i, gpu=device, memory=per_device[device]) for i, device in enumerate(placement)
     )
     return Plan(mode=mode, slots=slots, fits=tuple(fits), capacity=capacity, notes=tuple(notes))
 
@@ -307,10 +321,19 @@ def with_own_slots(inventory: Inventory, slots: tuple[Slot, ...]) -> Inventory:
     """The inventory as a running cluster's own re-plan must see it: the memory its slots
     hold counts as free again (else every re-plan of a running cluster would shrink it)."""
     gpus = tuple(
-        Gpu(index=g.index, total=g.total, name=g.name,
-            free=min(g.total, g.free + sum(s.memory for s in slots if s.gpu == g.index)))
+        Gpu(
+            index=g.index,
+            total=g.total,
+            name=g.name,
+            free=min(g.total, g.free + sum(s.memory for s in slots if s.gpu == g.index)),
+        )
         for g in inventory.gpus
     )
     ram = inventory.ram_available + sum(s.memory for s in slots if s.gpu is None)
-    return Inventory(gpus=gpus, cpu_cores=inventory.cpu_cores, ram_total=inventory.ram_total,
-                     ram_available=min(inventory.ram_total, ram), source=inventory.source)
+    return Inventory(
+        gpus=gpus,
+        cpu_cores=inventory.cpu_cores,
+        ram_total=inventory.ram_total,
+        ram_available=min(inventory.ram_total, ram),
+        source=inventory.source,
+    )

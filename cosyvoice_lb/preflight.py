@@ -17,7 +17,9 @@ from .settings import Settings
 
 
 def find_nginx(name: str) -> str:
-    found = shutil.which(name) or (shutil.which(name, path="/usr/sbin:/sbin:/usr/local/sbin") if "/" not in name else None)
+    found = shutil.which(name) or (
+        shutil.which(name, path="/usr/sbin:/sbin:/usr/local/sbin") if "/" not in name else None
+    )
     if not found:
         raise ClusterError(
             f"nginx not found ({name!r} is not on PATH or in /usr/sbin): install it with "
@@ -56,8 +58,14 @@ for name in sys.argv[1].split(","):  # the model package: import it for real, it
 print(json.dumps({"missing": missing, "broken": broken, "python": sys.version.split()[0], "versions": versions}))
 """
 # module -> what to pip install
-INSTANCE_NEEDS = {"numpy": "numpy", "soundfile": "soundfile", "fastapi": "fastapi", "uvicorn": "uvicorn",
-                  "gradio": "gradio", "multipart": "python-multipart"}
+INSTANCE_NEEDS = {
+    "numpy": "numpy",
+    "soundfile": "soundfile",
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "gradio": "gradio",
+    "multipart": "python-multipart",
+}
 ENGINE_NEEDS = {"espeak": {"pypinyin": "pypinyin"}, "cosyvoice3": {"torch": "torch"}, "simulated": {}}
 
 
@@ -71,24 +79,34 @@ def check_instance_env(settings: Settings) -> dict:
         root = Path(settings.cosyvoice_root)
         roots = [str(root), str(root / "third_party" / "Matcha-TTS")]
     try:
-        done = subprocess.run([settings.python, "-c", ENV_PROBE, ",".join(modules), *roots], capture_output=True,
-                              text=True, timeout=120, check=False)
+        done = subprocess.run(
+            [settings.python, "-c", ENV_PROBE, ",".join(modules), *roots],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         report = json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
         raise ClusterError(f"--python {settings.python} could not be run to check its packages ({exc})") from None
     missing = [m for m in report["missing"] if m != "cosyvoice.cli.cosyvoice"]
     if missing:  # the instance's own packages, or what importing upstream CosyVoice needed
         packages = " ".join(sorted({needs.get(m, m.split(".")[0]) for m in missing}))
-        raise ClusterError(f"the instances' Python ({settings.python}, Python {report['python']}) lacks "
-                           f"{', '.join(missing)}: install with '{settings.python} -m pip install {packages}' "
-                           "(nothing was started)")
+        raise ClusterError(
+            f"the instances' Python ({settings.python}, Python {report['python']}) lacks "
+            f"{', '.join(missing)}: install with '{settings.python} -m pip install {packages}' "
+            "(nothing was started)"
+        )
     if report.get("broken"):
-        raise ClusterError(f"the instances' Python cannot import upstream CosyVoice: {report['broken']} "
-                           "(nothing was started)")
+        raise ClusterError(
+            f"the instances' Python cannot import upstream CosyVoice: {report['broken']} (nothing was started)"
+        )
     if "cosyvoice.cli.cosyvoice" in report["missing"]:
-        raise ClusterError("the instances' Python cannot import upstream CosyVoice (cosyvoice.cli.cosyvoice): "
-                           "pass --cosyvoice-root with the checkout that holds cosyvoice/ and "
-                           "third_party/Matcha-TTS (nothing was started)")
+        raise ClusterError(
+            "the instances' Python cannot import upstream CosyVoice (cosyvoice.cli.cosyvoice): "
+            "pass --cosyvoice-root with the checkout that holds cosyvoice/ and "
+            "third_party/Matcha-TTS (nothing was started)"
+        )
     return report
 
 
@@ -98,8 +116,9 @@ def check_tools(settings: Settings) -> None:
     if not Path(settings.python).exists():
         raise ClusterError(f"--python {settings.python} does not exist: name the Python that runs instances")
     if settings.resolved_engine == "espeak" and not shutil.which("espeak-ng"):
-        raise ClusterError("espeak-ng not found: the embedded engine needs it; install it with "
-                           "'sudo apt-get install -y espeak-ng'")
+        raise ClusterError(
+            "espeak-ng not found: the embedded engine needs it; install it with 'sudo apt-get install -y espeak-ng'"
+        )
     if settings.resolved_engine == "cosyvoice3":
         check_model(settings)
     check_instance_env(settings)
@@ -118,8 +137,10 @@ def check_model(settings: Settings) -> None:
         root = Path(settings.cosyvoice_root)
         lacking = [p for p in ("cosyvoice", "third_party/Matcha-TTS/matcha") if not (root / p).is_dir()]
         if lacking:
-            raise ClusterError(f"--cosyvoice-root {root} lacks {', '.join(lacking)}: point it at a checkout of "
-                               "FunAudioLLM/CosyVoice with its submodules (git submodule update --init --recursive)")
+            raise ClusterError(
+                f"--cosyvoice-root {root} lacks {', '.join(lacking)}: point it at a checkout of "
+                "FunAudioLLM/CosyVoice with its submodules (git submodule update --init --recursive)"
+            )
 
 
 def check_ports(settings: Settings, slots: tuple[Slot, ...], held: set[int]) -> None:

@@ -62,10 +62,15 @@ def read_ping(status_code: int, body: Any) -> Probe:
         if not isinstance(stalled, list) or not all(_number(s) for s in stalled):
             return Probe("failed", detail=f"/ping answered stalled_seconds={stalled!r}, not a list of numbers")
         counts = [body.get(k, 0) for k in ("served", "inflight", "waiting")]
-        served, inflight, waiting = (int(c) if isinstance(c, int) and not isinstance(c, bool) else 0
-                                     for c in counts)
-        return Probe("ready", busy_seconds=float(busy), served=served, inflight=inflight, waiting=waiting,
-                     stalled=tuple(float(s) for s in stalled))
+        served, inflight, waiting = (int(c) if isinstance(c, int) and not isinstance(c, bool) else 0 for c in counts)
+        return Probe(
+            "ready",
+            busy_seconds=float(busy),
+            served=served,
+            inflight=inflight,
+            waiting=waiting,
+            stalled=tuple(float(s) for s in stalled),
+        )
     if status_code == 503 and body.get("state") == "loading":
         return Probe("loading")
     return Probe("failed", detail=f"/ping answered {status_code}")

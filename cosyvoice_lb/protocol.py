@@ -33,6 +33,7 @@ class DrainAction(str, enum.Enum):
 
 # --- drain requests -------------------------------------------------------------------------
 
+
 def ask_drain(layout: Layout, name: str, action: DrainAction) -> None:
     write_atomic(layout.drain_request(name), action.value + "\n")
 
@@ -70,10 +71,19 @@ def clear_drains(layout: Layout) -> None:
 
 # --- the health report ----------------------------------------------------------------------
 
+
 def write_report(layout: Layout, tracks: dict[str, dict[str, Any]], now: float | None = None) -> None:
-    write_atomic(layout.health_json, json.dumps({
-        "updated": time.time() if now is None else now, "instances": tracks,
-    }, indent=2) + "\n")
+    write_atomic(
+        layout.health_json,
+        json.dumps(
+            {
+                "updated": time.time() if now is None else now,
+                "instances": tracks,
+            },
+            indent=2,
+        )
+        + "\n",
+    )
 
 
 def read_report(layout: Layout) -> dict:
@@ -97,6 +107,7 @@ def out_of_rotation(layout: Layout) -> frozenset[str]:
 
 
 # --- starts -------------------------------------------------------------------------------
+
 
 def starts_count(layout: Layout, name: str) -> int:
     try:

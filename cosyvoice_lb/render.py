@@ -60,8 +60,11 @@ def _supervisor_env(env: dict[str, str]) -> str:
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
-        undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
-        keep_trailing_newline=True, autoescape=False,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
     )
     env.filters.update(nq=_quote_nginx, sv=_escape_supervisor, svenv=_supervisor_env)
     return env
@@ -70,8 +73,15 @@ def _environment() -> jinja2.Environment:
 def instance_command(settings: Settings, layout: Layout, programs: Programs, slot: Slot) -> list[str]:
     """The instance's command line: its port and starts file, then its share of the settings
     (written and parsed by the same declarations, see ``settings.instance_args``)."""
-    return [settings.python, programs.app, "--port", str(slot.port), "--starts-file", str(layout.starts(slot.name)),
-            *instance_args(settings, outputs_dir=settings.outputs_dir or str(layout.outputs))]
+    return [
+        settings.python,
+        programs.app,
+        "--port",
+        str(slot.port),
+        "--starts-file",
+        str(layout.starts(slot.name)),
+        *instance_args(settings, outputs_dir=settings.outputs_dir or str(layout.outputs)),
+    ]
 
 
 def instance_env(layout: Layout, slot: Slot) -> dict[str, str]:
@@ -89,8 +99,10 @@ def check(settings: Settings, layout: Layout) -> None:
         raise RenderError(f"state dir must be an absolute path, got {layout.root}")
     if "%" in str(layout.root):
         # supervisord expands %(...)s in paths, some of them twice: no escape is reliable.
-        raise RenderError(f"state dir {layout.root} contains '%', which supervisord cannot take in a path: "
-                          "choose a --state-dir without it")
+        raise RenderError(
+            f"state dir {layout.root} contains '%', which supervisord cannot take in a path: "
+            "choose a --state-dir without it"
+        )
     socket_bytes = len(os.fsencode(str(layout.socket)))
     if socket_bytes > MAX_SOCKET_PATH:
         raise RenderError(
@@ -106,9 +118,11 @@ def warnings(settings: Settings) -> list[str]:
     """Settings that work but defeat a guarantee: said at `up`, not refused."""
     found = []
     if settings.hang_timeout >= settings.request_timeout:
-        found.append(f"--hang-timeout {settings.hang_timeout:g} is not below --request-timeout "
-                     f"{settings.request_timeout:g}: a stuck synthesis's request gets a 504 at the bound instead of "
-                     "a retry on another instance")
+        found.append(
+            f"--hang-timeout {settings.hang_timeout:g} is not below --request-timeout "
+            f"{settings.request_timeout:g}: a stuck synthesis's request gets a 504 at the bound instead of "
+            "a retry on another instance"
+        )
     return found
 
 
@@ -121,13 +135,19 @@ def listen_address(host: str, port: int) -> str:
 
 def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = frozenset()) -> str:
     """upstreams.conf: every slot, those out of rotation marked ``down``."""
-    return _environment().get_template("upstreams.conf.j2").render(
-        slots=slots, out_of_rotation=out_of_rotation,
+    return (
+        _environment()
+        .get_template("upstreams.conf.j2")
+        .render(
+            slots=slots,
+            out_of_rotation=out_of_rotation,
+        )
     )
 
 
-def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs,
-           out_of_rotation: frozenset[str] = frozenset()) -> dict[str, str]:
+def render(
+    settings: Settings, plan: Plan, layout: Layout, programs: Programs, out_of_rotation: frozenset[str] = frozenset()
+) -> dict[str, str]:
     """Every config file of the cluster, keyed by its path relative to the state dir.
 
     ``out_of_rotation`` keeps instances the health loop has taken out marked ``down`` when a
@@ -142,16 +162,31 @@ def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs,
     env = _environment()
     timeouts = Timeouts(settings)
     context = dict(
-        settings=settings, slots=plan.slots, layout=layout, listen=listen_address(settings.host, settings.port), run_as_user=programs.run_as_user,
+        settings=settings,
+        slots=plan.slots,
+        layout=layout,
+        listen=listen_address(settings.host, settings.port),
+        run_as_user=programs.run_as_user,
         worker_processes=programs.worker_processes,
         # room for the largest prompt upload plus the form around it
-        max_body=f"{parse_size(settings.max_upload) // 2**20 + 2}m", timeouts=timeouts,
+        max_body=f"{parse_size(settings.max_upload) // 2**20 + 2}m",
+        timeouts=timeouts,
         instance_command=lambda slot: shlex.join(instance_command(settings, layout, programs, slot)),
         instance_env=lambda slot: instance_env(layout, slot),
-        health_command=shlex.join([programs.launcher_python, "-m", "cosyvoice_lb.health_loop",
-                                   "--state-dir", str(layout.root)]),
-        nginx_command=shlex.join([programs.nginx, "-p", str(layout.nginx_dir), "-c", str(layout.nginx_conf),
-                                  "-e", str(layout.log("nginx-error"))]),
+        health_command=shlex.join(
+            [programs.launcher_python, "-m", "cosyvoice_lb.health_loop", "--state-dir", str(layout.root)]
+        ),
+        nginx_command=shlex.join(
+            [
+                programs.nginx,
+                "-p",
+                str(layout.nginx_dir),
+                "-c",
+                str(layout.nginx_conf),
+                "-e",
+                str(layout.log("nginx-error")),
+            ]
+        ),
     )
     return {
         layout.relative(layout.supervisord_conf): env.get_template("supervisord.conf.j2").render(**context),
@@ -164,15 +199,20 @@ def render(settings: Settings, plan: Plan, layout: Layout, programs: Programs,
 def cluster_json(settings: Settings, plan: Plan) -> str:
     """What the health loop and status read back: the settings and the slots (nothing that
     changes between two renders of the same cluster, such as free memory)."""
-    slots = [{k: v for k, v in slot.items() if k in ("name", "index", "port", "gpu", "memory")}
-             for slot in plan.as_dict()["slots"]]
-    return json.dumps({"settings": json.loads(settings.to_json()), "plan": {"mode": plan.mode, "slots": slots}},
-                      indent=2) + "\n"
+    slots = [
+        {k: v for k, v in slot.items() if k in ("name", "index", "port", "gpu", "memory")}
+        for slot in plan.as_dict()["slots"]
+    ]
+    return (
+        json.dumps({"settings": json.loads(settings.to_json()), "plan": {"mode": plan.mode, "slots": slots}}, indent=2)
+        + "\n"
+    )
 
 
 def read_cluster_json(text: str) -> tuple[Settings, tuple[Slot, ...]]:
     """Settings and slots back from ``cluster.json`` (what the health loop and status read)."""
     data = json.loads(text)
-    slots = tuple(Slot(index=s["index"], port=s["port"], gpu=s["gpu"], memory=s["memory"])
-                  for s in data["plan"]["slots"])
+    slots = tuple(
+        Slot(index=s["index"], port=s["port"], gpu=s["gpu"], memory=s["memory"]) for s in data["plan"]["slots"]
+    )
     return Settings.from_mapping(data["settings"]), slots

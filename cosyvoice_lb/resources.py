@@ -38,9 +38,22 @@ def app_path() -> Path:
 
 # What an instance runs: staged into the state dir, so the instance imports its own copy
 # from any Python (the user's CosyVoice env has no cosyvoice-lb installed).
-INSTANCE_MODULES = ("__init__.py", "server.py", "ui.py", "pipeline.py", "admission.py", "validation.py", "audio.py",
-                    "settings.py", "planner.py", "timeouts.py", "engines/__init__.py", "engines/espeak.py",
-                    "engines/cosyvoice.py", "engines/simulated.py")
+INSTANCE_MODULES = (
+    "__init__.py",
+    "server.py",
+    "ui.py",
+    "pipeline.py",
+    "admission.py",
+    "validation.py",
+    "audio.py",
+    "settings.py",
+    "planner.py",
+    "timeouts.py",
+    "engines/__init__.py",
+    "engines/espeak.py",
+    "engines/cosyvoice.py",
+    "engines/simulated.py",
+)
 
 
 def instance_files() -> dict[str, str]:

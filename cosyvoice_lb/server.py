@@ -50,10 +50,19 @@ def ping_body(snapshot: Snapshot, engine: str, port: int, started: float) -> dic
     """What ``/ping`` says: readiness, and per synthesis the seconds since its last chunk (a
     synthesis making no progress is what "hung" means to the health loop)."""
     return {
-        "ready": snapshot.ready, "state": snapshot.phase.value, "engine": engine, "port": port, "pid": os.getpid(),
-        "inflight": snapshot.inflight, "waiting": snapshot.waiting, "busy_seconds": snapshot.busy_seconds,
-        "stalled_seconds": list(snapshot.stalled_seconds), "served": snapshot.served, "failed": snapshot.failed,
-        "uptime": round(time.time() - started, 3), **({"error": snapshot.error} if snapshot.error else {}),
+        "ready": snapshot.ready,
+        "state": snapshot.phase.value,
+        "engine": engine,
+        "port": port,
+        "pid": os.getpid(),
+        "inflight": snapshot.inflight,
+        "waiting": snapshot.waiting,
+        "busy_seconds": snapshot.busy_seconds,
+        "stalled_seconds": list(snapshot.stalled_seconds),
+        "served": snapshot.served,
+        "failed": snapshot.failed,
+        "uptime": round(time.time() - started, 3),
+        **({"error": snapshot.error} if snapshot.error else {}),
     }
 
 
@@ -80,15 +89,18 @@ async def read_request(request: Request, limits: Limits) -> tuple[dict, bytes | 
         if upload is not None and not isinstance(upload, str):
             data = await upload.read(limits.max_upload_bytes + 1)
             if len(data) > limits.max_upload_bytes:
-                raise BadRequest(f"prompt_audio is larger than {limits.max_upload_bytes // 2**20} MiB: "
-                                 "send 3-15 s of speech", status=413)
+                raise BadRequest(
+                    f"prompt_audio is larger than {limits.max_upload_bytes // 2**20} MiB: send 3-15 s of speech",
+                    status=413,
+                )
         elif isinstance(upload, str) and upload:
             raise BadRequest("prompt_audio must be a file upload, not a text field")
         return form_payload({k: str(v) for k, v in fields.items()}), data
     body = await request.body()
     if not body.strip():
-        raise BadRequest('no body: POST JSON like {"text": "Hello", "speed": 1.0}, '
-                         "or a multipart form with prompt_audio")
+        raise BadRequest(
+            'no body: POST JSON like {"text": "Hello", "speed": 1.0}, or a multipart form with prompt_audio'
+        )
     try:
         payload = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -103,8 +115,15 @@ class SynthesisStream(Response):
     synthesis stops at its next chunk and its engine slot is free at once (a plain
     streaming response would notice only once the socket's buffers are full)."""
 
-    def __init__(self, pipeline: Pipeline, job: Job, first: np.ndarray, rest: Iterator[np.ndarray],
-                 cancelled: threading.Event, headers: dict[str, str]):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        job: Job,
+        first: np.ndarray,
+        rest: Iterator[np.ndarray],
+        cancelled: threading.Event,
+        headers: dict[str, str],
+    ):
         super().__init__(media_type="audio/wav", headers=headers)
         # (a body of unknown length: no Content-Length, chunked transfer)
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k.lower() != b"content-length"]
@@ -130,8 +149,13 @@ class SynthesisStream(Response):
         watcher = asyncio.ensure_future(watch())
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": streaming_wav_header(self.pipeline.engine.sample_rate) + pcm16(self.first)})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "more_body": True,
+                    "body": streaming_wav_header(self.pipeline.engine.sample_rate) + pcm16(self.first),
+                }
+            )
             while not self.cancelled.is_set():
                 try:
                     data = await loop.run_in_executor(self.pipeline.workers, following)
@@ -199,8 +223,7 @@ def build_app(pipeline: Pipeline, engine_name: str = "", port: int = 0, started:
     @app.post("/v1/tts")
     async def tts(request: Request):
         payload, prompt_data = await read_request(request, pipeline.limits)
-        job: Job | None = await asyncio.get_running_loop().run_in_executor(None, pipeline.prepare, payload,
-                                                                            prompt_data)
+        job: Job | None = await asyncio.get_running_loop().run_in_executor(None, pipeline.prepare, payload, prompt_data)
         assert job is not None
         try:
             headers = {"X-Instance-Port": str(port), "X-Sample-Rate": str(engine.sample_rate)}
@@ -232,9 +255,16 @@ def build_app(pipeline: Pipeline, engine_name: str = "", port: int = 0, started:
     # Gradio is mounted at "/" and would answer everything else under /v1/ with its own 404.
     @app.api_route("/v1/tts", methods=["GET", "PUT", "DELETE", "PATCH"])
     async def tts_wrong_method(request: Request):
-        return JSONResponse({"error": {"message": f"{request.method} is not allowed on /v1/tts: POST JSON like "
-                                                  '{"text": "Hello"}', "status": 405}},
-                            status_code=405, headers={"Allow": "POST"})
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f'{request.method} is not allowed on /v1/tts: POST JSON like {{"text": "Hello"}}',
+                    "status": 405,
+                }
+            },
+            status_code=405,
+            headers={"Allow": "POST"},
+        )
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def v1_unknown(path: str):
@@ -259,8 +289,11 @@ def draining_server(config: Any, admission: Admission, drain_timeout: float) -> 
         def handle_exit(self, sig, frame):
             if not admission.drain():  # a second signal: stop now
                 return super().handle_exit(sig, frame)
-            log.info("stopping: draining %d synthesis(es) in flight (at most %gs)",
-                     admission.snapshot().inflight, drain_timeout)
+            log.info(
+                "stopping: draining %d synthesis(es) in flight (at most %gs)",
+                admission.snapshot().inflight,
+                drain_timeout,
+            )
 
             def drain() -> None:
                 deadline = time.monotonic() + drain_timeout
@@ -278,8 +311,11 @@ def draining_server(config: Any, admission: Admission, drain_timeout: float) -> 
 def build_pipeline(settings: Settings, port: int) -> Pipeline:
     """The instance's pipeline for its settings (as parsed from its command line)."""
     engine = create_engine(settings.resolved_engine, **asdict(settings))
-    limits = Limits(max_chars=settings.max_chars, max_prompt_seconds=settings.max_prompt_seconds,
-                    max_upload_bytes=parse_size(settings.max_upload))
+    limits = Limits(
+        max_chars=settings.max_chars,
+        max_prompt_seconds=settings.max_prompt_seconds,
+        max_upload_bytes=parse_size(settings.max_upload),
+    )
     outputs = Outputs(settings.outputs_dir, port, settings.outputs_max_age, parse_size(settings.outputs_max_size))
     # Prompt uploads are written for upstream as files; leftovers of a killed run go at start.
     scratch = os.path.join(settings.outputs_dir, ".prompts") if settings.outputs_dir else tempfile.gettempdir()
@@ -318,8 +354,14 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(3)
 
     threading.Thread(target=load, name="engine-load", daemon=True).start()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN, access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+        access_log=False,
+    )
     draining_server(config, pipeline.admission, settings.drain_timeout).run()
     # Drained: leave now. A synthesis stuck in the engine must not keep the process (its
     # worker thread would be joined at interpreter exit).

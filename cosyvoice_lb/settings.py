@@ -84,98 +84,219 @@ def prompt_seconds(flag: str, value: Any) -> str:
     return f"{flag} must be above 0 and at most 30 (upstream refuses longer prompts), got {value}"
 
 
-def setting(default: Any, help: str, *, type: Any = None, is_flag: bool = False,
-            choices: tuple[str, ...] | None = None, metavar: str | None = None, check: Check | None = None,
-            instance: bool | str = False) -> Any:
+def setting(
+    default: Any,
+    help: str,
+    *,
+    type: Any = None,
+    is_flag: bool = False,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    check: Check | None = None,
+    instance: bool | str = False,
+) -> Any:
     """One setting. ``check`` refuses values that cannot work; ``instance`` passes it to every
     instance's command line (a string: only to instances of that engine)."""
-    return field(default=default, metadata={
-        "help": help, "type": type, "is_flag": is_flag, "choices": choices, "metavar": metavar, "check": check,
-        "instance": instance,
-    })
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "type": type,
+            "is_flag": is_flag,
+            "choices": choices,
+            "metavar": metavar,
+            "check": check,
+            "instance": instance,
+        },
+    )
 
 
 @dataclass(frozen=True)
 class Settings:
     """The whole configuration of one cluster."""
 
-    engine: str = setting("auto", "Speech engine of every instance: cosyvoice3 (with --model-dir; v2 and v1 model "
-                                  "dirs work too), espeak (embedded, no weights); auto picks cosyvoice3 when "
-                                  "--model-dir is given. simulated is a load model for benchmarks, not speech "
-                                  "(silence after a wait proportional to the text).", choices=ENGINES, instance=True)
-    model_dir: str = setting("", "CosyVoice model dir (local, holding cosyvoice3.yaml, cosyvoice2.yaml or "
-                                 "cosyvoice.yaml).", metavar="DIR", instance="cosyvoice3")
-    cosyvoice_root: str = setting("", "Upstream CosyVoice checkout (holds cosyvoice/ and third_party/Matcha-TTS); "
-                                      "not needed when --python's env imports cosyvoice already.", metavar="DIR", instance="cosyvoice3")
-    load_trt: bool = setting(False, "CosyVoice: TensorRT flow decoder (more GPU memory per instance).",
-                             is_flag=True, instance="cosyvoice3")
-    load_vllm: bool = setting(False, "CosyVoice2/3: vLLM for the LLM (reserves 0.2 x the card per instance).",
-                              is_flag=True, instance="cosyvoice3")
+    engine: str = setting(
+        "auto",
+        "Speech engine of every instance: cosyvoice3 (with --model-dir; v2 and v1 model "
+        "dirs work too), espeak (embedded, no weights); auto picks cosyvoice3 when "
+        "--model-dir is given. simulated is a load model for benchmarks, not speech "
+        "(silence after a wait proportional to the text).",
+        choices=ENGINES,
+        instance=True,
+    )
+    model_dir: str = setting(
+        "",
+        "CosyVoice model dir (local, holding cosyvoice3.yaml, cosyvoice2.yaml or cosyvoice.yaml).",
+        metavar="DIR",
+        instance="cosyvoice3",
+    )
+    cosyvoice_root: str = setting(
+        "",
+        "Upstream CosyVoice checkout (holds cosyvoice/ and third_party/Matcha-TTS); "
+        "not needed when --python's env imports cosyvoice already.",
+        metavar="DIR",
+        instance="cosyvoice3",
+    )
+    load_trt: bool = setting(
+        False, "CosyVoice: TensorRT flow decoder (more GPU memory per instance).", is_flag=True, instance="cosyvoice3"
+    )
+    load_vllm: bool = setting(
+        False,
+        "CosyVoice2/3: vLLM for the LLM (reserves 0.2 x the card per instance).",
+        is_flag=True,
+        instance="cosyvoice3",
+    )
     fp16: bool = setting(False, "CosyVoice: half precision.", is_flag=True, instance="cosyvoice3")
-    simulated_ms_per_char: float = setting(4.0, "--engine simulated: milliseconds of service time per character "
-                                                "of text.", type=float, check=not_negative, instance="simulated")
-    simulated_base_ms: float = setting(0.0, "--engine simulated: milliseconds of service time per request.",
-                                       type=float, check=not_negative, instance="simulated")
-    instances: str = setting("auto", "How many instances: a number, or 'auto' for as many as fit.",
-                             metavar="N|auto")
-    gpus: str = setting("", "Plan for these GPUs instead of asking NVML, e.g. 24GiB,24GiB "
-                            "(a card's total; free is taken as total).", metavar="SIZES")
-    footprint: str = setting("", "Memory per instance (GPU memory, or host RAM on a CPU-only box); "
-                                 "default: the engine's.", metavar="SIZE", check=size)
-    reserve: str = setting("1GiB", "Memory kept free on every GPU (and in RAM on a CPU-only box).",
-                           metavar="SIZE", check=size)
-    max_instances: int = setting(0, "Never plan more than this many instances (0: no cap).", type=int, check=at_least(0))
+    simulated_ms_per_char: float = setting(
+        4.0,
+        "--engine simulated: milliseconds of service time per character of text.",
+        type=float,
+        check=not_negative,
+        instance="simulated",
+    )
+    simulated_base_ms: float = setting(
+        0.0,
+        "--engine simulated: milliseconds of service time per request.",
+        type=float,
+        check=not_negative,
+        instance="simulated",
+    )
+    instances: str = setting("auto", "How many instances: a number, or 'auto' for as many as fit.", metavar="N|auto")
+    gpus: str = setting(
+        "",
+        "Plan for these GPUs instead of asking NVML, e.g. 24GiB,24GiB (a card's total; free is taken as total).",
+        metavar="SIZES",
+    )
+    footprint: str = setting(
+        "",
+        "Memory per instance (GPU memory, or host RAM on a CPU-only box); default: the engine's.",
+        metavar="SIZE",
+        check=size,
+    )
+    reserve: str = setting(
+        "1GiB", "Memory kept free on every GPU (and in RAM on a CPU-only box).", metavar="SIZE", check=size
+    )
+    max_instances: int = setting(
+        0, "Never plan more than this many instances (0: no cap).", type=int, check=at_least(0)
+    )
     force: bool = setting(False, "Start --instances N even when fewer fit.", is_flag=True)
-    base_port: int = setting(7860, "Port of the first instance; instance i listens on base+i (127.0.0.1).",
-                             type=int, check=tcp_port)
+    base_port: int = setting(
+        7860, "Port of the first instance; instance i listens on base+i (127.0.0.1).", type=int, check=tcp_port
+    )
     port: int = setting(8080, "The public port nginx listens on.", type=int, check=tcp_port)
     host: str = setting("0.0.0.0", "The address nginx listens on.")
     state_dir: str = setting(".", "Where configs, logs, sockets and state live.", metavar="DIR")
     python: str = setting(sys.executable, "Python that runs the instances.", metavar="PATH")
     nginx: str = setting("nginx", "The nginx binary.", metavar="PATH")
     max_chars: int = setting(500, "Longest text one request may ask for.", type=int, check=at_least(1), instance=True)
-    max_prompt_seconds: float = setting(15.0, "Longer prompt audio is trimmed to this many seconds (with a notice).",
-                                        type=float, check=prompt_seconds, instance=True)
+    max_prompt_seconds: float = setting(
+        15.0,
+        "Longer prompt audio is trimmed to this many seconds (with a notice).",
+        type=float,
+        check=prompt_seconds,
+        instance=True,
+    )
     max_upload: str = setting("10MiB", "Largest prompt audio upload.", metavar="SIZE", check=size, instance=True)
-    instance_concurrency: int = setting(1, "Syntheses one instance runs at once (upstream's streaming shares "
-                                           "state between requests: scale with instances instead).", type=int, check=at_least(1), instance=True)
-    max_queue: int = setting(2, "API requests one instance lets wait for its engine; past that it answers 503 "
-                                "at once and nginx tries another instance (all full: the client gets 503 with "
-                                "Retry-After instead of an unbounded wait).", type=int, check=not_negative, instance=True)
-    outputs_dir: str = setting("", "Where instances keep every result (default: outputs/ in the state dir).",
-                               metavar="DIR", instance=True)
-    outputs_max_age: float = setting(86400.0, "Results older than this many seconds are deleted.", type=float, check=above_zero, instance=True)
-    outputs_max_size: str = setting("2GiB", "The outputs dir is kept under this size (oldest deleted first).",
-                                    metavar="SIZE", check=size, instance=True)
-    stagger: bool = setting(False, "Start instances one after another, each loaded before the next "
-                                   "(N model loads at once can exhaust host memory).", is_flag=True)
-    probe_interval: float = setting(1.0, "Seconds between two health probes of an instance.", type=float, check=above_zero)
-    probe_timeout: float = setting(2.0, "Seconds a probe may take before it counts as failed.", type=float, check=above_zero)
-    fail_threshold: int = setting(3, "Failed probes in a row that take an instance out and restart it.",
-                                  type=int, check=at_least(1))
-    recover_threshold: int = setting(2, "Good probes in a row that put an instance back in rotation.",
-                                     type=int, check=at_least(1))
-    hang_timeout: float = setting(60.0, "A synthesis that yields no audio for this many seconds means the instance "
-                                        "is hung: it is taken out and restarted, and nginx retries its requests "
-                                        "elsewhere (keep it below --request-timeout so there is time for that).",
-                                  type=float, check=above_zero)
-    request_timeout: float = setting(90.0, "Longest an API request waits for its answer (or a stream for its first "
-                                           "chunk), counted from its arrival at nginx, retries included; past it "
-                                           "the client gets a 504 that says so.", type=float, check=above_zero, instance=True)
-    startup_timeout: float = setting(300.0, "Seconds an instance may take to load before it counts as "
-                                            "failed (never killed for being slow before that).", type=float, check=above_zero)
-    max_requests: int = setting(0, "Recycle an instance (a drained restart, one at a time) after this many "
-                                   "requests, against slow leaks (0: never).", type=int, check=not_negative)
-    max_requests_jitter: int = setting(0, "Add 0..N to --max-requests per instance, so they do not all recycle "
-                                          "together.", type=int, check=not_negative)
-    max_memory: str = setting("", "Recycle an instance whose RSS (or GPU memory, per process) grows past this, "
-                                  "e.g. 12GiB (empty: never).", metavar="SIZE", check=size)
-    drain_timeout: float = setting(30.0, "Seconds in-flight requests get to finish when an instance stops.",
-                                   type=float, check=not_negative, instance=True)
-    start_retries: int = setting(3, "Failed starts in a row before supervisord gives an instance up.",
-                                 type=int, check=at_least(0))
-    retries: int = setting(3, "Instances nginx tries for one API request (refused, dead or loading).",
-                           type=int, check=at_least(1))
+    instance_concurrency: int = setting(
+        1,
+        "Syntheses one instance runs at once (upstream's streaming shares "
+        "state between requests: scale with instances instead).",
+        type=int,
+        check=at_least(1),
+        instance=True,
+    )
+    max_queue: int = setting(
+        2,
+        "API requests one instance lets wait for its engine; past that it answers 503 "
+        "at once and nginx tries another instance (all full: the client gets 503 with "
+        "Retry-After instead of an unbounded wait).",
+        type=int,
+        check=not_negative,
+        instance=True,
+    )
+    outputs_dir: str = setting(
+        "", "Where instances keep every result (default: outputs/ in the state dir).", metavar="DIR", instance=True
+    )
+    outputs_max_age: float = setting(
+        86400.0, "Results older than this many seconds are deleted.", type=float, check=above_zero, instance=True
+    )
+    outputs_max_size: str = setting(
+        "2GiB",
+        "The outputs dir is kept under this size (oldest deleted first).",
+        metavar="SIZE",
+        check=size,
+        instance=True,
+    )
+    stagger: bool = setting(
+        False,
+        "Start instances one after another, each loaded before the next "
+        "(N model loads at once can exhaust host memory).",
+        is_flag=True,
+    )
+    probe_interval: float = setting(
+        1.0, "Seconds between two health probes of an instance.", type=float, check=above_zero
+    )
+    probe_timeout: float = setting(
+        2.0, "Seconds a probe may take before it counts as failed.", type=float, check=above_zero
+    )
+    fail_threshold: int = setting(
+        3, "Failed probes in a row that take an instance out and restart it.", type=int, check=at_least(1)
+    )
+    recover_threshold: int = setting(
+        2, "Good probes in a row that put an instance back in rotation.", type=int, check=at_least(1)
+    )
+    hang_timeout: float = setting(
+        60.0,
+        "A synthesis that yields no audio for this many seconds means the instance "
+        "is hung: it is taken out and restarted, and nginx retries its requests "
+        "elsewhere (keep it below --request-timeout so there is time for that).",
+        type=float,
+        check=above_zero,
+    )
+    request_timeout: float = setting(
+        90.0,
+        "Longest an API request waits for its answer (or a stream for its first "
+        "chunk), counted from its arrival at nginx, retries included; past it "
+        "the client gets a 504 that says so.",
+        type=float,
+        check=above_zero,
+        instance=True,
+    )
+    startup_timeout: float = setting(
+        300.0,
+        "Seconds an instance may take to load before it counts as failed (never killed for being slow before that).",
+        type=float,
+        check=above_zero,
+    )
+    max_requests: int = setting(
+        0,
+        "Recycle an instance (a drained restart, one at a time) after this many "
+        "requests, against slow leaks (0: never).",
+        type=int,
+        check=not_negative,
+    )
+    max_requests_jitter: int = setting(
+        0, "Add 0..N to --max-requests per instance, so they do not all recycle together.", type=int, check=not_negative
+    )
+    max_memory: str = setting(
+        "",
+        "Recycle an instance whose RSS (or GPU memory, per process) grows past this, e.g. 12GiB (empty: never).",
+        metavar="SIZE",
+        check=size,
+    )
+    drain_timeout: float = setting(
+        30.0,
+        "Seconds in-flight requests get to finish when an instance stops.",
+        type=float,
+        check=not_negative,
+        instance=True,
+    )
+    start_retries: int = setting(
+        3, "Failed starts in a row before supervisord gives an instance up.", type=int, check=at_least(0)
+    )
+    retries: int = setting(
+        3, "Instances nginx tries for one API request (refused, dead or loading).", type=int, check=at_least(1)
+    )
 
     @property
     def staggered(self) -> bool:
@@ -223,8 +344,13 @@ def declarations() -> tuple[dataclasses.Field, ...]:
 def problems(settings: Settings) -> list[str]:
     """What is wrong with these settings, each setting checked by its own declaration, then
     what no single setting can say ([] when they can work)."""
-    found = [message for f in declarations() if f.metadata["check"]
-             for message in [f.metadata["check"](flag(f.name), getattr(settings, f.name))] if message]
+    found = [
+        message
+        for f in declarations()
+        if f.metadata["check"]
+        for message in [f.metadata["check"](flag(f.name), getattr(settings, f.name))]
+        if message
+    ]
     if settings.resolved_engine == "cosyvoice3" and not settings.model_dir:
         found.append("--engine cosyvoice3 needs --model-dir (a local CosyVoice model dir)")
     return found
@@ -263,8 +389,15 @@ def instance_parser(description: str) -> argparse.ArgumentParser:
         if meta["is_flag"]:
             parser.add_argument(flag(f.name), dest=f.name, action="store_true", help=meta["help"])
         else:
-            parser.add_argument(flag(f.name), dest=f.name, default=f.default, type=meta["type"] or str,
-                                choices=meta["choices"], metavar=meta["metavar"], help=meta["help"])
+            parser.add_argument(
+                flag(f.name),
+                dest=f.name,
+                default=f.default,
+                type=meta["type"] or str,
+                choices=meta["choices"],
+                metavar=meta["metavar"],
+                help=meta["help"],
+            )
     return parser
 
 
@@ -275,8 +408,21 @@ def parse_instance_args(argv: list[str] | None = None) -> tuple[Settings, argpar
     return Settings.from_mapping({k: v for k, v in vars(args).items() if k in names}), args
 
 
-PLAN_OPTIONS = ("engine", "model_dir", "load_trt", "load_vllm", "fp16", "instances", "gpus", "footprint", "reserve",
-                "max_instances", "force", "base_port", "state_dir")
+PLAN_OPTIONS = (
+    "engine",
+    "model_dir",
+    "load_trt",
+    "load_vllm",
+    "fp16",
+    "instances",
+    "gpus",
+    "footprint",
+    "reserve",
+    "max_instances",
+    "force",
+    "base_port",
+    "state_dir",
+)
 CLUSTER_OPTIONS = PLAN_OPTIONS + tuple(f.name for f in dataclasses.fields(Settings) if f.name not in PLAN_OPTIONS)
 
 

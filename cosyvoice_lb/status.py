@@ -65,8 +65,12 @@ class ClusterStatus:
 
     def as_dict(self) -> dict:
         return {
-            "running": self.running, "ok": self.running and not self.problems, "url": self.url,
-            "instances": [i.__dict__ for i in self.instances], "nginx": self.nginx, "health": self.health,
+            "running": self.running,
+            "ok": self.running and not self.problems,
+            "url": self.url,
+            "instances": [i.__dict__ for i in self.instances],
+            "nginx": self.nginx,
+            "health": self.health,
             "problems": self.problems,
         }
 
@@ -104,8 +108,7 @@ def status(layout: Layout, prober: Prober | None = None) -> ClusterStatus:
             programs = supervisor.processes()
         except SupervisionError as exc:
             if exc.timed_out:
-                return ClusterStatus(running=False, problems=[f"supervisord does not answer: {exc}"],
-                                     unanswered=True)
+                return ClusterStatus(running=False, problems=[f"supervisord does not answer: {exc}"], unanswered=True)
             programs = {}  # a socket nobody listens on: not running
     else:
         programs = {}
@@ -113,8 +116,10 @@ def status(layout: Layout, prober: Prober | None = None) -> ClusterStatus:
         problems = [f"no cluster runs in {layout.root}"]
         strays = processes.stray_processes(layout, record[0].port if record else None)
         if strays:
-            problems.append(f"{len(strays)} process(es) of it outlived supervisord "
-                            f"(pids {', '.join(str(p.pid) for p in strays)}): 'cosyvoice-lb down' stops them")
+            problems.append(
+                f"{len(strays)} process(es) of it outlived supervisord "
+                f"(pids {', '.join(str(p.pid) for p in strays)}): 'cosyvoice-lb down' stops them"
+            )
         return ClusterStatus(running=False, problems=problems)
     settings, slots = record
     health = read_report(layout)
@@ -128,19 +133,30 @@ def status(layout: Layout, prober: Prober | None = None) -> ClusterStatus:
         track = tracks.get(slot.name, {})
         ready = bool(body.get("ready"))
         in_rotation = bool(track.get("in_rotation")) and track.get("pid") == (proc.pid if proc else None)
-        failed = track.get("failed", "") or ("failed: supervisord gave up starting it"
-                                             if proc and proc.state == "FATAL" else "")
+        failed = track.get("failed", "") or (
+            "failed: supervisord gave up starting it" if proc and proc.state == "FATAL" else ""
+        )
         item = InstanceStatus(
-            name=slot.name, port=slot.port, gpu=slot.gpu, pid=proc.pid if proc else 0,
-            state=proc.state if proc else "MISSING", ready=ready, in_rotation=in_rotation,
-            restarts=max(0, starts_count(layout, slot.name) - 1), uptime=round(proc.uptime, 1) if proc else 0.0,
-            reason="" if in_rotation else track.get("reason", ""), inflight=int(body.get("inflight", 0)),
-            failed=failed, failed_at=float(track.get("failed_at", 0.0)) if track.get("failed") else 0.0,
+            name=slot.name,
+            port=slot.port,
+            gpu=slot.gpu,
+            pid=proc.pid if proc else 0,
+            state=proc.state if proc else "MISSING",
+            ready=ready,
+            in_rotation=in_rotation,
+            restarts=max(0, starts_count(layout, slot.name) - 1),
+            uptime=round(proc.uptime, 1) if proc else 0.0,
+            reason="" if in_rotation else track.get("reason", ""),
+            inflight=int(body.get("inflight", 0)),
+            failed=failed,
+            failed_at=float(track.get("failed_at", 0.0)) if track.get("failed") else 0.0,
         )
         result.instances.append(item)
         if failed:
-            result.problems.append(f"{slot.name} {failed}; see 'cosyvoice-lb logs {slot.name}', fix the cause, "
-                                   f"then 'cosyvoice-lb restart {slot.name}'")
+            result.problems.append(
+                f"{slot.name} {failed}; see 'cosyvoice-lb logs {slot.name}', fix the cause, "
+                f"then 'cosyvoice-lb restart {slot.name}'"
+            )
         elif item.state != "RUNNING" or not ready:
             result.problems.append(f"{slot.name} is {item.state.lower()}{'' if ready else ', not ready'}")
         elif not in_rotation:

@@ -26,8 +26,14 @@ from .timeouts import SUPERVISOR_CALL
 
 # What a call to supervisord can raise: faults, protocol errors, and the socket's errors
 # (a timeout is an OSError; so is a refused or missing socket).
-RPC_ERRORS = (OSError, xmlrpc.client.Fault, xmlrpc.client.ProtocolError, xmlrpc.client.ResponseError,
-              http.client.HTTPException, EOFError)
+RPC_ERRORS = (
+    OSError,
+    xmlrpc.client.Fault,
+    xmlrpc.client.ProtocolError,
+    xmlrpc.client.ResponseError,
+    http.client.HTTPException,
+    EOFError,
+)
 
 
 class TimedUnixConnection(http.client.HTTPConnection):
@@ -86,14 +92,19 @@ class Supervisor:
         except xmlrpc.client.Fault as fault:
             if harmless and harmless in fault.faultString:
                 return None
-            raise SupervisionError(f"supervisord refused {method}{args!r}: {fault.faultString}",
-                                   fault=fault.faultString.split(":")[0]) from None
+            raise SupervisionError(
+                f"supervisord refused {method}{args!r}: {fault.faultString}", fault=fault.faultString.split(":")[0]
+            ) from None
         except TimeoutError:
-            raise SupervisionError(f"supervisord did not answer {method} within {self.timeout:g}s on "
-                                   f"{self.layout.socket} (busy or stopped?)", timed_out=True) from None
+            raise SupervisionError(
+                f"supervisord did not answer {method} within {self.timeout:g}s on "
+                f"{self.layout.socket} (busy or stopped?)",
+                timed_out=True,
+            ) from None
         except RPC_ERRORS as exc:
-            raise SupervisionError(f"supervisord could not be asked {method} on {self.layout.socket}: "
-                                   f"{type(exc).__name__}: {exc}") from None
+            raise SupervisionError(
+                f"supervisord could not be asked {method} on {self.layout.socket}: {type(exc).__name__}: {exc}"
+            ) from None
 
     def running(self) -> bool:
         """True when a supervisord answers on this state dir's socket."""
@@ -115,11 +126,16 @@ class Supervisor:
             try:
                 done = subprocess.run(
                     [sys.executable, "-m", "supervisor.supervisord", "-c", str(self.layout.supervisord_conf)],
-                    stdout=output, stderr=subprocess.STDOUT, cwd=str(self.layout.root), check=False, timeout=wait,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    cwd=str(self.layout.root),
+                    check=False,
+                    timeout=wait,
                 )
             except subprocess.TimeoutExpired:
-                raise SupervisionError(f"supervisord did not start within {wait:.0f}s; "
-                                       f"see {self.layout.log('supervisord')}") from None
+                raise SupervisionError(
+                    f"supervisord did not start within {wait:.0f}s; see {self.layout.log('supervisord')}"
+                ) from None
             output.seek(0)
             said = output.read().decode("utf-8", errors="replace").strip()
         if done.returncode != 0:
@@ -138,8 +154,13 @@ class Supervisor:
         try:
             return {
                 p["name"]: ProcessInfo(
-                    name=p["name"], state=p["statename"], pid=int(p["pid"]), start=float(p["start"]),
-                    now=float(p["now"]), description=p["description"], exitstatus=int(p["exitstatus"]),
+                    name=p["name"],
+                    state=p["statename"],
+                    pid=int(p["pid"]),
+                    start=float(p["start"]),
+                    now=float(p["now"]),
+                    description=p["description"],
+                    exitstatus=int(p["exitstatus"]),
                 )
                 for p in self._rpc("getAllProcessInfo")
             }

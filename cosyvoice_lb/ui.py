@@ -16,9 +16,12 @@ import numpy as np
 from .pipeline import Pipeline, describe
 from .validation import MAX_SPEED, MIN_SPEED, BadRequest
 
-MODE_LABELS = {"zero_shot": "Zero-shot clone (prompt audio + its transcript)",
-               "cross_lingual": "Cross-lingual clone (prompt audio)",
-               "instruct": "Instruct (style in words)", "sft": "Built-in speaker"}
+MODE_LABELS = {
+    "zero_shot": "Zero-shot clone (prompt audio + its transcript)",
+    "cross_lingual": "Cross-lingual clone (prompt audio)",
+    "instruct": "Instruct (style in words)",
+    "sft": "Built-in speaker",
+}
 
 
 def int16(audio: np.ndarray) -> np.ndarray:
@@ -44,12 +47,19 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int) -> Any:
             raise BadRequest(f"the prompt audio is larger than {limits.max_upload_bytes // 2**20} MiB")
         return data
 
-    def generate(text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed, seed,
-                 stream) -> Iterator[tuple[int, np.ndarray]]:
-        payload = {"text": text, "mode": mode if len(pipeline.modes) > 1 else "", "prompt_text": prompt_text or "",
-                   "instruct_text": instruct_text or "", "speaker": speaker or "",
-                   "speed": float(speed), "stream": bool(stream) and can_stream,
-                   "seed": None if seed is None or int(seed) < 0 else int(seed)}
+    def generate(
+        text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed, seed, stream
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        payload = {
+            "text": text,
+            "mode": mode if len(pipeline.modes) > 1 else "",
+            "prompt_text": prompt_text or "",
+            "instruct_text": instruct_text or "",
+            "speaker": speaker or "",
+            "speed": float(speed),
+            "stream": bool(stream) and can_stream,
+            "seed": None if seed is None or int(seed) < 0 else int(seed),
+        }
         job = None
         try:
             job = pipeline.prepare(payload, read_upload(prompt_audio))
@@ -74,18 +84,20 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int) -> Any:
 
     with gr.Blocks(title="cosyvoice-lb", delete_cache=(3600, 3600)) as ui:
         gr.Markdown(f"## Text to speech\nEngine `{engine.name}` · instance on port {port}")
-        text = gr.Textbox(label="Text", lines=4, max_length=limits.max_chars,
-                          placeholder="Type what to say (English or 中文)")
-        mode = gr.Radio([(MODE_LABELS[m], m) for m in modes], value=modes[0], label="Mode",
-                        visible=len(modes) > 1)
+        text = gr.Textbox(
+            label="Text", lines=4, max_length=limits.max_chars, placeholder="Type what to say (English or 中文)"
+        )
+        mode = gr.Radio([(MODE_LABELS[m], m) for m in modes], value=modes[0], label="Mode", visible=len(modes) > 1)
         with gr.Row(visible=cloning):
-            prompt_audio = gr.Audio(label=f"Prompt audio (3-{limits.max_prompt_seconds:g} s, 16 kHz or more)",
-                                    type="filepath", sources=["upload", "microphone"])
+            prompt_audio = gr.Audio(
+                label=f"Prompt audio (3-{limits.max_prompt_seconds:g} s, 16 kHz or more)",
+                type="filepath",
+                sources=["upload", "microphone"],
+            )
             with gr.Column():
                 prompt_text = gr.Textbox(label="Prompt transcript (zero-shot: exactly what the prompt says)")
                 instruct_text = gr.Textbox(label="Instruction (instruct mode, e.g. 'Speak slowly and warmly')")
-        speaker = gr.Dropdown(engine.speakers(), value=None, label="Built-in speaker",
-                              visible=bool(engine.speakers()))
+        speaker = gr.Dropdown(engine.speakers(), value=None, label="Built-in speaker", visible=bool(engine.speakers()))
         with gr.Row():
             speed = gr.Slider(MIN_SPEED, MAX_SPEED, value=1.0, step=0.1, label="Speed (not with streaming)")
             seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)")
@@ -93,9 +105,14 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int) -> Any:
         button = gr.Button("Generate", variant="primary")
         audio = gr.Audio(label="Speech", type="numpy", interactive=False, streaming=can_stream, autoplay=False)
         if cloning:
-            button.click(generate, inputs=[text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed,
-                                           seed, stream], outputs=audio, api_name="generate")
+            button.click(
+                generate,
+                inputs=[text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed, seed, stream],
+                outputs=audio,
+                api_name="generate",
+            )
         else:  # API callers of a non-cloning engine pass only what it uses: generate(text, speed, seed, stream)
+
             def speak(text, speed, seed, stream):
                 yield from generate(text, modes[0], None, "", "", None, speed, seed, stream)
 
@@ -105,8 +122,10 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int) -> Any:
             """At each page load: what the loaded model offers (built-in speakers are only
             known once it is loaded)."""
             now = pipeline.modes
-            return (gr.update(choices=[(MODE_LABELS[m], m) for m in now], value=now[0], visible=len(now) > 1),
-                    gr.update(choices=engine.speakers(), visible=bool(engine.speakers())))
+            return (
+                gr.update(choices=[(MODE_LABELS[m], m) for m in now], value=now[0], visible=len(now) > 1),
+                gr.update(choices=engine.speakers(), visible=bool(engine.speakers())),
+            )
 
         ui.load(refresh, outputs=[mode, speaker], api_name=False)
 

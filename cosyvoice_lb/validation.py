@@ -40,8 +40,10 @@ def check_text(text: Any, max_chars: int, name: str = "text", required: bool = T
     if required and not text.strip():
         raise BadRequest(f'"{name}" is empty: send some text')
     if len(text) > max_chars:
-        raise BadRequest(f'"{name}" has {len(text)} characters, more than the limit of {max_chars}: '
-                         "split it into shorter requests", status=413)
+        raise BadRequest(
+            f'"{name}" has {len(text)} characters, more than the limit of {max_chars}: split it into shorter requests',
+            status=413,
+        )
     return text
 
 
@@ -61,16 +63,19 @@ def check_seed(seed: Any) -> int | None:
     return seed
 
 
-def make_request(payload: dict, limits: Limits, modes: tuple[str, ...], speakers: list[str],
-                 has_prompt: bool) -> SynthesisRequest:
+def make_request(
+    payload: dict, limits: Limits, modes: tuple[str, ...], speakers: list[str], has_prompt: bool
+) -> SynthesisRequest:
     """Validate one request (already decoded: JSON or form) against what the engine offers.
 
     ``has_prompt``: prompt audio came with it. Raises :class:`BadRequest`.
     """
     unknown = sorted(set(payload) - set(FIELDS))
     if unknown:
-        raise BadRequest(f"unknown field(s) {', '.join(unknown)}: accepted fields are {', '.join(FIELDS)}"
-                         " (and the file prompt_audio in a multipart form)")
+        raise BadRequest(
+            f"unknown field(s) {', '.join(unknown)}: accepted fields are {', '.join(FIELDS)}"
+            " (and the file prompt_audio in a multipart form)"
+        )
     text = check_text(payload.get("text"), limits.max_chars)
     speed = check_speed(payload.get("speed", 1.0))
     stream = payload.get("stream", False)
@@ -82,9 +87,9 @@ def make_request(payload: dict, limits: Limits, modes: tuple[str, ...], speakers
     if not isinstance(mode, str):
         raise BadRequest(f'"mode" must be a string, one of {", ".join(MODES)}')
     if mode and mode not in MODES:
-        raise BadRequest(f'unknown mode {mode!r}: choose one of {", ".join(MODES)}')
+        raise BadRequest(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if mode and mode not in modes:
-        raise BadRequest(f'mode {mode} is not available with this model: choose one of {", ".join(modes)}')
+        raise BadRequest(f"mode {mode} is not available with this model: choose one of {', '.join(modes)}")
     effective = mode or modes[0]
     prompt_text = check_text(payload.get("prompt_text", ""), limits.max_chars, "prompt_text", required=False)
     instruct_text = check_text(payload.get("instruct_text", ""), limits.max_chars, "instruct_text", required=False)
@@ -92,17 +97,29 @@ def make_request(payload: dict, limits: Limits, modes: tuple[str, ...], speakers
     if not isinstance(speaker, str):
         raise BadRequest('"speaker" must be a string')
     if speaker and speaker not in speakers:
-        raise BadRequest(f'unknown speaker {speaker!r}: choose one of {", ".join(speakers) or "(none: this model has no built-in speakers)"}')
+        raise BadRequest(
+            f"unknown speaker {speaker!r}: choose one of {', '.join(speakers) or '(none: this model has no built-in speakers)'}"
+        )
     needs_prompt = effective in ("zero_shot", "cross_lingual") or (effective == "instruct" and not speakers)
     if mode and needs_prompt and not has_prompt:
-        raise BadRequest(f"mode {mode} needs prompt_audio: send a multipart form with the file prompt_audio "
-                         "(3-15 s of the voice to clone)")
+        raise BadRequest(
+            f"mode {mode} needs prompt_audio: send a multipart form with the file prompt_audio "
+            "(3-15 s of the voice to clone)"
+        )
     if effective == "zero_shot" and (mode or has_prompt) and not prompt_text.strip():
         raise BadRequest("mode zero_shot needs prompt_text: the exact transcript of prompt_audio")
     if effective == "instruct" and not instruct_text.strip():
         raise BadRequest('mode instruct needs instruct_text, e.g. "Speak slowly and warmly"')
-    return SynthesisRequest(text=text, speed=speed, mode=mode, prompt_text=prompt_text, instruct_text=instruct_text,
-                            speaker=speaker, seed=check_seed(payload.get("seed")), stream=stream)
+    return SynthesisRequest(
+        text=text,
+        speed=speed,
+        mode=mode,
+        prompt_text=prompt_text,
+        instruct_text=instruct_text,
+        speaker=speaker,
+        seed=check_seed(payload.get("seed")),
+        stream=stream,
+    )
 
 
 def form_payload(form: dict[str, str]) -> dict:

@@ -70,8 +70,14 @@ def v2_prompt(mode: str, text: str, prompt_text: str, instruct_text: str) -> tup
 class CosyVoiceEngine:
     name = "cosyvoice3"
 
-    def __init__(self, model_dir: str = "", cosyvoice_root: str = "", load_trt: bool = False,
-                 load_vllm: bool = False, fp16: bool = False):
+    def __init__(
+        self,
+        model_dir: str = "",
+        cosyvoice_root: str = "",
+        load_trt: bool = False,
+        load_vllm: bool = False,
+        fp16: bool = False,
+    ):
         if not model_dir:
             raise EngineError("the cosyvoice3 engine needs --model-dir")
         self.model_dir = model_dir
@@ -108,8 +114,10 @@ class CosyVoiceEngine:
         try:
             from cosyvoice.cli.cosyvoice import AutoModel
         except ImportError as exc:
-            raise EngineError(f"cannot import upstream CosyVoice ({exc}): pass --cosyvoice-root with the "
-                              "checkout that holds cosyvoice/ and third_party/Matcha-TTS") from None
+            raise EngineError(
+                f"cannot import upstream CosyVoice ({exc}): pass --cosyvoice-root with the "
+                "checkout that holds cosyvoice/ and third_party/Matcha-TTS"
+            ) from None
         kwargs: dict[str, object] = {"model_dir": self.model_dir}
         cls_name = {3: "CosyVoice3", 2: "CosyVoice2", 1: "CosyVoice"}[self.version]
         cls = getattr(sys.modules["cosyvoice.cli.cosyvoice"], cls_name, None)
@@ -121,8 +129,9 @@ class CosyVoiceEngine:
                 kwargs[flag] = value
         if self.flags["load_vllm"] and "load_vllm" in accepted:
             register_vllm()
-        log.info("loading %s from %s (%s)", cls_name, self.model_dir,
-                 ", ".join(f"{k}={v}" for k, v in self.flags.items()))
+        log.info(
+            "loading %s from %s (%s)", cls_name, self.model_dir, ", ".join(f"{k}={v}" for k, v in self.flags.items())
+        )
         model = self.model = AutoModel(**kwargs)
         self.sample_rate = int(model.sample_rate)
         self.modes = self._modes(self.speakers())
@@ -187,8 +196,10 @@ def register_vllm() -> None:
         from cosyvoice.vllm.cosyvoice2 import CosyVoice2ForCausalLM
         from vllm import ModelRegistry
     except ImportError as exc:
-        raise EngineError(f"--load-vllm needs vllm in the instances' Python ({exc}): pip install vllm "
-                          "(the version upstream's README names)") from None
+        raise EngineError(
+            f"--load-vllm needs vllm in the instances' Python ({exc}): pip install vllm "
+            "(the version upstream's README names)"
+        ) from None
     ModelRegistry.register_model("CosyVoice2ForCausalLM", CosyVoice2ForCausalLM)
 
 

@@ -25,7 +25,7 @@ SAMPLE_RATE = 22050
 _CJK = r"\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
 _RUNS = re.compile(rf"[{_CJK}]+|[^{_CJK}]+")
 _HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
-_CJK_PUNCT = str.maketrans("，。！？；：、（）《》“”‘’「」【】…—", ",.!?;:,()\"\"\"\"''\"\"[]. ")
+_CJK_PUNCT = str.maketrans("，。！？；：、（）《》“”‘’「」【】…—", ',.!?;:,()""""\'\'""[]. ')
 
 
 def split_runs(text: str) -> list[tuple[str, str]]:
@@ -58,9 +58,7 @@ class EspeakEngine:
     def load(self) -> None:
         path = shutil.which(self.binary)
         if path is None:
-            raise EngineError(
-                f"{self.binary} not found: install it (Debian/Ubuntu: apt-get install espeak-ng)"
-            )
+            raise EngineError(f"{self.binary} not found: install it (Debian/Ubuntu: apt-get install espeak-ng)")
         self.binary = path
         # One real synthesis proves the voices and pinyin data are there.
         for voice, text in split_runs("ready 准备"):
@@ -77,8 +75,11 @@ class EspeakEngine:
         try:
             done = subprocess.run(
                 [self.binary, "-b", "1", "--stdout", "-v", voice, "-s", str(wpm)],
-                input=text.encode("utf-8"), capture_output=True, timeout=self.timeout,
-                start_new_session=True, check=False,
+                input=text.encode("utf-8"),
+                capture_output=True,
+                timeout=self.timeout,
+                start_new_session=True,
+                check=False,
             )
         except subprocess.TimeoutExpired as exc:
             raise EngineError(f"espeak-ng took longer than {self.timeout:.0f}s") from exc
