@@ -233,6 +233,9 @@ def status_command(state_dir: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(current.as_dict(), indent=2))
         sys.exit(current.exit_code)
+    if current.unanswered:  # there, but not answering: say what was asked and how it failed
+        click.echo("\n".join(current.problems))
+        sys.exit(current.exit_code)
     if not current.running:
         click.echo(f"not running ({layout_for(state_dir).root})")
         for problem in current.problems[1:]:

@@ -263,3 +263,9 @@ def track_to_dict(track: Track) -> dict:
     values = dataclasses.asdict(track)
     values["drain_signal"] = track.drain_signal.value if track.drain_signal else ""
     return values
+
+
+if __name__ == "__main__":  # the loop's module of earlier versions: clusters they rendered still run it
+    from .health_loop import main
+
+    main()

@@ -62,7 +62,7 @@ def up(settings: Settings, on_progress: Report = lambda p: None) -> ClusterStatu
     """Start the cluster, or bring a running one to these settings; wait until all ready."""
     layout = layout_for(settings)
     check_tools(settings)
-    supervisor = Supervisor(layout)
+    supervisor = Supervisor(layout, wait_timeout=Timeouts(settings).supervisor_wait)
     previous = recorded(layout) if supervisor.running() else None
     if previous is None:
         current = _start(settings, layout, supervisor, on_progress)
@@ -118,9 +118,14 @@ def _update(
     if changed:
         added, groups_changed, removed = supervisor.reload()
         # The health loop reads its slots at start; it re-publishes the rotation at once.
-        supervisor.stop("health")
+        # (Its program changed, e.g. its command: supervisord takes the new one with the group.)
         restarted = time.time()
-        supervisor.start("health", wait=True)  # it must be there to drain the instances replaced below
+        if "health" in groups_changed:
+            supervisor.remove_group("health")
+            supervisor.add_group("health")
+        else:
+            supervisor.stop("health")
+            supervisor.start("health", wait=True)  # it must be there to drain the instances replaced below
         loop_reported(layout, settings, restarted)
         for name in removed:
             supervisor.remove_group(name)
@@ -156,8 +161,8 @@ def restart(
     drained restart: out of nginx's rotation first, stopped once their requests are done.
     ``rolling``: one at a time, each serving again before the next goes; otherwise all at
     once (an outage while they load)."""
-    supervisor = Supervisor(layout)
     record = recorded(layout)
+    supervisor = Supervisor(layout, wait_timeout=Timeouts(record[0] if record else Settings()).supervisor_wait)
     if not supervisor.running() or record is None:
         raise ClusterError(f"no cluster runs in {layout.root}: start it with 'cosyvoice-lb up'")
     settings, slots = record

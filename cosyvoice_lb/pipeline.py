@@ -236,10 +236,12 @@ class Pipeline:
             outcome = False
             raise
         finally:
-            close = getattr(made, "close", None)
-            if close is not None:
-                close()  # the engine's generator lets go of what it holds
-            ticket.release(outcome if count else None)
+            try:
+                close = getattr(made, "close", None)
+                if close is not None:
+                    close()  # the engine's generator lets go of what it holds
+            finally:
+                ticket.release(outcome if count else None)
 
     def synthesize(
         self, job: Job, *, bounded: bool = False, deadline: float | None = None, count: bool = True

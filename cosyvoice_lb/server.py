@@ -162,6 +162,7 @@ class SynthesisStream(Response):
                 except Exception as exc:  # the status is sent already: end the stream, keep the instance
                     failure = describe(exc)
                     log.log(failure.level if failure else logging.ERROR, "streaming synthesis failed: %s", exc)
+                    complete = True  # what it made is kept, as any result
                     break
                 if data is None:
                     complete = not self.cancelled.is_set()
@@ -239,7 +240,11 @@ def build_app(pipeline: Pipeline, engine_name: str = "", port: int = 0, started:
                     if first is None:
                         raise NoAudio()
                 except BaseException:
-                    chunks.close()  # type: ignore[attr-defined]
+                    cancelled.set()  # a synthesis still in its worker (timed out) stops at its next chunk
+                    try:
+                        chunks.close()  # type: ignore[attr-defined]
+                    except ValueError:  # still running in that worker: it releases its slot itself
+                        pass
                     raise
                 streamed, job = job, None  # the stream finishes it
                 return SynthesisStream(pipeline, streamed, first, chunks, cancelled, headers)

@@ -398,12 +398,20 @@ def instance_parser(description: str) -> argparse.ArgumentParser:
                 metavar=meta["metavar"],
                 help=meta["help"],
             )
+    # Sizes in MiB, as instances of earlier versions were started with: an instance that
+    # supervisord restarts from such a config while `up` rolls out new code still starts.
+    for old, name in (("--max-upload-mib", "max_upload"), ("--outputs-max-mib", "outputs_max_size")):
+        parser.add_argument(old, dest=f"{name}_mib", type=float, default=None, help=argparse.SUPPRESS)
     return parser
 
 
 def parse_instance_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     """An instance's settings from its command line, and the namespace (port, host, starts file)."""
     args = instance_parser("One cosyvoice-lb instance (run by supervisord).").parse_args(argv)
+    for name in ("max_upload", "outputs_max_size"):
+        mib = getattr(args, f"{name}_mib")
+        if mib is not None:
+            setattr(args, name, f"{mib:g}MiB")
     names = {f.name for f in declarations() if f.metadata["instance"]}
     return Settings.from_mapping({k: v for k, v in vars(args).items() if k in names}), args
 

@@ -56,6 +56,8 @@ class ClusterStatus:
 
     @property
     def exit_code(self) -> int:
+        if self.unanswered:  # it runs, but its supervisord does not answer: a problem, not "not running"
+            return 1
         if not self.running:
             return 3
         return 1 if self.problems else 0

@@ -22,7 +22,7 @@ from typing import Any
 from supervisor.xmlrpc import SupervisorTransport
 
 from .layout import Layout
-from .timeouts import SUPERVISOR_CALL
+from .timeouts import SUPERVISOR_CALL, SUPERVISOR_WAIT
 
 # What a call to supervisord can raise: faults, protocol errors, and the socket's errors
 # (a timeout is an OSError; so is a refused or missing socket).
@@ -77,14 +77,16 @@ class ProcessInfo:
 class Supervisor:
     """One cluster's supervisord, addressed through the socket in its state dir."""
 
-    def __init__(self, layout: Layout, timeout: float = SUPERVISOR_CALL):
+    def __init__(self, layout: Layout, timeout: float = SUPERVISOR_CALL, wait_timeout: float = SUPERVISOR_WAIT):
         self.layout = layout
-        self.timeout = timeout
+        self.timeout = timeout  # a call that answers at once
+        self.wait_timeout = wait_timeout  # a start or stop that answers once the process got there
 
-    def _rpc(self, method: str, *args: Any, harmless: str = "") -> Any:
-        """One XML-RPC call; a fault naming ``harmless`` (already in that state) is fine."""
+    def _rpc(self, method: str, *args: Any, harmless: str = "", waits: bool = False) -> Any:
+        """One XML-RPC call; a fault naming ``harmless`` (already in that state) is fine.
+        ``waits``: supervisord answers only once a process started or stopped."""
         transport = SupervisorTransport(None, None, f"unix://{self.layout.socket}")
-        path, timeout = str(self.layout.socket), self.timeout
+        path, timeout = str(self.layout.socket), self.wait_timeout if waits else self.timeout
         transport._get_connection = lambda: TimedUnixConnection(path, timeout)
         proxy = xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
         try:
@@ -97,8 +99,7 @@ class Supervisor:
             ) from None
         except TimeoutError:
             raise SupervisionError(
-                f"supervisord did not answer {method} within {self.timeout:g}s on "
-                f"{self.layout.socket} (busy or stopped?)",
+                f"supervisord did not answer {method} within {timeout:g}s on {self.layout.socket} (busy or stopped?)",
                 timed_out=True,
             ) from None
         except RPC_ERRORS as exc:
@@ -171,10 +172,10 @@ class Supervisor:
         self._rpc("signalProcess", name, signal)
 
     def start(self, name: str, wait: bool = False) -> None:
-        self._rpc("startProcess", name, wait, harmless="ALREADY_STARTED")
+        self._rpc("startProcess", name, wait, harmless="ALREADY_STARTED", waits=wait)
 
     def stop(self, name: str, wait: bool = True) -> None:
-        self._rpc("stopProcess", name, wait, harmless="NOT_RUNNING")
+        self._rpc("stopProcess", name, wait, harmless="NOT_RUNNING", waits=wait)
 
     def tail(self, name: str, length: int = 4000) -> str:
         """The last ``length`` bytes of a program's log, read from the file itself."""
@@ -194,7 +195,7 @@ class Supervisor:
         self._rpc("removeProcessGroup", name, harmless="BAD_NAME")
 
     def stop_group(self, name: str) -> None:
-        self._rpc("stopProcessGroup", name, True, harmless="BAD_NAME")
+        self._rpc("stopProcessGroup", name, True, harmless="BAD_NAME", waits=True)
 
     def shutdown(self) -> None:
         self._rpc("shutdown")

@@ -16,6 +16,10 @@ from .settings import Settings
 # A launcher call to supervisord over its socket. supervisord answers from one event loop:
 # a few seconds is already a supervisord that is stuck (stopped, swapping), not a busy one.
 SUPERVISOR_CALL = 10.0
+# A call that waits until a process started or stopped (supervisord answers then): a stop
+# waits up to the program's stopwaitsecs, then supervisord KILLs it. The launcher passes
+# Timeouts.supervisor_wait for its cluster; this is the bound where no settings are known.
+SUPERVISOR_WAIT = 120.0
 # The health loop and `status` ask more often and must not stall on one slow answer.
 SUPERVISOR_POLL = 5.0
 # How long `up` tolerates a supervisord that does not answer at all before it gives up and
@@ -62,6 +66,13 @@ class Timeouts:
         """stopwaitsecs: an instance drains for up to --drain-timeout, then needs a moment to
         exit; only after both does supervisord KILL it."""
         return int(self.settings.drain_timeout + 5)
+
+    @property
+    def supervisor_wait(self) -> float:
+        """How long the launcher waits for supervisord to answer a stop that waits: the
+        longest stopwaitsecs of the cluster's programs (an instance's, or nginx's 15 s), then
+        supervisord's KILL and the exit, with 30 s to spare."""
+        return max(self.supervisord_stop_wait, 15) + 30.0
 
     @property
     def loop_answer(self) -> float:

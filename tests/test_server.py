@@ -496,3 +496,18 @@ def test_an_instance_drained_during_its_warm_up_never_turns_ready():
     assert p.admission.phase == "draining" and not snap(p).ready
     with TestClient(app(p)) as c:
         assert c.get("/ping").status_code == 503 and c.get("/ping").json()["state"] == "draining"
+
+
+def test_a_stream_whose_first_chunk_never_comes_is_a_504_not_a_500():
+    engine = Blocking()
+    p = pipeline(engine, port=7876, request_timeout=1.0)
+    try:
+        with TestClient(app(p), raise_server_exceptions=False) as c:
+            r = c.post("/v1/tts", json={"text": "stuck", "stream": True})
+            assert r.status_code == 504 and "no answer within the request timeout" in r.json()["error"]["message"]
+    finally:
+        engine.release.set()
+    deadline = time.monotonic() + 5
+    while snap(p).inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert snap(p).inflight == 0  # the synthesis let go of its slot once the engine came back

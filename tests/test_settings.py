@@ -96,3 +96,8 @@ def test_derived_timeouts_keep_their_margins():
 def test_settings_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Settings().port = 1  # type: ignore[misc]
+
+
+def test_an_instance_started_with_an_earlier_version_s_flags_still_starts():
+    parsed, _ = parse_instance_args(["--port", "7860", "--max-upload-mib", "10", "--outputs-max-mib", "2048"])
+    assert (parsed.max_upload, parsed.outputs_max_size) == ("10MiB", "2048MiB")

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,14 @@ def test_instances_run_in_upstreams_environment(upstream_python, state_dir):
         r = requests.post(url + "/v1/tts", data={"text": "你好", "mode": "zero_shot", "prompt_text": "希望"},
                           files={"prompt_audio": ("p.wav", prompt, "audio/wav")}, timeout=60)
         assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+        # a stream through this env's starlette/uvicorn: chunked WAV, the engine slot free after
+        streamed = requests.post(url + "/v1/tts", json={"text": "Hello there.", "stream": True}, timeout=60)
+        assert streamed.status_code == 200 and streamed.headers["content-type"] == "audio/wav"
+        assert streamed.content[:4] == b"RIFF" and len(streamed.content) > 1000
+        deadline = time.monotonic() + 5
+        while requests.get(url + "/ping", timeout=10).json()["inflight"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert requests.get(url + "/ping", timeout=10).json()["inflight"] == 0
         bad = requests.post(url + "/v1/tts", json={"text": ""}, timeout=30)
         assert bad.status_code == 400 and "empty" in bad.json()["error"]["message"]
         assert requests.get(url + "/", timeout=30).status_code == 200
