@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import requests
 import soundfile
+from conftest import free_port_block
 from fastapi.testclient import TestClient
 
+from cosyvoice_lb.admission import Admission, Overloaded
 from cosyvoice_lb.engines import SynthesisRequest
 from cosyvoice_lb.engines.espeak import EspeakEngine
-from conftest import free_port_block
-from cosyvoice_lb.admission import Admission, Overloaded
 from cosyvoice_lb.pipeline import Job, Pipeline
 from cosyvoice_lb.server import build_app
 from cosyvoice_lb.validation import Limits
