@@ -383,3 +383,29 @@ def test_a_restarted_loop_picks_up_its_tracks_from_health_json(make_rig):
         assert again.tracks[A].drain_signal is DrainAction.TERM and again.tracks[A].draining_since
     finally:
         again.pool.shutdown()
+
+
+def test_a_reload_supervisord_refused_is_tried_again_next_step(make_rig):
+    """Otherwise nginx kept the old rotation (sending requests to an instance being killed)
+    until the rotation changed again."""
+    rig = make_rig()
+    rig.sup.refuse.add("signal")
+    rig.prober.set(A, REFUSED)
+    rig.step(2)  # --fail-threshold 2: out, and killed at once
+    assert rig.down() == {A} and rig.sup.calls.count(HUP) == 1
+    rig.sup.refuse.clear()
+    rig.step()
+    assert rig.sup.calls.count(HUP) == 2  # the reload again, now taken
+    rig.step()
+    assert rig.sup.calls.count(HUP) == 2  # and only until it was taken
+
+
+def test_a_drain_asked_in_the_step_that_restarts_it_anyway_counts_one_restart(make_rig):
+    rig = make_rig()
+    rig.prober.set(A, REFUSED)
+    rig.step()  # one failed probe
+    protocol.ask_drain(rig.layout, A, DrainAction.TERM)  # `cosyvoice-lb restart instance-0`
+    rig.step()  # the second: restarted now
+    assert rig.track(A).restarts == 1
+    assert [c for c in rig.sup.calls if c[0] == "signal" and c[1] == A] == [("signal", A, "KILL")]
+    assert not protocol.drain_pending(rig.layout, A)  # answered: it is being restarted
