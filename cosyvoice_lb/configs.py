@@ -107,17 +107,7 @@ def render_only(settings: Settings) -> tuple[Plan, Layout, list[Path]]:
 
 def check_nginx(settings: Settings, layout: Layout) -> None:
     done = subprocess.run(
-        [
-            find_nginx(settings.nginx),
-            "-t",
-            "-q",
-            "-p",
-            str(layout.nginx_dir),
-            "-c",
-            str(layout.nginx_conf),
-            "-e",
-            str(layout.log("nginx-error")),
-        ],
+        [find_nginx(settings.nginx), "-t", "-q", *layout.nginx_args()],
         capture_output=True,
         text=True,
         check=False,

@@ -96,6 +96,10 @@ class Layout:
         (see ``protocol``)."""
         return self.run / f"{name}.restart"
 
+    def nginx_args(self) -> list[str]:
+        """How nginx is pointed at this cluster's prefix, config and error log."""
+        return ["-p", str(self.nginx_dir), "-c", str(self.nginx_conf), "-e", str(self.log("nginx-error"))]
+
     def relative(self, path: Path) -> str:
         return str(path.relative_to(self.root))
 

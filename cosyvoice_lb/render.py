@@ -176,17 +176,7 @@ def render(
         health_command=shlex.join(
             [programs.launcher_python, "-m", "cosyvoice_lb.health_loop", "--state-dir", str(layout.root)]
         ),
-        nginx_command=shlex.join(
-            [
-                programs.nginx,
-                "-p",
-                str(layout.nginx_dir),
-                "-c",
-                str(layout.nginx_conf),
-                "-e",
-                str(layout.log("nginx-error")),
-            ]
-        ),
+        nginx_command=shlex.join([programs.nginx, *layout.nginx_args()]),
     )
     return {
         layout.relative(layout.supervisord_conf): env.get_template("supervisord.conf.j2").render(**context),
