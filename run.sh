@@ -87,6 +87,8 @@ case "$command" in
         ;;
     *)
         export COSYVOICE_LB_STATE_DIR="${COSYVOICE_LB_STATE_DIR:-$HERE}"
+        # what `up` prints as the way to run the next command (the venv is not on PATH)
+        export COSYVOICE_LB_INVOKED_AS="${COSYVOICE_LB_INVOKED_AS:-$0}"
         exec "$VENV/bin/cosyvoice-lb" "$command" "$@"
         ;;
 esac

@@ -49,7 +49,9 @@ def read_prompt(data: bytes, max_seconds: float) -> Prompt:
         limit = int(max_seconds * info.samplerate) + 1
         audio, rate = soundfile.read(io.BytesIO(data), frames=limit, dtype="float32", always_2d=True)
     except (RuntimeError, soundfile.LibsndfileError, TypeError, ValueError) as exc:
-        raise PromptError(f"prompt_audio is not audio this server can read ({exc}): upload {FORMATS}") from None
+        # (libsndfile names the in-memory file it was handed: keep only its reason)
+        reason = str(exc).rsplit(": ", 1)[-1] if "<_io." in str(exc) else str(exc)
+        raise PromptError(f"prompt_audio is not audio this server can read ({reason}): upload {FORMATS}") from None
     total_seconds = info.frames / info.samplerate if info.frames > 0 else audio.shape[0] / rate
     if audio.size == 0:
         raise PromptError("prompt_audio has no samples: upload a recording of 3 s or more")

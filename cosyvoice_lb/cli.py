@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -181,7 +183,9 @@ def up_command(**kwargs: Any) -> None:
         + (f", {len(failed)} failed" if failed else "")
     )
     click.echo(f"  UI and API: {current.url}/   (API: POST {current.url}/v1/tts, health: {current.url}/ping)")
-    click.echo(f"  state: {layout.root}   stop with: cosyvoice-lb down --state-dir {layout.root}")
+    click.echo(f"  reachable: {reach(settings.host, settings.port)}")
+    prog = invoked_as()
+    click.echo(f"  state: {layout.root}   stop with: {prog} down --state-dir {shlex.quote(str(layout.root))}")
     if failed:
         for line in current.report:
             click.echo(line, err=True)
@@ -190,6 +194,30 @@ def up_command(**kwargs: Any) -> None:
             f"then 'cosyvoice-lb restart {' '.join(i.name for i in failed)} --state-dir {layout.root}'",
             code=1,
         )
+
+
+def invoked_as() -> str:
+    """How to run this command again, as typed: run.sh says so (the venv's cosyvoice-lb is
+    not on PATH then); else the name on PATH, the script's path, or the module."""
+    given = os.environ.get("COSYVOICE_LB_INVOKED_AS", "")
+    if given:
+        return given
+    script = sys.argv[0]
+    if os.path.basename(script) == "cosyvoice-lb":
+        on_path = shutil.which("cosyvoice-lb")
+        if on_path and os.path.realpath(on_path) == os.path.realpath(script):
+            return "cosyvoice-lb"
+        return shlex.quote(script)
+    return f"{shlex.quote(sys.executable)} -m cosyvoice_lb.cli"
+
+
+def reach(host: str, port: int) -> str:
+    """Who can reach the service, from the address nginx listens on."""
+    if host in ("0.0.0.0", "::", "[::]", "*", ""):
+        return f"from other machines too: nginx listens on every address of this box, port {port}"
+    if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        return "from this box only (loopback)"
+    return f"on {host}:{port} only"
 
 
 def line_reporter(started: float) -> Callable[[lifecycle.Progress], None]:

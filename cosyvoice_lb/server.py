@@ -67,6 +67,8 @@ def ping_body(snapshot: Snapshot, engine: str, port: int, started: float) -> dic
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    # (a message that quotes client input must still encode: lone surrogates are escaped)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse({"error": {"message": message, "status": status}}, status_code=status, headers=headers)
 
 
@@ -105,6 +107,8 @@ async def read_request(request: Request, limits: Limits) -> tuple[dict, bytes | 
         payload = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f'the body is not valid JSON ({exc}): POST JSON like {{"text": "Hello"}}') from None
+    except RecursionError:
+        raise BadRequest('the JSON is nested too deeply: POST a flat object like {"text": "Hello"}') from None
     if not isinstance(payload, dict):
         raise BadRequest('the body must be a JSON object, e.g. {"text": "Hello", "speed": 1.0}')
     return payload, None

@@ -30,6 +30,14 @@ class Limits:
     max_upload_bytes: int = 10 * 1024 * 1024
 
 
+def safe(value: Any, limit: int = 60) -> str:
+    """A client's value quoted into a message: printable, UTF-8-safe, and short."""
+    text = value if isinstance(value, str) else repr(value)
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def check_text(text: Any, max_chars: int, name: str = "text", required: bool = True) -> str:
     if text is None or (text == "" and not required):
         if required:
@@ -37,6 +45,14 @@ def check_text(text: Any, max_chars: int, name: str = "text", required: bool = T
         return ""
     if not isinstance(text, str):
         raise BadRequest(f'"{name}" must be a string, not {type(text).__name__}')
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON can carry a lone UTF-16 surrogate ("\ud800"); UTF-8 cannot
+        bad = ascii(text[exc.start : exc.end])
+        raise BadRequest(
+            f'"{name}" holds {bad} at character {exc.start}, a lone UTF-16 surrogate that is not '
+            "text: send valid Unicode (a surrogate pair or the character itself)"
+        ) from None
     if required and not text.strip():
         raise BadRequest(f'"{name}" is empty: send some text')
     if len(text) > max_chars:
@@ -73,7 +89,7 @@ def make_request(
     unknown = sorted(set(payload) - set(FIELDS))
     if unknown:
         raise BadRequest(
-            f"unknown field(s) {', '.join(unknown)}: accepted fields are {', '.join(FIELDS)}"
+            f"unknown field(s) {', '.join(safe(name) for name in unknown)}: accepted fields are {', '.join(FIELDS)}"
             " (and the file prompt_audio in a multipart form)"
         )
     text = check_text(payload.get("text"), limits.max_chars)
@@ -85,9 +101,9 @@ def make_request(
         raise BadRequest('"speed" works only without streaming: drop "stream" or use speed 1.0')
     mode = payload.get("mode") or ""
     if not isinstance(mode, str):
-        raise BadRequest(f'"mode" must be a string, one of {", ".join(MODES)}')
+        raise BadRequest(f'"mode" must be a string, one of {", ".join(modes)}')
     if mode and mode not in MODES:
-        raise BadRequest(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+        raise BadRequest(f"unknown mode {safe(mode)!r}: this model offers {', '.join(modes)}")
     if mode and mode not in modes:
         raise BadRequest(f"mode {mode} is not available with this model: choose one of {', '.join(modes)}")
     effective = mode or modes[0]

@@ -49,6 +49,12 @@ def test_bad_prompts_are_refused_with_what_to_do(data, words):
         read_prompt(data, max_seconds=15)
 
 
+def test_a_refusal_names_the_reason_not_an_in_memory_file():
+    with pytest.raises(PromptError) as exc:
+        read_prompt(b"this is not audio at all", max_seconds=15)
+    assert "<_io." not in str(exc.value) and "Format not recognised" in str(exc.value)
+
+
 def test_streaming_header_announces_16_bit_mono_of_unknown_length():
     header = streaming_wav_header(24000)
     assert header[:4] == b"RIFF" and header[8:16] == b"WAVEfmt " and len(header) == 44

@@ -140,3 +140,26 @@ def test_plan_uses_a_calibrated_footprint_and_says_so(state_dir):
     flagged = json.loads(cli("plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--load-trt",
                              "--state-dir", str(state_dir)).stdout)
     assert flagged["footprint_source"] == "default" and len(flagged["slots"]) == 2  # 23 // 9.5: other flags
+
+
+def test_the_command_up_prints_to_run_next_works_as_typed(monkeypatch, tmp_path):
+    from cosyvoice_lb import cli as cli_module
+
+    monkeypatch.setenv("COSYVOICE_LB_INVOKED_AS", "./run.sh")  # what run.sh exports
+    assert cli_module.invoked_as() == "./run.sh"
+    monkeypatch.delenv("COSYVOICE_LB_INVOKED_AS")
+    script = tmp_path / "cosyvoice-lb"  # a venv's script that is not on PATH
+    script.write_text("")
+    monkeypatch.setattr("sys.argv", [str(script), "up"])
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert cli_module.invoked_as() == str(script)
+    monkeypatch.setattr("sys.argv", ["/somewhere/cli.py", "up"])  # python -m cosyvoice_lb.cli
+    assert cli_module.invoked_as().endswith(" -m cosyvoice_lb.cli")
+
+
+def test_up_says_who_can_reach_the_service():
+    from cosyvoice_lb.cli import reach
+
+    assert "other machines" in reach("0.0.0.0", 8080) and "other machines" in reach("::", 8080)
+    assert reach("127.0.0.1", 8080) == "from this box only (loopback)"
+    assert reach("203.0.113.5", 8080) == "on 203.0.113.5:8080 only"

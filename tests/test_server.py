@@ -95,7 +95,12 @@ def test_tts_answers_wav_and_counts_it(client, loaded):
     ('{"text": "hi", "speed": 0.1}', 400, "between 0.5 and 2.0"),
     ('{"text": "hi", "speed": 1e400}', 400, "between 0.5 and 2.0"),
     ('{"text": "hi", "voice": "x"}', 400, "unknown field(s) voice"),
-    ('{"text": "hi", "mode": "karaoke"}', 400, "unknown mode 'karaoke'"),
+    ('{"text": "hi", "mode": "karaoke"}', 400, "unknown mode 'karaoke': this model offers sft"),
+    # what a new user's run hit: each was a 500 before
+    ('{"text": "\\ud800 hi"}', 400, "a lone UTF-16 surrogate"),
+    ('{"text": "\\ud800 hi", "stream": true}', 400, "a lone UTF-16 surrogate"),
+    ('{"text": "hi", "\\ud800": 1}', 400, "unknown field(s) \\ud800"),
+    ("[" * 100_000 + "]" * 100_000, 400, "nested too deeply"),
     ('{"text": "hi", "mode": "zero_shot"}', 400, "not available with this model: choose one of sft"),
     ('{"text": "hi", "seed": -1}', 400, '"seed" must be a whole number'),
     ('{"text": "hi", "seed": 1.5}', 400, '"seed" must be a whole number'),

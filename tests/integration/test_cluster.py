@@ -145,6 +145,9 @@ def test_wrong_methods_paths_and_huge_bodies_get_json_errors_through_nginx(clust
     huge = requests.post(url + "/v1/tts", data=b"x" * (21 * 2**20), headers={"Content-Type": "application/json"},
                          timeout=60)
     assert huge.status_code == 413 and "larger than" in huge.json()["error"]["message"]
+    # a 70 KB header: nginx's own refusal, as JSON too (it was nginx's HTML page)
+    big = requests.post(url + "/v1/tts", json={"text": "hi"}, headers={"X-Padding": "x" * 70_000}, timeout=10)
+    assert big.status_code == 431 and "headers" in big.json()["error"]["message"]
     assert requests.get(url + "/ping", timeout=5).status_code == 200
 
 
