@@ -108,7 +108,6 @@ class Ticket:
     def __init__(self, admission: Admission, key: str):
         self._admission, self._key = admission, key
         self._released = False
-        self.cancelled = threading.Event()
 
     def working(self) -> None:
         self._admission._mark(self._key, self._admission.clock())
