@@ -280,8 +280,12 @@ def down(layout: Layout, timeout: float | None = None) -> list[int]:
             processes.stop(tree, timeout=bound if timeout is None else timeout, term=False)
         except (SupervisionError, psutil.Error):  # it went away (or stopped answering) meanwhile
             pass
-    strays = processes.stray_processes(layout, record[0].port if record else None)
-    if strays:
+    # A supervisord stopped mid-start (SIGSTOP, a hang) may spawn more programs once it is
+    # continued by the TERM below: sweep again until nothing of this cluster is left.
+    for _sweep in range(3):
+        strays = processes.stray_processes(layout, record[0].port if record else None)
+        if not strays:
+            break
         pids += [p.pid for p in strays]
         processes.stop(strays, timeout=10)
     layout.socket.unlink(missing_ok=True)
