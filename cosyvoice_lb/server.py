@@ -41,7 +41,7 @@ from .pipeline import ERRORS, Job, NoAudio, Pipeline, describe
 from .planner import parse_size
 from .settings import Settings, parse_instance_args
 from .timeouts import GRACEFUL_SHUTDOWN
-from .validation import FIELDS, BadRequest, Limits, form_payload
+from .validation import FIELDS, BadRequest, Limits, form_payload, request_schema
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -219,13 +219,34 @@ def build_app(pipeline: Pipeline, engine_name: str = "", port: int = 0, started:
         detail = exc.detail if isinstance(exc.detail, str) else "request refused"
         return error_response(exc.status_code, detail)
 
-    @app.api_route("/ping", methods=["GET", "HEAD"])
+    @app.head("/ping", include_in_schema=False)
+    @app.get("/ping")
     async def ping():
         snapshot = admission.snapshot()
         body = ping_body(snapshot, engine_name or engine.name, port, started)
         return JSONResponse(body, status_code=200 if snapshot.ready else 503)
 
-    @app.post("/v1/tts")
+    schema = request_schema(pipeline.limits.max_chars, pipeline.modes)
+    form_schema = {
+        "type": "object",
+        "properties": {
+            **{k: {"type": "string"} for k in schema["properties"]},
+            "prompt_audio": {"type": "string", "format": "binary", "description": "3-15 s of the voice to clone."},
+        },
+        "required": ["text"],
+    }
+    described = {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": schema},
+                "multipart/form-data": {"schema": form_schema},
+            },
+        },
+        "responses": {"200": {"description": "WAV audio", "content": {"audio/wav": {}}}},
+    }
+
+    @app.post("/v1/tts", openapi_extra=described)
     async def tts(request: Request):
         payload, prompt_data = await read_request(request, pipeline.limits)
         job: Job | None = await asyncio.get_running_loop().run_in_executor(None, pipeline.prepare, payload, prompt_data)
@@ -262,7 +283,7 @@ def build_app(pipeline: Pipeline, engine_name: str = "", port: int = 0, started:
                 pipeline.finish(job)
 
     # Gradio is mounted at "/" and would answer everything else under /v1/ with its own 404.
-    @app.api_route("/v1/tts", methods=["GET", "PUT", "DELETE", "PATCH"])
+    @app.api_route("/v1/tts", methods=["GET", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def tts_wrong_method(request: Request):
         return JSONResponse(
             {
@@ -275,7 +296,7 @@ def build_app(pipeline: Pipeline, engine_name: str = "", port: int = 0, started:
             headers={"Allow": "POST"},
         )
 
-    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def v1_unknown(path: str):
         return error_response(404, f"no endpoint /v1/{path}: the API is POST /v1/tts")
 

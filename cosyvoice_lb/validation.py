@@ -15,6 +15,27 @@ MIN_SPEED, MAX_SPEED = 0.5, 2.0
 FIELDS = ("text", "speed", "mode", "prompt_text", "instruct_text", "speaker", "seed", "stream")
 
 
+def request_schema(max_chars: int, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+    """The JSON body of ``POST /v1/tts`` as a JSON Schema (for the OpenAPI description;
+    :func:`make_request` is what enforces it, with messages that say what to change)."""
+    text = {"type": "string", "minLength": 1, "maxLength": max_chars}
+    return {
+        "type": "object",
+        "required": ["text"],
+        "additionalProperties": False,
+        "properties": {
+            "text": {**text, "description": "What to say."},
+            "speed": {"type": "number", "minimum": MIN_SPEED, "maximum": MAX_SPEED, "default": 1.0},
+            "mode": {"type": "string", "enum": list(modes), "description": "Default: the model's first mode."},
+            "prompt_text": {**text, "minLength": 0, "description": "zero_shot: the transcript of prompt_audio."},
+            "instruct_text": {**text, "minLength": 0, "description": "instruct: how to speak."},
+            "speaker": {"type": "string", "description": "sft: a built-in speaker."},
+            "seed": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
+            "stream": {"type": "boolean", "default": False, "description": "WAV chunks as they are made."},
+        },
+    }
+
+
 class BadRequest(ValueError):
     """Client input that cannot be served; the message tells the client what to change."""
 
