@@ -22,8 +22,9 @@ from rich.table import Table
 
 from . import __version__, calibration, footprint, lifecycle
 from .configs import render_only
+from .credentials import access_of, open_warning
 from .errors import ClusterError
-from .layout import layout_for
+from .layout import Layout, layout_for
 from .planner import PlanError, format_size
 from .render import RenderError
 from .render import warnings as render_warnings
@@ -183,7 +184,9 @@ def up_command(**kwargs: Any) -> None:
         + (f", {len(failed)} failed" if failed else "")
     )
     click.echo(f"  UI and API: {current.url}/   (API: POST {current.url}/v1/tts, health: {current.url}/ping)")
-    click.echo(f"  reachable: {reach(settings.host, settings.port)}")
+    click.echo(f"  reachable: {reach(settings.listen_host, settings.port)}")
+    for line in access_lines(settings, layout, current.url):
+        click.echo(line)
     prog = invoked_as()
     click.echo(f"  state: {layout.root}   stop with: {prog} down --state-dir {shlex.quote(str(layout.root))}")
     if failed:
@@ -194,6 +197,27 @@ def up_command(**kwargs: Any) -> None:
             f"then 'cosyvoice-lb restart {' '.join(i.name for i in failed)} --state-dir {layout.root}'",
             code=1,
         )
+
+
+def access_lines(settings: Settings, layout: Layout, url: str) -> list[str]:
+    """Who may get in, and how (the token itself is never printed: it would land in logs)."""
+    access = access_of(settings, layout)
+    if not access.required:
+        warning = open_warning(settings)
+        return [warning] if warning else ["  credentials: none needed (only this box can reach it)"]
+    lines = []
+    if access.generated is not None:
+        token = shlex.quote(str(access.generated))
+        lines += [
+            f"  credentials: an API token, generated into {access.generated} (readable by you only)",
+            f'  use it: curl -H "Authorization: Bearer $(tail -n1 {token})" -H "Content-Type: application/json" '
+            f'-d \'{{"text": "Hello"}}\' {url}/v1/tts -o hello.wav',
+        ]
+    else:
+        lines.append(f"  credentials: the API tokens in {settings.api_token_file} (Authorization: Bearer TOKEN)")
+    who = f"a user of {settings.ui_auth} or an API token" if settings.ui_auth else "an API token as the password"
+    lines.append(f"  browsers: log in at {url}/login with {who}")
+    return lines
 
 
 def invoked_as() -> str:
@@ -289,6 +313,8 @@ def status_command(state_dir: str, as_json: bool) -> None:
         info = getattr(current, name)
         table.add_row(name, str(info.get("port", "")), "", str(info["pid"]), info["state"], "", "", "", "", "")
     out.print(table)
+    for line in current.warnings:
+        click.echo(line)
     for line in current.report:
         click.echo(line)
     click.echo("ok" if current.exit_code == 0 else "problems: " + "; ".join(current.problems))

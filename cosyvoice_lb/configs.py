@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .credentials import write_policy
 from .errors import ClusterError
 from .files import write_atomic
 from .footprint import make_plan
@@ -82,6 +83,7 @@ def render_to_disk(
             write_atomic(trial.root / relative, text)
         check_nginx(settings, trial)
     make_dirs(layout)
+    write_policy(settings, layout)  # before the instances that read it (re)start
     changed = []
     staged = {layout.relative(layout.instance_lib / name): text for name, text in instance_files().items()}
     for relative, text in {**files, **staged}.items():

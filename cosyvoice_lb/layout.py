@@ -84,6 +84,16 @@ class Layout:
         return self.root / "outputs"
 
     @property
+    def access_policy(self) -> Path:
+        """Token digests, UI users and the session secret every instance reads (0600)."""
+        return self.run / "access.json"
+
+    @property
+    def api_token(self) -> Path:
+        """The API token `up` generates when the service is public and none was given (0600)."""
+        return self.root / "api-token"
+
+    @property
     def footprint_json(self) -> Path:
         return self.run / "footprint.json"
 

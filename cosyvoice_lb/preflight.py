@@ -72,7 +72,7 @@ ENGINE_NEEDS = {"espeak": {"pypinyin": "pypinyin"}, "cosyvoice3": {"torch": "tor
 def check_instance_env(settings: Settings) -> dict:
     """Ask the instances' Python what it lacks; refuse with the exact install command."""
     engine = settings.resolved_engine
-    needs = {**INSTANCE_NEEDS, **ENGINE_NEEDS[engine]}
+    needs = {**INSTANCE_NEEDS, **ENGINE_NEEDS[engine], **({"bcrypt": "bcrypt"} if settings.ui_auth else {})}
     modules = list(needs) + (["cosyvoice.cli.cosyvoice"] if engine == "cosyvoice3" else [])
     roots = []
     if settings.cosyvoice_root:
@@ -145,7 +145,7 @@ def check_model(settings: Settings) -> None:
 
 def check_ports(settings: Settings, slots: tuple[Slot, ...], held: set[int]) -> None:
     """Refuse ports someone else holds (``held``: the running cluster's own)."""
-    wanted = [(settings.host, settings.port, "public", "stop what holds it or choose another with --port")]
+    wanted = [(settings.listen_host, settings.port, "public", "stop what holds it or choose another with --port")]
     wanted += [("127.0.0.1", s.port, f"{s.name}'s", "choose another range with --base-port") for s in slots]
     for host, port, what, hint in wanted:
         if port in held:

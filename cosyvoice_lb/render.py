@@ -80,6 +80,7 @@ def instance_command(settings: Settings, layout: Layout, programs: Programs, slo
         str(slot.port),
         "--starts-file",
         str(layout.starts(slot.name)),
+        *(["--auth-file", str(layout.access_policy)] if settings.auth_required else []),
         *instance_args(settings, outputs_dir=settings.outputs_dir or str(layout.outputs)),
     ]
 
@@ -165,11 +166,10 @@ def render(
         settings=settings,
         slots=plan.slots,
         layout=layout,
-        listen=listen_address(settings.host, settings.port),
+        listen=listen_address(settings.listen_host, settings.port),
         run_as_user=programs.run_as_user,
         worker_processes=programs.worker_processes,
-        # room for the largest prompt upload plus the form around it
-        max_body=f"{parse_size(settings.max_upload) // 2**20 + 2}m",
+        max_body=parse_size(settings.max_body),
         timeouts=timeouts,
         instance_command=lambda slot: shlex.join(instance_command(settings, layout, programs, slot)),
         instance_env=lambda slot: instance_env(layout, slot),

@@ -45,6 +45,8 @@ INSTANCE_MODULES = (
     "pipeline.py",
     "admission.py",
     "validation.py",
+    "auth.py",
+    "gate.py",
     "audio.py",
     "settings.py",
     "planner.py",

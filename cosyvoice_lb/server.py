@@ -36,7 +36,9 @@ from starlette.types import Receive, Scope, Send
 
 from .admission import Admission, Snapshot
 from .audio import Outputs, pcm16, streaming_wav_header
+from .auth import PolicyFile
 from .engines import create_engine
+from .gate import Gate
 from .pipeline import ERRORS, Job, NoAudio, Pipeline, describe
 from .planner import parse_size
 from .settings import Settings, parse_instance_args
@@ -195,8 +197,15 @@ class SynthesisStream(Response):
             self.pipeline.keep(np.concatenate(chunks))
 
 
-def build_app(pipeline: Pipeline, engine_name: str = "", port: int = 0, started: float | None = None) -> Any:
-    """The FastAPI app: ``/ping``, ``/v1/tts`` and the Gradio UI at ``/``."""
+def build_app(
+    pipeline: Pipeline,
+    engine_name: str = "",
+    port: int = 0,
+    started: float | None = None,
+    policy: PolicyFile | None = None,
+) -> Any:
+    """The FastAPI app: ``/ping``, ``/v1/tts`` and the Gradio UI at ``/``; with a ``policy``,
+    all but ``/ping`` behind the gate (``gate.py``)."""
     engine, admission = pipeline.engine, pipeline.admission
     started = time.time() if started is None else started
     app = FastAPI(title="cosyvoice-lb instance", docs_url=None, redoc_url=None)
@@ -225,6 +234,13 @@ def build_app(pipeline: Pipeline, engine_name: str = "", port: int = 0, started:
         snapshot = admission.snapshot()
         body = ping_body(snapshot, engine_name or engine.name, port, started)
         return JSONResponse(body, status_code=200 if snapshot.ready else 503)
+
+    # What nginx answers a public /ping with: ready or not, no process details.
+    @app.head("/ping/brief", include_in_schema=False)
+    @app.get("/ping/brief", include_in_schema=False)
+    async def ping_brief():
+        ready = admission.snapshot().ready
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
     schema = request_schema(pipeline.limits.max_chars, pipeline.modes)
     form_schema = {
@@ -302,7 +318,10 @@ def build_app(pipeline: Pipeline, engine_name: str = "", port: int = 0, started:
 
     from .ui import mount_ui
 
-    return mount_ui(app, pipeline, port)
+    app = mount_ui(app, pipeline, port)
+    if policy is not None:
+        app.add_middleware(Gate, policy=policy)
+    return app
 
 
 def draining_server(config: Any, admission: Admission, drain_timeout: float) -> Any:
@@ -371,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     pipeline = build_pipeline(settings, args.port)
-    app = build_app(pipeline, settings.resolved_engine, args.port)
+    policy = PolicyFile(args.auth_file) if args.auth_file else None
+    app = build_app(pipeline, settings.resolved_engine, args.port, policy=policy)
 
     def load() -> None:
         try:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import re
+import stat
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,6 +78,27 @@ def size(flag: str, value: Any) -> str:
         parse_size(value)
     except ValueError as exc:
         return f"{flag}: {exc}"
+    return ""
+
+
+def rate(flag: str, value: Any) -> str:
+    if value == "" or re.fullmatch(r"[1-9][0-9]{0,6}r/[sm]", value):
+        return ""
+    return f"{flag} {value!r} is not a rate: write requests per second or minute, e.g. 10r/s or 120r/m"
+
+
+def private_file(flag: str, value: Any) -> str:
+    """A secrets file: there, and readable by its owner only (as ssh asks of a key)."""
+    if value == "":
+        return ""
+    try:
+        mode = os.stat(os.path.expanduser(value)).st_mode
+    except OSError as exc:
+        return f"{flag} {value}: {exc.strerror or exc}"
+    if not stat.S_ISREG(mode):
+        return f"{flag} {value} is not a file"
+    if mode & 0o077:
+        return f"{flag} {value} is readable by others (mode {stat.S_IMODE(mode):04o}): run chmod 600 {value}"
     return ""
 
 
@@ -183,8 +207,54 @@ class Settings:
     base_port: int = setting(
         7860, "Port of the first instance; instance i listens on base+i (127.0.0.1).", type=int, check=tcp_port
     )
-    port: int = setting(8080, "The public port nginx listens on.", type=int, check=tcp_port)
-    host: str = setting("0.0.0.0", "The address nginx listens on.")
+    port: int = setting(8080, "The port nginx listens on.", type=int, check=tcp_port)
+    host: str = setting(
+        "",
+        "The address nginx listens on (default 127.0.0.1: this box only; 0.0.0.0 with --public). "
+        "An address other machines reach needs credentials, as --public does.",
+        metavar="ADDR",
+    )
+    public: bool = setting(
+        False,
+        "Listen on every address (0.0.0.0). Without --api-token-file an API token is generated "
+        "into the state dir (0600) and `up` says how to use it.",
+        is_flag=True,
+    )
+    no_auth: bool = setting(
+        False,
+        "Serve a public address without credentials: anyone who reaches it can synthesize (said at `up` and `status`).",
+        is_flag=True,
+    )
+    api_token_file: str = setting(
+        "",
+        "API tokens, one per line (# comments); every route that synthesizes then needs "
+        "'Authorization: Bearer TOKEN'. Re-read by `up` without a restart; readable by its owner only.",
+        metavar="FILE",
+        check=private_file,
+    )
+    ui_auth: str = setting(
+        "",
+        "Users who may log in to the UI, in htpasswd format with bcrypt hashes (htpasswd -B); "
+        "the API token logs in too.",
+        metavar="FILE",
+        check=private_file,
+    )
+    rate_limit: str = setting(
+        "",
+        "Requests per client (per API token when one is sent) to what synthesizes, e.g. 10r/s "
+        "or 120r/m; past it 429 with Retry-After (empty: no limit).",
+        metavar="RATE",
+        check=rate,
+    )
+    rate_burst: int = setting(
+        20, "Requests a client may send at once beyond --rate-limit before it gets 429.", type=int, check=not_negative
+    )
+    max_body: str = setting(
+        "20MiB",
+        "Largest request body nginx accepts (413 past it); must hold --max-upload and the form around it.",
+        metavar="SIZE",
+        check=size,
+    )
     state_dir: str = setting(".", "Where configs, logs, sockets and state live.", metavar="DIR")
     python: str = setting(sys.executable, "Python that runs the instances.", metavar="PATH")
     nginx: str = setting("nginx", "The nginx binary.", metavar="PATH")
@@ -305,6 +375,21 @@ class Settings:
         return self.stagger or (self.resolved_engine == "cosyvoice3" and (self.load_trt or self.load_vllm))
 
     @property
+    def listen_host(self) -> str:
+        """The address nginx listens on."""
+        return self.host or ("0.0.0.0" if self.public else "127.0.0.1")
+
+    @property
+    def exposed(self) -> bool:
+        """Other machines may reach nginx."""
+        return not is_loopback(self.listen_host)
+
+    @property
+    def auth_required(self) -> bool:
+        """Every route that synthesizes needs credentials."""
+        return bool(self.api_token_file or self.ui_auth) or (self.exposed and not self.no_auth)
+
+    @property
     def resolved_engine(self) -> str:
         if self.engine != "auto":
             return self.engine
@@ -322,11 +407,15 @@ class Settings:
 def absolute(settings: Settings) -> Settings:
     """Paths made absolute now: supervisord runs everything from the state dir."""
     paths: dict[str, Any] = {}
-    for name in ("model_dir", "cosyvoice_root", "outputs_dir"):
+    for name in ("model_dir", "cosyvoice_root", "outputs_dir", "api_token_file", "ui_auth"):
         value = getattr(settings, name)
         if value:
             paths[name] = str(Path(value).expanduser().resolve())
     return dataclasses.replace(settings, **paths)
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
 def envvar(name: str) -> str:
@@ -353,6 +442,16 @@ def problems(settings: Settings) -> list[str]:
     ]
     if settings.resolved_engine == "cosyvoice3" and not settings.model_dir:
         found.append("--engine cosyvoice3 needs --model-dir (a local CosyVoice model dir)")
+    if settings.public and settings.host and is_loopback(settings.host):
+        found.append(f"--public and --host {settings.host} contradict each other: drop one")
+    if settings.no_auth and (settings.api_token_file or settings.ui_auth):
+        found.append("--no-auth with --api-token-file or --ui-auth: drop --no-auth to require the credentials")
+    if not size(" ", settings.max_body) and not size(" ", settings.max_upload):
+        if parse_size(settings.max_upload) + 2**20 > parse_size(settings.max_body):
+            found.append(
+                f"--max-body {settings.max_body} cannot hold a --max-upload {settings.max_upload} prompt and the "
+                "form around it: raise --max-body (at least 1MiB above --max-upload)"
+            )
     return found
 
 
@@ -382,6 +481,7 @@ def instance_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--starts-file", default="", help="a line is appended here at every start (restart counting)")
+    parser.add_argument("--auth-file", default="", help="the access policy (tokens, users): all but /ping need them")
     for f in declarations():
         if not f.metadata["instance"]:
             continue

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from . import processes
 from .configs import recorded
+from .credentials import open_warning
 from .layout import Layout
 from .planner import Slot
 from .probe import Prober
@@ -52,6 +53,8 @@ class ClusterStatus:
     health: dict = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     report: list[str] = field(default_factory=list)  # per failed instance: why, and its log's last lines
+    access: dict = field(default_factory=dict)  # who can reach it, whether credentials are needed
+    warnings: list[str] = field(default_factory=list)  # works, but defeats a guarantee
     unanswered: bool = False  # supervisord's socket is there but it does not answer
 
     @property
@@ -74,11 +77,13 @@ class ClusterStatus:
             "nginx": self.nginx,
             "health": self.health,
             "problems": self.problems,
+            "access": self.access,
+            "warnings": self.warnings,
         }
 
 
 def public_url(settings: Settings) -> str:
-    host = settings.host
+    host = settings.listen_host
     if host in ("0.0.0.0", "*", ""):
         host = "127.0.0.1"
     elif host in ("::", "[::]"):
@@ -127,6 +132,12 @@ def status(layout: Layout, prober: Prober | None = None) -> ClusterStatus:
     health = read_report(layout)
     tracks = health.get("instances", {})
     result = ClusterStatus(running=True, url=public_url(settings))
+    result.access = {
+        "listen": f"{settings.listen_host}:{settings.port}",
+        "public": settings.exposed,
+        "credentials": settings.auth_required,
+    }
+    result.warnings = [w for w in [open_warning(settings)] if w]
     running = [s for s in slots if s.name in programs and programs[s.name].state == "RUNNING"]
     bodies, answer = ask_all(prober or Prober(len(slots) + 1), running, settings.probe_timeout, result.url)
     for slot in slots:

@@ -65,7 +65,9 @@ def test_render_writes_every_config_and_nginx_accepts_it(state_dir):
     test = subprocess.run(["nginx", "-t", "-p", str(state_dir / "nginx"), "-c", str(state_dir / "nginx/nginx.conf"),
                            "-e", str(state_dir / "logs/nginx-error.log")], capture_output=True, text=True)
     assert test.returncode == 0, test.stderr
-    assert "listen 0.0.0.0:18999" in (state_dir / "nginx/nginx.conf").read_text()
+    # Closed by default: loopback only, and no credentials to make or read.
+    assert "listen 127.0.0.1:18999" in (state_dir / "nginx/nginx.conf").read_text()
+    assert not (state_dir / "api-token").exists() and not (state_dir / "run/access.json").exists()
     assert not (state_dir / "run/supervisor.sock").exists()  # nothing started
 
 

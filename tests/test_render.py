@@ -327,7 +327,7 @@ def test_nginx_conf_balancing_and_proxy_settings():
     assert ui_location.values("proxy_buffering") == [["off"]]
     assert ["Set-Cookie", "$cvlb_set_cookie"] in ui_location.values("add_header")
     ping = server.one("location", "=", "/ping")
-    assert ping.values("proxy_pass") == [["http://cvlb_api"]]
+    assert ping.values("proxy_pass") == [["http://cvlb_api$cvlb_ping_uri"]]
     assert ping.values("proxy_read_timeout") == [["1000ms"]]  # min(probe timeout, 1 s): quick for monitors
 
 
@@ -537,3 +537,81 @@ def test_a_fractional_request_timeout_is_rounded_up_not_to_zero():
     v1 = conf.one("http").one("server").one("location", "/v1/")
     assert v1.values("proxy_next_upstream_timeout") == [["1s"]]  # 0s would mean no bound at all
     assert v1.values("proxy_read_timeout") == [["6s"]]
+
+
+# --- exposure, credentials and limits -------------------------------------------------------
+
+SECURITY = [["X-Content-Type-Options", "nosniff", "always"], ["X-Frame-Options", "SAMEORIGIN", "always"],
+            ["Referrer-Policy", "same-origin", "always"]]
+
+
+def nginx_server(settings: Settings) -> tuple[Directive, Directive]:
+    http = parse_nginx(rendered(settings=settings)["nginx/nginx.conf"]).one("http")
+    return http, http.one("server")
+
+
+@pytest.mark.parametrize("settings,listen", [
+    (Settings(), "127.0.0.1:8080"), (Settings(public=True), "0.0.0.0:8080"), (Settings(host="::"), "[::]:8080"),
+])
+def test_nginx_listens_on_loopback_unless_public(settings, listen):
+    assert nginx_server(settings)[1].values("listen") == [[listen]]
+
+
+def test_security_headers_reach_every_answer_even_in_locations_with_headers_of_their_own():
+    _, server = nginx_server(Settings(rate_limit="10r/s", public=True))
+    for block in [server] + [loc for loc in server.all("location") if loc.values("add_header")]:
+        for header in SECURITY:
+            assert header in block.values("add_header"), (block.args, header)
+
+
+def test_public_ping_gets_the_brief_answer_and_loopback_the_details():
+    http, server = nginx_server(Settings(public=True))
+    ping_map = http.one("map", "$remote_addr", "$cvlb_ping_uri")
+    assert ping_map.values("127.0.0.1") == [["/ping"]] and ping_map.values("::1") == [["/ping"]]
+    assert ping_map.values("default") == [["/ping/brief"]]
+
+
+def test_no_rate_limit_unless_asked():
+    http, server = nginx_server(Settings())
+    assert not http.all("limit_req_zone") and not server.one("location", "/v1/").values("limit_req")
+
+
+def test_rate_limit_per_token_or_address_on_what_synthesizes_with_json_429():
+    http, server = nginx_server(Settings(rate_limit="10r/s", rate_burst=5))
+    assert http.one("map", "$http_authorization", "$cvlb_client").values("default") == [["$http_authorization"]]
+    assert http.values("limit_req_zone") == [["$cvlb_client", "zone=cvlb_rate:10m", "rate=10r/s"]]
+    assert http.values("limit_req_status") == [["429"]]
+    limited = [server.one("location", "/v1/"), server.one("location", "~", "^/gradio_api/(queue/join|call/|run/)")]
+    for location in limited:
+        assert location.values("limit_req") == [["zone=cvlb_rate", "burst=5", "nodelay"]]
+    # (/v1/ has error_pages of its own, which replace the server's: 429 must be among them)
+    assert ["429", "=", "@rate_limited"] in server.one("location", "/v1/").values("error_page")
+    assert ["429", "=", "@rate_limited"] in server.values("error_page")
+    assert not server.one("location", "/").values("limit_req")  # the page and its assets are not counted
+    answer = server.one("location", "@rate_limited")
+    assert ["Retry-After", "1", "always"] in answer.values("add_header")
+    assert answer.values("return")[0][0] == "429" and "10r/s" in answer.values("return")[0][1]
+
+
+def test_logins_are_slowed_only_when_there_is_a_login():
+    http, server = nginx_server(Settings(public=True))
+    assert server.one("location", "=", "/login").values("limit_req") == [["zone=cvlb_login", "burst=10", "nodelay"]]
+    assert not nginx_server(Settings())[1].all("location", "=", "/login")
+
+
+def test_body_header_and_slow_client_bounds():
+    http, _ = nginx_server(Settings(max_body="30MiB"))
+    assert http.values("client_max_body_size") == [[str(30 * MiB)]]
+    for name in ("client_header_timeout", "client_body_timeout", "send_timeout", "keepalive_timeout"):
+        assert http.values(name), name
+    assert http.values("autoindex") == [["off"]]
+
+
+def test_instances_get_the_policy_file_only_when_credentials_are_required():
+    def command(settings):
+        conf = supervisor_sections(rendered(settings=settings)["run/supervisord.conf"])
+        return shlex.split(conf.get("program:instance-0", "command"))
+
+    assert "--auth-file" not in command(Settings())
+    args = command(Settings(public=True))
+    assert args[args.index("--auth-file") + 1] == str(SHORT / "run/access.json")

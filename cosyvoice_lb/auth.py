@@ -1,0 +1,187 @@
+"""Who may use the service: API tokens, UI users and signed session cookies.
+
+The launcher turns ``--api-token-file`` and ``--ui-auth`` into one policy file in the
+private run dir (0600): token digests (SHA-256, never the tokens), the users' bcrypt
+hashes, and the secret that signs session cookies. Every instance reads the same file,
+so a session made by one instance is good on all of them, and re-reads it when it
+changes, so new tokens work without a restart.
+
+Instance side: standard library only (bcrypt is imported when a user logs in with a
+password).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("cosyvoice_lb.instance")
+
+SESSION_COOKIE = "cvlb_session"
+SESSION_SECONDS = 7 * 86400
+MIN_TOKEN_CHARS = 16
+BCRYPT = re.compile(r"^\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}$")
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def read_tokens(text: str, source: str) -> list[str]:
+    """Tokens from a token file: one per line, blank lines and ``#`` comments skipped."""
+    tokens = []
+    for number, line in enumerate(text.splitlines(), 1):
+        token = line.strip()
+        if not token or token.startswith("#"):
+            continue
+        if any(c.isspace() for c in token) or not token.isprintable():
+            raise ValueError(f"{source} line {number}: a token is one word of printable characters")
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ValueError(
+                f"{source} line {number}: the token has {len(token)} characters, fewer than "
+                f"{MIN_TOKEN_CHARS}; make one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        tokens.append(token)
+    return tokens
+
+
+def read_htpasswd(text: str, source: str) -> dict[str, str]:
+    """Users from an htpasswd file (``user:hash`` lines); bcrypt hashes only."""
+    users: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        user, sep, hashed = line.strip().partition(":")
+        if not sep or not user:
+            raise ValueError(f"{source} line {number}: expected user:hash, as htpasswd writes")
+        if not BCRYPT.match(hashed):
+            raise ValueError(
+                f"{source} line {number}: user {user}'s password is not a bcrypt hash (MD5, SHA-1 and "
+                f"crypt hashes are too weak to accept): set it again with: htpasswd -B {source} {user}"
+            )
+        users[user] = hashed
+    return users
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What one policy file allows. ``tokens``: SHA-256 hex digests; ``users``: bcrypt hashes."""
+
+    tokens: frozenset[str] = frozenset()
+    users: dict[str, str] = field(default_factory=dict)
+    secret: bytes = b""
+
+    def to_json(self) -> str:
+        body = {"tokens": sorted(self.tokens), "users": self.users, "secret": self.secret.hex()}
+        return json.dumps(body, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Policy:
+        data = json.loads(text)
+        secret = bytes.fromhex(data["secret"])
+        if len(secret) < 16:
+            raise ValueError("the session secret is too short")
+        return cls(frozenset(data["tokens"]), dict(data["users"]), secret)
+
+    def token_ok(self, token: str) -> bool:
+        return bool(token) and digest(token) in self.tokens
+
+    def bearer_ok(self, authorization: str) -> bool:
+        scheme, _, token = authorization.strip().partition(" ")
+        return scheme.lower() == "bearer" and self.token_ok(token.strip())
+
+    def login(self, user: str, password: str) -> str | None:
+        """The credential key a login proves (a token, or a user's password), or None."""
+        if self.token_ok(password):
+            return "t:" + digest(password)
+        hashed = self.users.get(user)
+        if hashed is None or not password:
+            return None
+        import bcrypt  # (only logins with a password need it)
+
+        try:
+            good = bcrypt.checkpw(password.encode("utf-8", "surrogatepass"), hashed.encode())
+        except ValueError:
+            return None
+        return "u:" + user + ":" + hashlib.sha256(hashed.encode()).hexdigest() if good else None
+
+    def _still_valid(self, key: str) -> bool:
+        kind, _, rest = key.partition(":")
+        if kind == "t":
+            return rest in self.tokens
+        user, _, fingerprint = rest.rpartition(":")
+        hashed = self.users.get(user)
+        return hashed is not None and hmac.compare_digest(hashlib.sha256(hashed.encode()).hexdigest(), fingerprint)
+
+    def session(self, key: str, now: float, seconds: float = SESSION_SECONDS) -> str:
+        """A session cookie value for a login that proved ``key``."""
+        body = _b64(json.dumps({"k": key, "e": int(now + seconds)}).encode())
+        return body + "." + _b64(hmac.new(self.secret, body.encode(), hashlib.sha256).digest())
+
+    def session_ok(self, cookie: str, now: float) -> bool:
+        """A cookie this policy signed, not expired, whose token or password still stands."""
+        body, _, signature = cookie.partition(".")
+        if not body or not signature or not self.secret:
+            return False
+        expected = _b64(hmac.new(self.secret, body.encode(), hashlib.sha256).digest())
+        if not hmac.compare_digest(expected, signature):
+            return False
+        try:
+            data = json.loads(_unb64(body))
+            return now < float(data["e"]) and self._still_valid(str(data["k"]))
+        except (ValueError, KeyError, TypeError):
+            return False
+
+
+CLOSED = Policy()  # what an unreadable policy file allows: nothing
+
+
+class PolicyFile:
+    """The policy file as the instance sees it: re-read when it changes (looked at once a
+    second at most); a file that cannot be read or parsed allows nothing."""
+
+    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic, every: float = 1.0):
+        self.path, self.clock, self.every = path, clock, every
+        self._policy, self._checked = CLOSED, float("-inf")
+        self._seen: tuple[int, int, int] | None = None
+        self._failing = ""
+        self.current()
+
+    def current(self) -> Policy:
+        now = self.clock()
+        if now - self._checked < self.every:
+            return self._policy
+        self._checked = now
+        try:
+            info = os.stat(self.path)
+            seen = (info.st_mtime_ns, info.st_size, info.st_ino)
+            if seen != self._seen:
+                with open(self.path, encoding="utf-8") as handle:
+                    self._policy = Policy.from_json(handle.read())
+                self._seen, self._failing = seen, ""
+                log.info(
+                    "access policy loaded: %d token(s), %d user(s)", len(self._policy.tokens), len(self._policy.users)
+                )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if not self._failing:  # said once, not once a second
+                log.error(
+                    "access policy %s unreadable (%s): refusing every request that needs credentials", self.path, exc
+                )
+            self._policy, self._seen, self._failing = CLOSED, None, str(exc)
+        return self._policy
