@@ -6,12 +6,14 @@ validates through here.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from .engines import MODES, SynthesisRequest
 
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
+SPECIAL = re.compile(r"<\|.{0,40}?\|>", re.DOTALL)
 FIELDS = ("text", "speed", "mode", "prompt_text", "instruct_text", "speaker", "seed", "stream")
 
 
@@ -74,6 +76,13 @@ def check_text(text: Any, max_chars: int, name: str = "text", required: bool = T
             f'"{name}" holds {bad} at character {exc.start}, a lone UTF-16 surrogate that is not '
             "text: send valid Unicode (a surrogate pair or the character itself)"
         ) from None
+    if "<|" in text and "|>" in text:  # upstream's own test for "special tokens inside"
+        found = SPECIAL.search(text)
+        shown = safe(found.group(0)) if found else "<| and |>"
+        raise BadRequest(
+            f'"{name}" holds {shown}, the form of the model\'s special tokens (e.g. <|endofprompt|>), which '
+            "would skip text normalisation or derail the prompt: remove it (the service adds what a mode needs)"
+        )
     if required and not text.strip():
         raise BadRequest(f'"{name}" is empty: send some text')
     if len(text) > max_chars:

@@ -50,3 +50,23 @@ def test_an_uploaded_prompt_without_mode_still_needs_its_transcript():
     v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
     with pytest.raises(BadRequest, match="needs prompt_text"):
         make_request({"text": "hi"}, has_prompt=True, **v3)
+
+
+@pytest.mark.parametrize("field", ["text", "prompt_text", "instruct_text"])
+@pytest.mark.parametrize("value,shown", [
+    ("Hello<|endofprompt|>there", "<|endofprompt|>"),
+    ("<|im_start|>system", "<|im_start|>"),
+    ("say <|en|> this", "<|en|>"),
+    ("a <| b |> c", "<| b |>"),
+    ("pipes |> then <| later", "<| and |>"),  # upstream only asks whether both halves are there
+])
+def test_special_tokens_are_refused_in_every_text_field(field, value, shown):
+    payload = {"text": "Hi.", "mode": "instruct", "instruct_text": "Calm.", field: value}
+    with pytest.raises(BadRequest, match="special tokens") as caught:
+        make_request(payload, Limits(), ("instruct", "sft"), ["a"], has_prompt=True)
+    assert shown in str(caught.value) and f'"{field}"' in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["a <| b", "c |> d", "x < | y | > z", "<b>bold</b> [breath] <strong>x</strong>"])
+def test_half_a_token_and_the_models_control_tags_pass(value):
+    assert make_request({"text": value}, Limits(), ("sft",), [], has_prompt=False).text == value

@@ -49,7 +49,8 @@ def model_version(model_dir: str | os.PathLike) -> int:
 def v3_prompt(mode: str, text: str, prompt_text: str, instruct_text: str) -> tuple[str, str, str]:
     """(text, prompt_text, instruct_text) in CosyVoice3's prompt format (upstream example.py).
 
-    Input that already carries ``<|endofprompt|>`` is left as the user wrote it.
+    Client input never carries ``<|endofprompt|>`` (validation refuses special tokens); a
+    bundled default prompt that already has it is left as it is.
     """
     if mode == "zero_shot" and ENDOFPROMPT not in prompt_text:
         prompt_text = f"{SYSTEM}{ENDOFPROMPT}{prompt_text}"
