@@ -76,7 +76,22 @@ def read_prompt(data: bytes, max_seconds: float) -> Prompt:
 
 
 def write_wav(path: Path, audio: np.ndarray, rate: int) -> None:
-    soundfile.write(str(path), np.clip(audio, -1.0, 1.0), rate, format="WAV", subtype="PCM_16")
+    """Write a WAV file whole or not at all: encoded in memory first (libsndfile reports a
+    full disk only as "System error." and leaves half a file), then written through a temp
+    file; an OSError (ENOSPC, EACCES, EROFS...) leaves nothing behind."""
+    data = wav_bytes(audio, rate)
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.part")
+    try:
+        with open(temp, "wb") as handle:
+            handle.write(data)
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
 
 
 def wav_bytes(audio: np.ndarray, rate: int) -> bytes:
@@ -145,9 +160,7 @@ class Outputs:
         if not self.dir:
             return ""
         name = self.name()
-        temp = self.dir / f".{name}.part"
-        write_wav(temp, audio, rate)
-        os.replace(temp, self.dir / name)
+        write_wav(self.dir / name, audio, rate)
         self.sweep()
         return name
 

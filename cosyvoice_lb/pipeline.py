@@ -40,6 +40,17 @@ class NoAudio(ValueError):
     """The model said nothing for this text (e.g. punctuation only)."""
 
 
+class StorageFailed(OSError):
+    """A file the request needs (its prompt, its result) could not be written."""
+
+    def __init__(self, what: str, directory: str, cause: OSError):
+        reason = cause.strerror or str(cause)
+        super().__init__(
+            f"{what} could not be written to {directory} ({reason}): the instance is fine, its disk is not; "
+            "free space there or point --outputs-dir at a writable disk, then retry"
+        )
+
+
 @dataclass(frozen=True)
 class Failure:
     """What an entry point answers for an exception."""
@@ -61,6 +72,7 @@ ERRORS: tuple[tuple[type[BaseException], Callable[[Any], Failure]], ...] = (
     # upstream checks its input with assert
     (AssertionError, lambda e: Failure(422, f"the model refused this input: {e}", level=logging.ERROR)),
     (EngineError, lambda e: Failure(500, f"synthesis failed: {e}", level=logging.ERROR)),
+    (StorageFailed, lambda e: Failure(507, str(e), level=logging.ERROR)),
     (Cancelled, lambda e: Failure(499, "the client went away", level=logging.INFO)),
 )
 
@@ -158,7 +170,10 @@ class Pipeline:
         """Decode an upload and write it as the WAV file upstream wants; (path, notices)."""
         prompt = read_prompt(data, self.limits.max_prompt_seconds)
         path = os.path.join(self.scratch, f"prompt-{self.port}-{uuid.uuid4().hex}.wav")
-        write_wav(Path(path), prompt.audio, prompt.rate)
+        try:
+            write_wav(Path(path), prompt.audio, prompt.rate)
+        except OSError as exc:
+            raise StorageFailed("the prompt audio", self.scratch, exc) from None
         return path, prompt.notices
 
     def complete(self, request: SynthesisRequest) -> SynthesisRequest:
@@ -273,9 +288,9 @@ class Pipeline:
         return wav_bytes(audio, self.engine.sample_rate)
 
     def keep(self, audio: np.ndarray) -> str:
-        """Save a result in the outputs dir; a full disk must not cost the client its answer."""
+        """Save a result in the outputs dir (whole or not at all); StorageFailed when the
+        disk is full or the dir unwritable."""
         try:
             return self.outputs.save(audio, self.engine.sample_rate)
         except OSError as exc:
-            log.error("could not keep the result in the outputs dir: %s", exc)
-            return ""
+            raise StorageFailed("the result", str(self.outputs.dir), exc) from None

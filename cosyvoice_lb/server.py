@@ -39,7 +39,7 @@ from .audio import Outputs, pcm16, streaming_wav_header
 from .auth import PolicyFile
 from .engines import create_engine
 from .gate import Gate
-from .pipeline import ERRORS, Job, NoAudio, Pipeline, describe
+from .pipeline import ERRORS, Job, NoAudio, Pipeline, StorageFailed, describe
 from .planner import parse_size
 from .settings import Settings, parse_instance_args
 from .timeouts import GRACEFUL_SHUTDOWN
@@ -194,7 +194,10 @@ class SynthesisStream(Response):
             pass
         self.pipeline.finish(self.job)
         if chunks:
-            self.pipeline.keep(np.concatenate(chunks))
+            try:
+                self.pipeline.keep(np.concatenate(chunks))
+            except StorageFailed as exc:  # the client has its audio already: only the copy is lost
+                log.error("%s", exc)
 
 
 def build_app(

@@ -516,3 +516,58 @@ def test_a_stream_whose_first_chunk_never_comes_is_a_504_not_a_500():
     while snap(p).inflight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert snap(p).inflight == 0  # the synthesis let go of its slot once the engine came back
+
+
+# --- a full or read-only disk: 507 that names the cause, nothing half-written, still up ----------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs (a full disk after a second of audio), and a read-only one."""
+    import subprocess
+
+    disks = {"full": tmp_path / "full", "readonly": tmp_path / "ro"}
+    mounted = []
+    for (name, path), opts in zip(disks.items(), ("size=64k", "ro,size=64k")):
+        path.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True).returncode:
+            for done in mounted:
+                subprocess.run(["umount", str(done)])
+            pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+        mounted.append(path)
+    try:
+        yield disks
+    finally:
+        for path in mounted:
+            subprocess.run(["umount", "-l", str(path)])
+
+
+@pytest.mark.parametrize("disk,cause", [("full", "No space left on device"), ("readonly", "Read-only file system")])
+def test_a_result_that_cannot_be_kept_is_a_507_naming_the_cause(loaded, small_disk, disk, cause):
+    from cosyvoice_lb.audio import Outputs
+
+    directory = small_disk[disk]
+    if disk == "full":
+        (directory / "filler").write_bytes(b"\0" * 60 * 1024)
+    p = Pipeline(loaded.engine, loaded.admission, Limits(max_chars=400), port=7870)
+    p.outputs = Outputs("", 7870, 3600, 2**30)
+    p.outputs.dir = directory
+    with TestClient(app(p), raise_server_exceptions=False) as c:
+        r = c.post("/v1/tts", json={"text": "A sentence long enough to need more than the disk has left. " * 3})
+        assert r.status_code == 507, r.text
+        message = r.json()["error"]["message"]
+        assert cause in message and str(directory) in message and "--outputs-dir" in message
+        assert [f.name for f in directory.iterdir() if f.name != "filler"] == []  # no half file
+        assert c.get("/ping").json()["ready"] is True
+
+
+def test_a_prompt_that_cannot_be_written_is_a_507(loaded, small_disk):
+    p = Pipeline(loaded.engine, loaded.admission, Limits(max_chars=400), scratch=str(small_disk["readonly"]), port=7871)
+    prompt = io.BytesIO()
+    voice = 0.3 * np.sin(np.linspace(0, 2 * np.pi * 220 * 3, 3 * 24000)).astype(np.float32)
+    soundfile.write(prompt, voice, 24000, format="WAV")
+    with pytest.raises(OSError) as caught:
+        p.prepare_prompt(prompt.getvalue())
+    assert "Read-only file system" in str(caught.value) and "disk" in str(caught.value)
+    from cosyvoice_lb.pipeline import describe
+
+    assert describe(caught.value).status == 507
