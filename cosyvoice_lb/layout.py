@@ -84,6 +84,11 @@ class Layout:
         return self.root / "outputs"
 
     @property
+    def ledger(self) -> Path:
+        """Marks of the syntheses running in every instance (poison requests, see ``ledger``)."""
+        return self.run / "ledger"
+
+    @property
     def access_policy(self) -> Path:
         """Token digests, UI users and the session secret every instance reads (0600)."""
         return self.run / "access.json"

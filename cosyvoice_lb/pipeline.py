@@ -28,6 +28,7 @@ import numpy as np
 from .admission import Admission, Cancelled, Clock, NotReady, Overloaded, TimedOut, deadline_for
 from .audio import Outputs, PromptError, read_prompt, wav_bytes, write_wav
 from .engines import Engine, EngineError, SynthesisRequest
+from .ledger import Ledger, Poisoned, fingerprint
 from .timeouts import WORKER_GRACE
 from .validation import BadRequest, Limits, make_request
 
@@ -74,6 +75,8 @@ ERRORS: tuple[tuple[type[BaseException], Callable[[Any], Failure]], ...] = (
     (EngineError, lambda e: Failure(500, f"synthesis failed: {e}", level=logging.ERROR)),
     (StorageFailed, lambda e: Failure(507, str(e), level=logging.ERROR)),
     (Cancelled, lambda e: Failure(499, "the client went away", level=logging.INFO)),
+    # (a retry cannot help: clients that honour x-should-retry stop here)
+    (Poisoned, lambda e: Failure(422, str(e), {"x-should-retry": "false"}, level=logging.WARNING)),
 )
 
 
@@ -93,6 +96,7 @@ class Job:
     request: SynthesisRequest
     notices: list[str] = field(default_factory=list)
     prompt_path: str = ""
+    fingerprint: str = ""  # the same request on any instance (see ``ledger``)
 
 
 class Pipeline:
@@ -108,6 +112,7 @@ class Pipeline:
         port: int = 0,
         request_timeout: float = 0.0,
         wall: Clock = time.time,
+        ledger: Ledger | None = None,
     ):
         self.engine = engine
         self.admission = admission or Admission()
@@ -117,6 +122,7 @@ class Pipeline:
         self.scratch = scratch or tempfile.gettempdir()
         self.request_timeout = request_timeout  # seconds per API request, retries included; 0: none
         self.wall = wall
+        self.ledger = ledger  # poison requests: see ``ledger``
         # API syntheses run here rather than in the server's shared pool: a request whose
         # time ran out is answered while a stuck engine call keeps only its own thread.
         self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="synthesis")
@@ -155,7 +161,7 @@ class Pipeline:
             payload, self.limits, self.modes, self.engine.speakers(), has_prompt=prompt_data is not None
         )
         self.admission.check_ready()
-        job = Job(request)
+        job = Job(request, fingerprint=fingerprint(request, prompt_data or b""))
         try:
             if prompt_data is not None:
                 job.prompt_path, job.notices = self.prepare_prompt(prompt_data)
@@ -226,7 +232,13 @@ class Pipeline:
         Event): set when the client went away; the synthesis stops at its next chunk and
         frees the slot, counted neither served nor failed.
         """
-        ticket = self.admission.admit(bounded=bounded, deadline=deadline)
+        mark = self.ledger.enter(job.fingerprint) if self.ledger is not None and job.fingerprint else ""
+        try:
+            ticket = self.admission.admit(bounded=bounded, deadline=deadline)
+        except BaseException:
+            if mark and self.ledger is not None:
+                self.ledger.leave(mark)
+            raise
         outcome: bool | None = None
         made: Iterator[Any] | None = None
         try:
@@ -257,6 +269,8 @@ class Pipeline:
                     close()  # the engine's generator lets go of what it holds
             finally:
                 ticket.release(outcome if count else None)
+                if mark and self.ledger is not None:
+                    self.ledger.leave(mark)  # it ended, and this process lives: no evidence
 
     def synthesize(
         self, job: Job, *, bounded: bool = False, deadline: float | None = None, count: bool = True

@@ -80,6 +80,8 @@ def instance_command(settings: Settings, layout: Layout, programs: Programs, slo
         str(slot.port),
         "--starts-file",
         str(layout.starts(slot.name)),
+        "--ledger-dir",
+        str(layout.ledger),
         *(["--auth-file", str(layout.access_policy)] if settings.auth_required else []),
         *instance_args(settings, outputs_dir=settings.outputs_dir or str(layout.outputs)),
     ]

@@ -47,6 +47,7 @@ INSTANCE_MODULES = (
     "validation.py",
     "auth.py",
     "gate.py",
+    "ledger.py",
     "audio.py",
     "settings.py",
     "planner.py",

@@ -39,6 +39,7 @@ from .audio import Outputs, pcm16, streaming_wav_header
 from .auth import PolicyFile
 from .engines import create_engine
 from .gate import Gate
+from .ledger import Ledger
 from .pipeline import ERRORS, Job, NoAudio, Pipeline, StorageFailed, describe
 from .planner import parse_size
 from .settings import Settings, parse_instance_args
@@ -360,7 +361,7 @@ def draining_server(config: Any, admission: Admission, drain_timeout: float) -> 
     return DrainingServer(config)
 
 
-def build_pipeline(settings: Settings, port: int) -> Pipeline:
+def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipeline:
     """The instance's pipeline for its settings (as parsed from its command line)."""
     engine = create_engine(settings.resolved_engine, **asdict(settings))
     limits = Limits(
@@ -379,7 +380,10 @@ def build_pipeline(settings: Settings, port: int) -> Pipeline:
             except FileNotFoundError:
                 pass
     admission = Admission(settings.instance_concurrency, settings.max_queue)
-    return Pipeline(engine, admission, limits, outputs, scratch, port=port, request_timeout=settings.request_timeout)
+    ledger = Ledger(ledger_dir) if ledger_dir else None
+    return Pipeline(
+        engine, admission, limits, outputs, scratch, port=port, request_timeout=settings.request_timeout, ledger=ledger
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -392,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    pipeline = build_pipeline(settings, args.port)
+    pipeline = build_pipeline(settings, args.port, args.ledger_dir)
     policy = PolicyFile(args.auth_file) if args.auth_file else None
     app = build_app(pipeline, settings.resolved_engine, args.port, policy=policy)
 
@@ -416,6 +420,8 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
     )
     draining_server(config, pipeline.admission, settings.drain_timeout).run()
+    if pipeline.ledger is not None:
+        pipeline.ledger.clear_own()  # a graceful stop: what it cut short harmed nothing
     # Drained: leave now. A synthesis stuck in the engine must not keep the process (its
     # worker thread would be joined at interpreter exit).
     logging.shutdown()

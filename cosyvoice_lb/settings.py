@@ -185,6 +185,12 @@ class Settings:
         check=not_negative,
         instance="simulated",
     )
+    simulated_faults: bool = setting(
+        False,
+        "--engine simulated: a text holding CRASH-NOW kills the instance, HANG-NOW hangs it (chaos runs).",
+        is_flag=True,
+        instance="simulated",
+    )
     instances: str = setting("auto", "How many instances: a number, or 'auto' for as many as fit.", metavar="N|auto")
     gpus: str = setting(
         "",
@@ -481,6 +487,7 @@ def instance_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--starts-file", default="", help="a line is appended here at every start (restart counting)")
+    parser.add_argument("--ledger-dir", default="", help="marks of running syntheses, shared by all instances")
     parser.add_argument("--auth-file", default="", help="the access policy (tokens, users): all but /ping need them")
     for f in declarations():
         if not f.metadata["instance"]:

@@ -9,6 +9,8 @@ default; choose it only to measure routing, overhead and scale-out.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,6 +19,8 @@ import numpy as np
 from . import SynthesisRequest
 
 SAMPLE_RATE = 16000
+# --simulated-faults: texts that make the instance die or hang, for chaos runs (poison requests)
+CRASH, HANG = "CRASH-NOW", "HANG-NOW"
 
 
 class SimulatedEngine:
@@ -24,9 +28,12 @@ class SimulatedEngine:
     sample_rate = SAMPLE_RATE
     modes = ("sft",)
 
-    def __init__(self, simulated_ms_per_char: float = 4.0, simulated_base_ms: float = 0.0):
+    def __init__(
+        self, simulated_ms_per_char: float = 4.0, simulated_base_ms: float = 0.0, simulated_faults: bool = False
+    ):
         self.per_char = simulated_ms_per_char / 1000
         self.base = simulated_base_ms / 1000
+        self.faults = simulated_faults
 
     def speakers(self) -> list[str]:
         return []
@@ -38,5 +45,9 @@ class SimulatedEngine:
         return self.base + self.per_char * len(text)
 
     def synthesize(self, request: SynthesisRequest) -> Iterator[np.ndarray]:
+        if self.faults and CRASH in request.text:  # as a model that dies on some input (a CUDA assert)
+            os._exit(70)
+        if self.faults and HANG in request.text:  # as a model stuck on some input
+            threading.Event().wait()
         time.sleep(self.service_seconds(request.text))
         yield np.zeros(max(1, len(request.text) * SAMPLE_RATE // 100), dtype=np.float32)
