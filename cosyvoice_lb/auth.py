@@ -153,10 +153,11 @@ CLOSED = Policy()  # what an unreadable policy file allows: nothing
 
 
 class PolicyFile:
-    """The policy file as the instance sees it: re-read when it changes (looked at once a
-    second at most); a file that cannot be read or parsed allows nothing."""
+    """The policy file as the instance sees it: re-read when it changes; a file that cannot
+    be read or parsed allows nothing. By default it is looked at (one stat) on every request,
+    so the moment `up` has written new tokens they hold."""
 
-    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic, every: float = 1.0):
+    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic, every: float = 0.0):
         self.path, self.clock, self.every = path, clock, every
         self._policy, self._checked = CLOSED, float("-inf")
         self._seen: tuple[int, int, int] | None = None

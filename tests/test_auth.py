@@ -96,7 +96,7 @@ def test_policy_file_reloads_on_change_at_most_once_a_second_and_closes_when_unr
     path = tmp_path / "access.json"
     path.write_text(policy().to_json())
     now = [0.0]
-    watched = PolicyFile(str(path), clock=lambda: now[0])
+    watched = PolicyFile(str(path), clock=lambda: now[0], every=1.0)
     assert watched.current().token_ok(TOKEN)
     new = "another-token-0123456789abc"
     path.write_text(Policy(frozenset({digest(new)}), {}, b"s" * 32).to_json())

@@ -66,6 +66,46 @@ def test_two_browsers_generate_speech_through_nginx(cluster):
     print(f"browser visitors served by: {sorted(served_by)}")
 
 
+@pytest.fixture(scope="module")
+def closed_cluster():
+    """A cluster that asks for credentials (an API token is generated: --ui-auth needs one)."""
+    import bcrypt
+
+    root = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
+    users = root / "users"
+    users.write_text("ann:" + bcrypt.hashpw(b"ann's password", bcrypt.gensalt(4)).decode() + "\n")
+    users.chmod(0o600)
+    port, base = free_port_block(1), free_port_block(2)
+    done = cli("up", "--instances", "2", "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base),
+               "--state-dir", str(root / "s"), "--ui-auth", str(users), timeout=300)
+    assert done.returncode == 0, done.stderr
+    token = (root / "s/api-token").read_text().splitlines()[-1]
+    yield {"url": f"http://127.0.0.1:{port}/", "token": token}
+    cli("down", "--state-dir", str(root / "s"), timeout=120)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("user,password", [("ann", "ann's password"), ("", "token")])
+def test_a_browser_logs_in_and_then_generates_speech(closed_cluster, user, password):
+    password = closed_cluster["token"] if password == "token" else password
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.goto(closed_cluster["url"], wait_until="networkidle")
+            assert "/login" in page.url  # sent to the login, not to the UI
+            page.get_by_label("User").fill(user)
+            page.get_by_label("Password or API token").fill(password)
+            page.get_by_role("button", name="Log in").click()
+            page.wait_for_load_state("networkidle")
+            page.get_by_label("Text").fill("Hello after logging in.")
+            page.get_by_role("button", name="Generate").click()
+            page.get_by_role("button", name="Download").wait_for(timeout=30000)
+            assert page.get_by_text("Error").count() == 0
+        finally:
+            browser.close()
+
+
 def test_down_does_not_wait_for_an_open_browser_tab(cluster):
     # An open tab keeps Gradio's heartbeat stream open forever; a stop must not wait on it.
     with playwright.sync_playwright() as p:
