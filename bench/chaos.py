@@ -21,6 +21,10 @@ Scenarios, in this order, each on its own:
   rolling-restart   ``cosyvoice-lb restart --all --rolling``
   recycling         ``cosyvoice-lb up`` again with --max-requests 40 --max-requests-jitter 10,
                     until two recycling restarts were seen (D/run/instance-N.starts)
+  poison-request    one request that hangs whichever instance runs it (its Chinese text is
+                    the only one spoken by ``cmn-latn-pinyin``: every such espeak-ng child is
+                    SIGSTOPped): it must cost at most one retry -- exactly two restarts --
+                    then its client gets a 422 that says why; sent again, a 422 with no restart
 
 Per scenario: wait until the cluster is fully serving (what ``cosyvoice-lb status`` exits 0
 on); K clients POST /v1/tts through nginx; 2 s of baseline; inject; poll
@@ -34,7 +38,12 @@ target serves again (rolling-restart: until all are back with new pids; recyclin
 two restarts were seen and all but at most one instance serve -- one recycles at a time,
 and at ~100 requests/s one nearly always is).
 
-Exit 0 when every scenario recovered, no scenario but kill-nginx had a failed request and
+poison-request takes two instances out at once by design (the first run and the one retry):
+while both reload, the one left sheds what it cannot queue with 503 + Retry-After; those are
+counted and reported, and any other failure is a miss.
+
+Exit 0 when every scenario recovered, no scenario but kill-nginx had a failed request (but
+poison-request's 503s) and
 kill-nginx's refused window (first failed request's start to last one's end) is at most
 1 s; else 1, naming each missed target. The last line is always
 ``chaos: N scenarios, F failed requests of R``.
@@ -516,6 +525,65 @@ def kill_health(run: Run, before: ClusterStatus) -> Fault:
     return service_fault("health", old, lambda status, pid: True)
 
 
+# Only this request speaks Chinese, so its espeak-ng is recognisable; long, so it runs long
+# enough (a second or so) to be caught.
+POISON_TEXT = "这句话每次都会卡住，无论哪个实例来合成它，都会一直等下去。" * 6
+
+
+def poison_request(run: Run, before: ClusterStatus) -> Fault:
+    """A request that hangs whichever instance runs it, sent once (then once more) while the
+    load runs; a watcher SIGSTOPs every espeak-ng speaking it, on any instance."""
+    names = [i.name for i in before.instances]
+    starts_before = {n: count_lines(run.state_dir / "run" / f"{n}.starts") for n in names}
+    answers: list[requests.Response | Exception] = []
+    done = threading.Event()
+
+    def stop_poison_children() -> None:
+        while not done.is_set():
+            for proc in psutil.process_iter(["name", "cmdline"]):
+                try:
+                    if proc.info["name"] == "espeak-ng" and "cmn-latn-pinyin" in (proc.info["cmdline"] or []):
+                        if proc.status() != psutil.STATUS_STOPPED:
+                            run.suspend(proc)
+                except psutil.Error:
+                    continue
+            time.sleep(0.005)
+
+    def send() -> None:
+        with requests.Session() as session:
+            session.trust_env = False
+            for _ in range(2):  # as a client that retries what failed
+                try:
+                    answers.append(session.post(run.url + "/v1/tts", json={"text": POISON_TEXT},
+                                                timeout=CLIENT_TIMEOUT_S + 10))
+                except requests.RequestException as exc:
+                    answers.append(exc)
+        done.set()
+
+    threading.Thread(target=stop_poison_children, daemon=True).start()
+    threading.Thread(target=send, daemon=True).start()
+
+    def restarts() -> int:
+        return sum(count_lines(run.state_dir / "run" / f"{n}.starts") - starts_before[n] for n in names)
+
+    def recovered(status: ClusterStatus) -> bool:
+        return done.is_set() and all(i.serving for i in status.instances)
+
+    def finish(fault: Fault) -> None:
+        done.set()
+        shown = [a.status_code if isinstance(a, requests.Response) else type(a).__name__ for a in answers]
+        fault.notes.append(f"poison answers {shown}, {restarts()} restart(s)")
+        if len(answers) != 2 or not all(
+            isinstance(a, requests.Response) and a.status_code == 422 and "crashed or hung" in a.text
+            for a in answers
+        ):
+            fault.problems.append(f"the poison request's answers were {shown}, not 422 twice")
+        if restarts() != 2:
+            fault.problems.append(f"the poison request cost {restarts()} restarts, not 2 (the first run, one retry)")
+
+    return Fault(lambda status: not all(i.serving for i in status.instances), recovered, finish=finish)
+
+
 def fleet_fault(proc: subprocess.Popen, label: str, settled: Callable[[ClusterStatus], bool],
                 within: float = RECOVERY_S, may_be_out: int = 0, counted: Callable[[], str] = lambda: "") -> Fault:
     """A CLI command that restarts instances: back when it exited, ``settled`` holds and
@@ -579,6 +647,8 @@ class Scenario:
     name: str
     inject: Callable[[Run, ClusterStatus], Fault]
     judged_by_window: bool = False  # failures allowed within NGINX_WINDOW_TARGET_S
+    # Two instances down at once by design: 503s that shed load (Retry-After) are allowed, reported.
+    sheds_load: bool = False
 
 
 SCENARIOS = (
@@ -589,6 +659,7 @@ SCENARIOS = (
     Scenario("kill-health", kill_health),
     Scenario("rolling-restart", rolling_restart),
     Scenario("recycling", recycling),
+    Scenario("poison-request", poison_request, sheds_load=True),
 )
 
 # --- one scenario ------------------------------------------------------------------------
@@ -659,6 +730,12 @@ def judge(scenario: Scenario, result: ScenarioResult, fault: Fault) -> None:
         result.notes.append(f"refused window {result.window_s:.2f} s")
         if result.window_s > NGINX_WINDOW_TARGET_S:
             result.missed.append(f"refused window {result.window_s:.2f} s > {NGINX_WINDOW_TARGET_S:g} s")
+    elif scenario.sheds_load:
+        shed = result.errors.get("503", 0)
+        if shed:
+            result.notes.append(f"{shed} shed with 503 + Retry-After while two instances were out")
+        if result.failed > shed:
+            result.missed.append(f"{result.failed - shed} failed request(s) other than 503")
     elif result.failed:
         result.missed.append(f"{result.failed} failed request(s)")
     if result.errors:

@@ -4,7 +4,7 @@ through the cluster.
 nginx retries a request whose instance died under it on another one (synthesis has no side
 effects), and clients retry too; a request that deterministically crashes or hangs the
 model would cost an instance restart (a model load: minutes) per try. So every synthesis
-leaves a mark in a dir all instances share while it runs — the request's fingerprint and
+leaves a mark in a dir all instances share while it runs (holds the engine) — the request's fingerprint and
 the instance's pid — and removes it when it ends, however it ends, as long as the process
 lives. A mark whose process is dead is a death the request was present at. A request
 present at ``limit`` deaths (default 2: the first run and one retry) is refused before it
@@ -27,7 +27,9 @@ from collections.abc import Callable
 log = logging.getLogger("cosyvoice_lb.instance")
 
 DEATHS_LIMIT = 2
-MAX_AGE = 3600.0  # seconds a mark counts as evidence
+# Seconds a mark counts as evidence: a deterministic culprit is retried within seconds, and
+# a common text that happened to run at two unrelated deaths is not refused for long.
+MAX_AGE = 600.0
 
 
 class Poisoned(Exception):
@@ -103,14 +105,18 @@ class Ledger:
                 dead.add(pid)
         return len(dead)
 
-    def enter(self, print_: str) -> str:
-        """Mark a synthesis of ``print_`` as running here; Poisoned when it has done enough harm."""
+    def check(self, print_: str) -> int:
+        """Poisoned when ``print_`` has done enough harm; else how many deaths it was at."""
         deaths = self.deaths(print_)
         if deaths >= self.limit:
             log.warning("refused request %s: in flight at %d instance deaths", print_, deaths)
             raise Poisoned(deaths)
-        if deaths:
-            log.warning("request %s was in flight when an instance died: running it once more", print_)
+        return deaths
+
+    def enter(self, print_: str) -> str:
+        """Mark a synthesis of ``print_`` as running here (checked first, see :meth:`check`)."""
+        if self.check(print_):
+            log.warning("request %s was running when an instance died: running it once more", print_)
         mark = os.path.join(self.dir, f"{print_}.{self.pid}.{uuid.uuid4().hex[:8]}")
         with open(mark, "w"):
             pass

@@ -232,12 +232,15 @@ class Pipeline:
         Event): set when the client went away; the synthesis stops at its next chunk and
         frees the slot, counted neither served nor failed.
         """
-        mark = self.ledger.enter(job.fingerprint) if self.ledger is not None and job.fingerprint else ""
+        ledger = self.ledger if job.fingerprint else None
+        if ledger is not None:
+            ledger.check(job.fingerprint)  # refused before it waits for a slot
+        ticket = self.admission.admit(bounded=bounded, deadline=deadline)
+        # Marked only while it holds the engine: a request queued behind a culprit is no suspect.
         try:
-            ticket = self.admission.admit(bounded=bounded, deadline=deadline)
+            mark = ledger.enter(job.fingerprint) if ledger is not None else ""
         except BaseException:
-            if mark and self.ledger is not None:
-                self.ledger.leave(mark)
+            ticket.release(None)
             raise
         outcome: bool | None = None
         made: Iterator[Any] | None = None
@@ -269,8 +272,8 @@ class Pipeline:
                     close()  # the engine's generator lets go of what it holds
             finally:
                 ticket.release(outcome if count else None)
-                if mark and self.ledger is not None:
-                    self.ledger.leave(mark)  # it ended, and this process lives: no evidence
+                if mark and ledger is not None:
+                    ledger.leave(mark)  # it ended, and this process lives: no evidence
 
     def synthesize(
         self, job: Job, *, bounded: bool = False, deadline: float | None = None, count: bool = True
