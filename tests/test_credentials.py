@@ -120,3 +120,18 @@ def test_back_to_loopback_removes_the_policy(tmp_path):
     write_policy(Settings(public=True), lay)
     access = write_policy(dataclasses.replace(Settings(), public=False), lay)
     assert not access.required and not lay.access_policy.exists()
+
+
+def test_up_says_who_may_get_in_in_each_mode(tmp_path):
+    from cosyvoice_lb.cli import access_lines
+
+    lay = Layout(tmp_path)
+    url = "http://127.0.0.1:8080"
+    assert access_lines(Settings(), lay, url) == ["  credentials: none needed (only this box can reach it)"]
+    (warning,) = access_lines(Settings(public=True, no_auth=True), lay, url)
+    assert warning.startswith("WARNING: --no-auth on 0.0.0.0:8080") and "anyone" in warning
+    public = "\n".join(access_lines(Settings(public=True), lay, url))
+    assert f"generated into {lay.api_token}" in public and "$(tail -n1" in public and f"{url}/login" in public
+    tokens = private(tmp_path / "tokens", TOKEN + "\n")
+    given = "\n".join(access_lines(Settings(public=True, api_token_file=tokens), lay, url))
+    assert f"the API tokens in {tokens}" in given and TOKEN not in given and "generated" not in given
