@@ -18,7 +18,7 @@ from .files import write_atomic
 from .footprint import make_plan
 from .layout import Layout, layout_for
 from .planner import Plan, Slot
-from .preflight import check_model, find_nginx
+from .preflight import check_model, check_settings, check_state_dir, find_nginx
 from .protocol import out_of_rotation
 from .render import Programs, read_cluster_json, render
 from .resources import instance_files
@@ -102,6 +102,8 @@ def render_only(settings: Settings) -> tuple[Plan, Layout, list[Path]]:
             f"a cluster runs in {layout.root}: 'cosyvoice-lb up' applies new settings to it; "
             "to look at a config, render into another --state-dir"
         )
+    check_settings(settings)
+    check_state_dir(layout.root)
     if settings.resolved_engine == "cosyvoice3":
         check_model(settings)
     return render_to_disk(settings)

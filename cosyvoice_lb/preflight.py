@@ -6,6 +6,7 @@ nothing here starts or writes anything.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 from . import processes
 from .errors import ClusterError
 from .planner import Slot
-from .settings import Settings
+from .settings import Settings, problems
 
 
 def find_nginx(name: str) -> str:
@@ -110,8 +111,31 @@ def check_instance_env(settings: Settings) -> dict:
     return report
 
 
+def check_settings(settings: Settings) -> None:
+    """Refuse settings that cannot work (each setting's own check, then combinations)."""
+    found = problems(settings)
+    if found:
+        raise ClusterError("; ".join(found))
+
+
+def check_state_dir(path: Path) -> None:
+    """The state dir is a dir this user can write (made if missing)."""
+    if path.exists() and not path.is_dir():
+        raise ClusterError(f"--state-dir {path} is a file, not a directory: choose a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ClusterError(
+            f"--state-dir {path} cannot be created ({exc.strerror or exc}): choose a directory you can write"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ClusterError(f"--state-dir {path} is not writable by this user: choose a directory you can write")
+
+
 def check_tools(settings: Settings) -> None:
     """Everything `up` needs before it starts anything."""
+    check_settings(settings)
+    check_state_dir(Path(settings.state_dir).expanduser().resolve())
     find_nginx(settings.nginx)
     if not Path(settings.python).exists():
         raise ClusterError(f"--python {settings.python} does not exist: name the Python that runs instances")

@@ -44,7 +44,7 @@ from .pipeline import ERRORS, Job, NoAudio, Pipeline, StorageFailed, describe
 from .planner import parse_size
 from .settings import Settings, parse_instance_args
 from .timeouts import GRACEFUL_SHUTDOWN
-from .validation import FIELDS, BadRequest, Limits, form_payload, request_schema
+from .validation import FIELDS, BadRequest, Limits, form_payload, request_schema, safe
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -75,6 +75,22 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     return JSONResponse({"error": {"message": message, "status": status}}, status_code=status, headers=headers)
 
 
+def multipart_problem(content_type: str, body: bytes) -> str:
+    """What is wrong with a multipart body's frame ("" if nothing): a body cut off inside a
+    file part would otherwise be read as a shorter file."""
+    boundary = ""
+    for param in content_type.split(";")[1:]:
+        key, _, value = param.strip().partition("=")
+        if key.lower() == "boundary":
+            boundary = value.strip('"')
+    if not boundary:
+        return "its Content-Type names no boundary"
+    closing = b"--" + boundary.encode("latin-1", "replace") + b"--"
+    if not body.rstrip(b"\r\n").endswith(closing):
+        return f"it does not end with its closing boundary --{safe(boundary, 40)}--: cut off, or a different boundary"
+    return ""
+
+
 async def read_request(request: Request, limits: Limits) -> tuple[dict, bytes | None]:
     """The API's input: JSON, or a form with the prompt audio as the file ``prompt_audio``."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -82,6 +98,10 @@ async def read_request(request: Request, limits: Limits) -> tuple[dict, bytes | 
     if kind == "application/x-www-form-urlencoded" and (await request.body()).lstrip()[:1] in (b"{", b"["):
         kind = "application/json"
     if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        if kind == "multipart/form-data":
+            problem = multipart_problem(request.headers["content-type"], await request.body())
+            if problem:
+                raise BadRequest(f"the form could not be read ({problem}): send the whole multipart/form-data body")
         try:
             form = await request.form(max_files=1, max_fields=len(FIELDS) + 1)
         except Exception as exc:  # malformed multipart, too many parts
@@ -108,10 +128,15 @@ async def read_request(request: Request, limits: Limits) -> tuple[dict, bytes | 
         )
     try:
         payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f'the body is not valid JSON ({exc}): POST JSON like {{"text": "Hello"}}') from None
     except RecursionError:
         raise BadRequest('the JSON is nested too deeply: POST a flat object like {"text": "Hello"}') from None
+    except ValueError as exc:  # not JSON, not UTF-8, or a number of thousands of digits
+        if "digits" in str(exc):
+            raise BadRequest(
+                "a number in the JSON has thousands of digits: send numbers that fit their field "
+                "(speed 0.5-2.0, seed below 4294967296)"
+            ) from None
+        raise BadRequest(f'the body is not valid JSON ({safe(str(exc))}): POST JSON like {{"text": "Hello"}}') from None
     if not isinstance(payload, dict):
         raise BadRequest('the body must be a JSON object, e.g. {"text": "Hello", "speed": 1.0}')
     return payload, None
@@ -303,7 +328,7 @@ def build_app(
                 pipeline.finish(job)
 
     # Gradio is mounted at "/" and would answer everything else under /v1/ with its own 404.
-    @app.api_route("/v1/tts", methods=["GET", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+    @app.api_route("/v1/tts", methods=["GET", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def tts_wrong_method(request: Request):
         return JSONResponse(
             {
@@ -316,7 +341,9 @@ def build_app(
             headers={"Allow": "POST"},
         )
 
-    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+    @app.api_route(
+        "/v1/{path:path}", methods=["GET", "HEAD", "OPTIONS", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False
+    )
     async def v1_unknown(path: str):
         return error_response(404, f"no endpoint /v1/{path}: the API is POST /v1/tts")
 

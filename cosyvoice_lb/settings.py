@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import stat
@@ -52,12 +53,16 @@ ENGINES = ("auto", "espeak", "cosyvoice3", "simulated")
 Check = Callable[[str, Any], str]
 
 
+def finite(flag: str, value: Any) -> str:
+    return "" if math.isfinite(value) else f"{flag} must be a finite number, got {value}"
+
+
 def above_zero(flag: str, value: Any) -> str:
-    return "" if value > 0 else f"{flag} must be above 0 seconds, got {value}"
+    return finite(flag, value) or ("" if value > 0 else f"{flag} must be above 0 seconds, got {value}")
 
 
 def not_negative(flag: str, value: Any) -> str:
-    return "" if value >= 0 else f"{flag} cannot be negative, got {value}"
+    return finite(flag, value) or ("" if value >= 0 else f"{flag} cannot be negative, got {value}")
 
 
 def at_least(least: int) -> Check:

@@ -96,6 +96,10 @@ def check_text(text: Any, max_chars: int, name: str = "text", required: bool = T
 def check_speed(speed: Any) -> float:
     if isinstance(speed, bool) or not isinstance(speed, (int, float)):
         raise BadRequest(f'"speed" must be a number between {MIN_SPEED} and {MAX_SPEED}, not {speed!r}')
+    try:
+        speed = float(speed)
+    except OverflowError:  # an integer of hundreds of digits
+        raise BadRequest(f'"speed" is out of range: it must be between {MIN_SPEED} and {MAX_SPEED}') from None
     if not (math.isfinite(speed) and MIN_SPEED <= speed <= MAX_SPEED):
         raise BadRequest(f'"speed" is {speed}: it must be between {MIN_SPEED} and {MAX_SPEED}')
     return float(speed)

@@ -83,6 +83,19 @@ def http_server(handler: type) -> Iterator[int]:
         thread.join(5)
 
 
+def unexpected_tracebacks(log: str) -> list[str]:
+    """The tracebacks in an instance log, less those of gr.Error: Gradio logs the error
+    the UI shows the user (a refused input) with its traceback too."""
+    found = []
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last):"):
+            last = next((rest for rest in lines[i + 1:] if rest and not rest[0].isspace()), "")
+            if not last.startswith("gradio.exceptions.Error"):
+                found.append("\n".join(lines[max(i - 2, 0):i + 60]))
+    return found
+
+
 # --- a running cluster ------------------------------------------------------------------
 
 def status(state_dir: Path) -> tuple[int, dict]:

@@ -101,3 +101,12 @@ def test_settings_are_frozen():
 def test_an_instance_started_with_an_earlier_version_s_flags_still_starts():
     parsed, _ = parse_instance_args(["--port", "7860", "--max-upload-mib", "10", "--outputs-max-mib", "2048"])
     assert (parsed.max_upload, parsed.outputs_max_size) == ("10MiB", "2048MiB")
+
+
+@pytest.mark.parametrize("name", ["request_timeout", "drain_timeout", "probe_interval", "simulated_ms_per_char"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_infinite_or_nan_seconds_are_refused(name, value):
+    from cosyvoice_lb.settings import problems
+
+    found = problems(Settings(**{name: value}))
+    assert any(f"--{name.replace('_', '-')} must be" in p for p in found), found

@@ -1,0 +1,86 @@
+"""The UI's prompt audio, hostile: a cloning engine's Gradio UI through nginx, called with
+gradio_client, given files that are not usable voice prompts.
+
+The espeak cluster of test_hostile_input.py has no prompt audio input (espeak does not
+clone), so this module runs its own one-instance cluster on the CosyVoice3 contract fake
+(tests/fake_cosyvoice, as test_cosyvoice_cluster.py does). Each call must end in a clear
+error from the UI (gradio_client's AppError with the pipeline's message), and the instance
+must stay up: same pid, no restart, no traceback in its log.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+from conftest import ROOT, clean_env, cli, free_port_block, status, unexpected_tracebacks
+
+pytest.importorskip("torch", reason="the contract fake yields torch tensors, like upstream")
+
+FAKE = ROOT / "tests" / "fake_cosyvoice"
+V3 = ROOT / "tests" / "fake_models" / "Fun-CosyVoice3-0.5B"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
+    port, base = free_port_block(1), free_port_block(1)
+    try:
+        done = cli("up", "--engine", "cosyvoice3", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE),
+                   "--instances", "1", "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base),
+                   "--state-dir", str(state_dir), env=clean_env(FAKE_COSYVOICE_CHUNK_SECONDS="0.05"), timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        code, body = status(state_dir)
+        assert code == 0, body
+        yield {"state_dir": state_dir, "url": f"http://127.0.0.1:{port}",
+               "instances": {i["name"]: i["pid"] for i in body["instances"]}}
+    finally:
+        cli("down", "--state-dir", str(state_dir), timeout=120)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def wav(seconds: float, rate: int, silent: bool = False) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    audio = np.zeros_like(t) if silent else 0.3 * np.sin(2 * np.pi * 220 * t)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, audio.astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("name, content, words", [
+    pytest.param("prompt.wav", b"this is not audio at all\n" * 40, "not audio", id="ui-prompt-text-named-wav"),
+    pytest.param("notes.txt", b"this is not audio at all\n" * 40, "not audio", id="ui-prompt-txt-file"),
+    pytest.param("prompt.wav", b"", "empty", id="ui-prompt-empty-file"),
+    pytest.param("prompt.wav", wav(4, 16000)[:30], "not audio", id="ui-prompt-truncated-wav"),
+    pytest.param("prompt.wav", wav(4, 8000), "8000 Hz", id="ui-prompt-8000Hz"),
+    pytest.param("prompt.wav", wav(4, 16000, silent=True), "silent", id="ui-prompt-silent"),
+])
+def test_ui_refuses_a_bad_prompt_audio_with_a_clear_error(cluster, tmp_path, name, content, words):
+    from gradio_client import Client, handle_file
+    from gradio_client.exceptions import AppError
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    client = Client(cluster["url"] + "/", verbose=False)
+    with pytest.raises(AppError) as raised:
+        # text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed, seed, stream
+        client.predict("Hello there.", "cross_lingual", handle_file(str(path)), "", "", None, 1.0, -1, False,
+                       api_name="/generate")
+    message = str(raised.value)
+    assert "prompt" in message.lower() and words in message, message
+    assert "Traceback" not in message
+
+
+def test_the_instance_stayed_up(cluster):
+    code, body = status(cluster["state_dir"])
+    assert {i["name"]: i["pid"] for i in body["instances"]} == cluster["instances"]
+    assert [i["restarts"] for i in body["instances"]] == [0]
+    assert code == 0, body
+    log = (cluster["state_dir"] / "logs" / "instance-0.log").read_text(errors="replace")
+    found = unexpected_tracebacks(log)
+    assert found == [], f"{len(found)} traceback(s), the first:\n{found[0] if found else ''}"
