@@ -83,7 +83,8 @@ def write_wav(path: Path, audio: np.ndarray, rate: int) -> None:
     path = Path(path)
     temp = path.with_name(f".{path.name}.part")
     try:
-        with open(temp, "wb") as handle:
+        # Readable by the service's user only: prompts are someone's voice.
+        with os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as handle:
             handle.write(data)
         os.replace(temp, path)
     except BaseException:
@@ -150,7 +151,7 @@ class Outputs:
         self.port, self.max_age, self.max_bytes, self.sweep_every = port, max_age, max_bytes, sweep_every
         self.last_sweep = 0.0
         if self.dir:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def name(self, suffix: str = ".wav") -> str:
         return f"{time.strftime('%Y%m%d-%H%M%S')}-{self.port}-{uuid.uuid4().hex[:12]}{suffix}"

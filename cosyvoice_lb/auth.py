@@ -110,13 +110,15 @@ class Policy:
         """The credential key a login proves (a token, or a user's password), or None."""
         if self.token_ok(password):
             return "t:" + digest(password)
-        hashed = self.users.get(user)
-        if hashed is None or not password:
+        if not password or not self.users:
             return None
         import bcrypt  # (only logins with a password need it)
 
+        known = user in self.users
+        # An unknown user costs a bcrypt check too: the answer's time does not tell who exists.
+        hashed = self.users[user] if known else next(iter(self.users.values()))
         try:
-            good = bcrypt.checkpw(password.encode("utf-8", "surrogatepass"), hashed.encode())
+            good = bcrypt.checkpw(password.encode("utf-8", "surrogatepass"), hashed.encode()) and known
         except ValueError:
             return None
         return "u:" + user + ":" + hashlib.sha256(hashed.encode()).hexdigest() if good else None

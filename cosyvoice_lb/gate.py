@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import html
 import json
+import re
 import time
 from collections.abc import Callable
 from http.cookies import CookieError, SimpleCookie
@@ -43,10 +44,9 @@ def session_cookie(headers: dict[str, str]) -> str:
 
 
 def safe_next(target: str) -> str:
-    """Where to go after the login: a path on this site only (never //host or a URL)."""
-    if not target.startswith("/") or target.startswith("//") or "\\" in target:
-        return "/"
-    return target
+    """Where to go after the login: a path on this site only (never //host, a URL, or a
+    path with blanks or controls, which browsers strip: "/\t/evil" would become //evil)."""
+    return target if re.fullmatch(r"/(?![/\\])[\x21-\x7e]*", target) else "/"
 
 
 async def _send(send: Send, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:
@@ -82,6 +82,7 @@ class Gate:
 
     def __init__(self, app: ASGIApp, policy: PolicyFile | None, clock: Callable[[], float] = time.time):
         self.app, self.policy, self.clock = app, policy, clock
+        self.checks = asyncio.Semaphore(2)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or self.policy is None:
@@ -136,8 +137,10 @@ class Gate:
         user, password = form.get("user", [""])[0], form.get("password", [""])[0]
         target = safe_next(form.get("next", ["/"])[0])
         policy = self.policy.current() if self.policy else None
-        # (bcrypt is slow on purpose: off the event loop)
-        key = await asyncio.to_thread(policy.login, user, password) if policy else None
+        # (bcrypt is slow on purpose: off the event loop, and a few at a time, so a flood of
+        # logins cannot take the threads the syntheses' preparation uses)
+        async with self.checks:
+            key = await asyncio.to_thread(policy.login, user, password) if policy else None
         if policy is None or key is None:
             page = login_page(target, "Wrong user, password or token.")
             return await _send(send, 401, page, [html_type, no_store])

@@ -132,7 +132,11 @@ def _update(
             clear_starts(layout, name)
         for name in added:
             supervisor.add_group(name)
-        supervisor.signal("nginx", "HUP")
+        # Credentials turned on: the instances get them first, and only then does nginx take
+        # its new (maybe public) listener. Otherwise nginx first (e.g. back to loopback).
+        tightening = settings.auth_required and not old_settings.auth_required
+        if not tightening:
+            supervisor.signal("nginx", "HUP")
         # New instance code (staged in run/lib) means every instance is "changed".
         if any(layout.instance_lib in path.parents for path in changed):
             groups_changed = sorted(set(groups_changed) | (set(names) - set(added)))
@@ -145,6 +149,8 @@ def _update(
             supervisor.remove_group(name)
             supervisor.add_group(name)
             serving_or_fail(layout, settings, [name], on_progress, old)
+        if tightening:
+            supervisor.signal("nginx", "HUP")
         if "nginx" in groups_changed:
             supervisor.remove_group("nginx")
             supervisor.add_group("nginx")

@@ -399,7 +399,7 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
     outputs = Outputs(settings.outputs_dir, port, settings.outputs_max_age, parse_size(settings.outputs_max_size))
     # Prompt uploads are written for upstream as files; leftovers of a killed run go at start.
     scratch = os.path.join(settings.outputs_dir, ".prompts") if settings.outputs_dir else tempfile.gettempdir()
-    os.makedirs(scratch, exist_ok=True)
+    os.makedirs(scratch, exist_ok=True, mode=0o700)
     for stale in os.listdir(scratch):
         if stale.startswith(f"prompt-{port}-"):
             try:
@@ -447,8 +447,9 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
     )
     draining_server(config, pipeline.admission, settings.drain_timeout).run()
-    if pipeline.ledger is not None:
+    if pipeline.ledger is not None and not pipeline.admission.snapshot().inflight:
         pipeline.ledger.clear_own()  # a graceful stop: what it cut short harmed nothing
+    # (a synthesis still running past the drain timeout may be stuck: its mark stays as evidence)
     # Drained: leave now. A synthesis stuck in the engine must not keep the process (its
     # worker thread would be joined at interpreter exit).
     logging.shutdown()

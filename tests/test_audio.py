@@ -82,3 +82,12 @@ def test_outputs_get_unique_names_and_stay_bounded(tmp_path):
     old = tmp_path / names[-1]
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     assert names[-1] in store.sweep(force=True)
+
+
+def test_written_audio_is_readable_by_the_service_only(tmp_path):
+    import stat
+
+    outputs = Outputs(str(tmp_path / "out"), 7860, 3600, 2**30)
+    name = outputs.save(np.zeros(1600, dtype=np.float32), 16000)
+    assert stat.S_IMODE((tmp_path / "out" / name).stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o700

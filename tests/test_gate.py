@@ -107,6 +107,7 @@ def test_a_huge_login_form_is_refused(client):
 @pytest.mark.parametrize("target,expected", [
     ("/", "/"), ("/?view=api", "/?view=api"), ("//evil.example/x", "/"), ("https://evil.example", "/"),
     ("/\\evil.example", "/"), ("", "/"), ("javascript:alert(1)", "/"),
+    ("/\t/evil.example", "/"), ("/\n/evil.example", "/"), ("/ /evil.example", "/"),  # browsers drop blanks
 ])
 def test_after_the_login_only_paths_of_this_site(target, expected):
     assert safe_next(target) == expected

@@ -576,14 +576,28 @@ def test_no_rate_limit_unless_asked():
     assert not http.all("limit_req_zone") and not server.one("location", "/v1/").values("limit_req")
 
 
-def test_rate_limit_per_token_or_address_on_what_synthesizes_with_json_429():
-    http, server = nginx_server(Settings(rate_limit="10r/s", rate_burst=5))
-    assert http.one("map", "$http_authorization", "$cvlb_client").values("default") == [["$http_authorization"]]
-    assert http.values("limit_req_zone") == [["$cvlb_client", "zone=cvlb_rate:10m", "rate=10r/s"]]
+@pytest.mark.parametrize("auth", [False, True])
+def test_rate_limit_on_what_synthesizes_with_json_429(auth):
+    http, server = nginx_server(Settings(rate_limit="10r/s", rate_burst=5, public=auth))
+    if auth:  # per token: the token alone is the key, so "bearer  T" and "Bearer T" share a bucket
+        (key,) = http.all("map", "$http_authorization", "$cvlb_client")
+        assert key.values("default") == [["$binary_remote_addr"]]
+        # (read raw: this file's parser drops backslashes in quotes, as nginx does only for \" \\ \t \r \n)
+        (line,) = [x for x in rendered(settings=Settings(rate_limit="10r/s", public=True))["nginx/nginx.conf"]
+                   .splitlines() if "~*^bearer" in x]
+        pattern = line.strip().split('"')[1][2:].replace("?<token>", "?P<token>")
+        assert re.fullmatch(pattern, "BEARER   " + "t" * 20, re.I)["token"] == "t" * 20
+        assert not re.fullmatch(pattern, "Bearer short", re.I)
+        assert ["$cvlb_client", "zone=cvlb_rate:10m", "rate=10r/s"] in http.values("limit_req_zone")
+    else:  # no tokens: a made-up Authorization header must not buy a fresh bucket
+        assert not http.all("map", "$http_authorization")
+        assert http.values("limit_req_zone") == [["$binary_remote_addr", "zone=cvlb_rate:10m", "rate=10r/s"]]
     assert http.values("limit_req_status") == [["429"]]
-    limited = [server.one("location", "/v1/"), server.one("location", "~", "^/gradio_api/(queue/join|call/|run/)")]
-    for location in limited:
+    gradio = server.one("location", "~", "^/gradio_api/(queue/join|call/|run/|api/)")
+    for location in (server.one("location", "/v1/"), gradio):
         assert location.values("limit_req") == [["zone=cvlb_rate", "burst=5", "nodelay"]]
+    for route in ("queue/join", "call/generate", "run/predict", "api/generate"):
+        assert re.match(gradio.args[1], "/gradio_api/" + route)
     # (/v1/ has error_pages of its own, which replace the server's: 429 must be among them)
     assert ["429", "=", "@rate_limited"] in server.one("location", "/v1/").values("error_page")
     assert ["429", "=", "@rate_limited"] in server.values("error_page")
