@@ -19,12 +19,13 @@ Scenarios, in this order, each on its own:
   kill-nginx        SIGKILL the nginx master (its orphaned workers keep the port)
   kill-health       SIGKILL the health loop
   rolling-restart   ``cosyvoice-lb restart --all --rolling``
-  recycling         ``cosyvoice-lb up`` again with --max-requests 40 --max-requests-jitter 10,
-                    until two recycling restarts were seen (D/run/instance-N.starts)
   poison-request    one request that hangs whichever instance runs it (its Chinese text is
                     the only one spoken by ``cmn-latn-pinyin``: every such espeak-ng child is
                     SIGSTOPped): it must cost at most one retry -- exactly two restarts --
                     then its client gets a 422 that says why; sent again, a 422 with no restart
+  recycling         ``cosyvoice-lb up`` again with --max-requests 40 --max-requests-jitter 10,
+                    until two recycling restarts were seen (D/run/instance-N.starts); last,
+                    since the cluster keeps recycling afterwards
 
 Per scenario: wait until the cluster is fully serving (what ``cosyvoice-lb status`` exits 0
 on); K clients POST /v1/tts through nginx; 2 s of baseline; inject; poll
@@ -658,8 +659,9 @@ SCENARIOS = (
     Scenario("kill-nginx", kill_nginx, judged_by_window=True),
     Scenario("kill-health", kill_health),
     Scenario("rolling-restart", rolling_restart),
-    Scenario("recycling", recycling),
+    # (before recycling, which leaves the cluster recycling every ~40 requests)
     Scenario("poison-request", poison_request, sheds_load=True),
+    Scenario("recycling", recycling),
 )
 
 # --- one scenario ------------------------------------------------------------------------

@@ -313,6 +313,13 @@ def status_command(state_dir: str, as_json: bool) -> None:
         info = getattr(current, name)
         table.add_row(name, str(info.get("port", "")), "", str(info["pid"]), info["state"], "", "", "", "", "")
     out.print(table)
+    if current.access:
+        access = current.access
+        who = "other machines too" if access["public"] else "this box only"
+        click.echo(
+            f"access: nginx on {access['listen']} ({who}); credentials "
+            + ("required" if access["credentials"] else "not required")
+        )
     for line in current.warnings:
         click.echo(line)
     for line in current.report:

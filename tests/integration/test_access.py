@@ -82,6 +82,13 @@ def test_up_says_how_to_get_in_and_never_prints_the_token(cluster):
     assert generated(cluster) not in done.stdout + done.stderr
 
 
+def test_status_says_credentials_are_required(cluster):
+    done = cli("status", "--state-dir", str(cluster["state_dir"]))
+    assert f"access: nginx on 127.0.0.1:{cluster['port']} (this box only); credentials required" in done.stdout
+    assert status(cluster["state_dir"])[1]["access"] == {
+        "listen": f"127.0.0.1:{cluster['port']}", "public": False, "credentials": True}
+
+
 def test_the_api_needs_a_token_and_says_so(cluster):
     none = tts(cluster["url"])
     assert none.status_code == 401 and none.headers["WWW-Authenticate"] == 'Bearer realm="cosyvoice-lb"'

@@ -76,6 +76,7 @@ def test_human_status_prints_a_table(cluster):
     done = cli("status", "--state-dir", str(cluster["state_dir"]))
     assert done.returncode == 0
     assert "instance-0" in done.stdout and "nginx" in done.stdout and "ok" in done.stdout
+    assert f"access: nginx on 127.0.0.1:{cluster['port']} (this box only); credentials not required" in done.stdout
 
 
 def test_ping_through_nginx(cluster):
