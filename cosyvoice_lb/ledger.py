@@ -83,6 +83,7 @@ class Ledger:
     ):
         self.dir, self.pid = directory, os.getpid() if pid is None else pid
         self.alive, self.clock, self.limit, self.max_age = alive, clock, limit, max_age
+        self.warned: set[str] = set()
         os.makedirs(directory, exist_ok=True)
 
     def deaths(self, print_: str) -> int:
@@ -115,7 +116,10 @@ class Ledger:
 
     def enter(self, print_: str) -> str:
         """Mark a synthesis of ``print_`` as running here (checked first, see :meth:`check`)."""
-        if self.check(print_):
+        if self.check(print_) and print_ not in self.warned:  # once per request here, not per repeat
+            if len(self.warned) > 10000:
+                self.warned.clear()
+            self.warned.add(print_)
             log.warning("request %s was running when an instance died: running it once more", print_)
         mark = os.path.join(self.dir, f"{print_}.{self.pid}.{uuid.uuid4().hex[:8]}")
         with open(mark, "w"):

@@ -121,3 +121,14 @@ def test_a_zombie_is_dead_and_a_running_process_alive():
     finally:
         child.wait()
     assert not pid_alive(child.pid)
+
+
+def test_a_request_after_a_death_is_said_once_not_at_every_repeat(tmp_path, caplog):
+    world = Processes(1, 2)
+    ledger(tmp_path, 1, world).enter("common text")
+    world.living.discard(1)
+    two = ledger(tmp_path, 2, world)
+    with caplog.at_level("WARNING", logger="cosyvoice_lb.instance"):
+        for _ in range(5):
+            two.leave(two.enter("common text"))
+    assert sum("running it once more" in r.message for r in caplog.records) == 1
