@@ -114,9 +114,12 @@ class Ledger:
             raise Poisoned(deaths)
         return deaths
 
-    def enter(self, print_: str) -> str:
-        """Mark a synthesis of ``print_`` as running here (checked first, see :meth:`check`)."""
-        if self.check(print_) and print_ not in self.warned:  # once per request here, not per repeat
+    def enter(self, print_: str, deaths: int | None = None) -> str:
+        """Mark a synthesis of ``print_`` as running here; ``deaths``: what :meth:`check` said
+        just before (else it is checked now: one scan of the dir per request, not two)."""
+        if deaths is None:
+            deaths = self.check(print_)
+        if deaths and print_ not in self.warned:  # once per request here, not per repeat
             if len(self.warned) > 10000:
                 self.warned.clear()
             self.warned.add(print_)

@@ -233,12 +233,11 @@ class Pipeline:
         frees the slot, counted neither served nor failed.
         """
         ledger = self.ledger if job.fingerprint else None
-        if ledger is not None:
-            ledger.check(job.fingerprint)  # refused before it waits for a slot
+        deaths = ledger.check(job.fingerprint) if ledger is not None else 0  # refused before it waits
         ticket = self.admission.admit(bounded=bounded, deadline=deadline)
         # Marked only while it holds the engine: a request queued behind a culprit is no suspect.
         try:
-            mark = ledger.enter(job.fingerprint) if ledger is not None else ""
+            mark = ledger.enter(job.fingerprint, deaths) if ledger is not None else ""
         except BaseException:
             ticket.release(None)
             raise
