@@ -23,6 +23,7 @@ from urllib.parse import parse_qs, quote
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .auth import SESSION_COOKIE, SESSION_SECONDS, PolicyFile
+from .problems import error_body, error_headers
 
 OPEN = frozenset({"/ping", "/ping/brief", "/login", "/logout"})
 MAX_LOGIN_BODY = 8192
@@ -111,8 +112,9 @@ class Gate:
             "or log in at /login in a browser"
         )
         challenge = REALM + (', error="invalid_token"' if offered else "")
-        body = json.dumps({"error": {"message": message, "status": 401}}).encode()
-        await _send(send, 401, body, [("content-type", "application/json"), ("www-authenticate", challenge)])
+        body = json.dumps(error_body(401, message, code="invalid_api_key" if offered else None)).encode()
+        answer = [("content-type", "application/json"), ("www-authenticate", challenge), *error_headers(401).items()]
+        await _send(send, 401, body, answer)
         return None
 
     async def login(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -84,6 +84,11 @@ class Layout:
         return self.root / "outputs"
 
     @property
+    def voices(self) -> Path:
+        """Saved voices (unless --voices-dir): kept across down/up."""
+        return self.root / "voices"
+
+    @property
     def ledger(self) -> Path:
         """Marks of the syntheses running in every instance (poison requests, see ``ledger``)."""
         return self.run / "ledger"

@@ -27,10 +27,12 @@ import numpy as np
 
 from .admission import Admission, Cancelled, Clock, NotReady, Overloaded, TimedOut, deadline_for
 from .audio import Outputs, PromptError, read_prompt, wav_bytes, write_wav
-from .engines import Engine, EngineError, SynthesisRequest
+from .engines import Engine, EngineError, SynthesisRequest, clones
+from .fanout import SegmentFailed
 from .ledger import Ledger, Poisoned, fingerprint
 from .timeouts import WORKER_GRACE
-from .validation import BadRequest, Limits, make_request
+from .validation import MAX_SPEED, MIN_SPEED, BadRequest, Limits, check_text, make_request, safe
+from .voices import Registry, Voice, VoiceNotFound
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -44,11 +46,11 @@ class NoAudio(ValueError):
 class StorageFailed(OSError):
     """A file the request needs (its prompt, its result) could not be written."""
 
-    def __init__(self, what: str, directory: str, cause: OSError):
+    def __init__(self, what: str, directory: str, cause: OSError, setting: str = "--outputs-dir"):
         reason = cause.strerror or str(cause)
         super().__init__(
             f"{what} could not be written to {directory} ({reason}): the instance is fine, its disk is not; "
-            "free space there or point --outputs-dir at a writable disk, then retry"
+            f"free space there or point {setting} at a writable disk, then retry"
         )
 
 
@@ -77,6 +79,9 @@ ERRORS: tuple[tuple[type[BaseException], Callable[[Any], Failure]], ...] = (
     (Cancelled, lambda e: Failure(499, "the client went away", level=logging.INFO)),
     # (a retry cannot help: clients that honour x-should-retry stop here)
     (Poisoned, lambda e: Failure(422, str(e), {"x-should-retry": "false"}, level=logging.WARNING)),
+    (VoiceNotFound, lambda e: Failure(404, str(e))),
+    # a long text's segment: its answer is the whole request's
+    (SegmentFailed, lambda e: Failure(e.status, str(e), e.headers, level=logging.WARNING)),
 )
 
 
@@ -113,6 +118,7 @@ class Pipeline:
         request_timeout: float = 0.0,
         wall: Clock = time.time,
         ledger: Ledger | None = None,
+        registry: Registry | None = None,
     ):
         self.engine = engine
         self.admission = admission or Admission()
@@ -123,6 +129,7 @@ class Pipeline:
         self.request_timeout = request_timeout  # seconds per API request, retries included; 0: none
         self.wall = wall
         self.ledger = ledger  # poison requests: see ``ledger``
+        self.registry = registry  # saved voices: see ``voices``
         # API syntheses run here rather than in the server's shared pool: a request whose
         # time ran out is answered while a stuck engine call keeps only its own thread.
         self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="synthesis")
@@ -155,11 +162,33 @@ class Pipeline:
 
     # --- validate → prompt ---------------------------------------------------------------
 
-    def prepare(self, payload: dict, prompt_data: bytes | None = None) -> Job:
+    def prepare(
+        self,
+        payload: dict,
+        prompt_data: bytes | None = None,
+        speeds: tuple[float, float] = (MIN_SPEED, MAX_SPEED),
+    ) -> Job:
         """Validate, refuse when not ready, write the prompt file, fill in the defaults."""
+        payload = dict(payload)
+        voice = self.voice(payload.pop("voice", None))
+        if voice is not None:
+            if prompt_data is not None:
+                raise BadRequest("send a saved voice or prompt_audio, not both")
+            if payload.get("prompt_text"):
+                raise BadRequest("a saved voice brings its own transcript: drop prompt_text")
+            payload["prompt_text"] = voice.prompt_text
+            if not payload.get("mode"):
+                payload["mode"] = "instruct" if payload.get("instruct_text") else "zero_shot"
         request = make_request(
-            payload, self.limits, self.modes, self.engine.speakers(), has_prompt=prompt_data is not None
+            payload,
+            self.limits,
+            self.modes,
+            self.engine.speakers(),
+            has_prompt=prompt_data is not None or voice is not None,
+            speeds=speeds,
         )
+        if voice is not None and self.registry is not None:
+            request = replace(request, prompt_wav=self.registry.audio_path(voice), voice_id=voice.id)
         self.admission.check_ready()
         job = Job(request, fingerprint=fingerprint(request, prompt_data or b""))
         try:
@@ -171,6 +200,43 @@ class Pipeline:
             self.finish(job)
             raise
         return job
+
+    # --- saved voices ---------------------------------------------------------------------
+
+    def voices(self) -> Registry:
+        if self.registry is None:
+            raise BadRequest("this instance keeps no saved voices (started without --voices-dir)", status=404)
+        if not clones(self.engine):
+            raise BadRequest(
+                f"the {self.engine.name} engine cannot speak saved voices (it does not clone voices): "
+                "start the cluster with a CosyVoice model (--model-dir)"
+            )
+        return self.registry
+
+    def voice(self, key: Any) -> Voice | None:
+        """The saved voice a request names (None: none named)."""
+        if key is None or key == "":
+            return None
+        if not isinstance(key, str):
+            raise BadRequest(f'"voice" must be a saved voice\'s id or name, not {safe(key)}')
+        registry = self.voices()
+        retain = getattr(self.engine, "retain_voices", None)
+        if retain is not None:  # deleted voices leave the engine's cache too
+            retain(registry.ids())
+        return registry.require(key)
+
+    def save_voice(self, name: Any, data: bytes | None, prompt_text: Any, consent: str = "") -> tuple[Voice, list[str]]:
+        """Check a prompt by the prompt rules and store it as a voice: (voice, notices)."""
+        registry = self.voices()
+        transcript = check_text(prompt_text, self.limits.max_chars, "prompt_text")
+        if data is None:
+            raise BadRequest("audio_sample is missing: upload 3-15 s of the voice as the file audio_sample")
+        prompt = read_prompt(data, self.limits.max_prompt_seconds)
+        try:
+            voice = registry.create(name, prompt.audio, prompt.rate, transcript, consent)
+        except OSError as exc:
+            raise StorageFailed("the voice", str(registry.root), exc, "--voices-dir") from None
+        return voice, prompt.notices
 
     def prepare_prompt(self, data: bytes) -> tuple[str, list[str]]:
         """Decode an upload and write it as the WAV file upstream wants; (path, notices)."""

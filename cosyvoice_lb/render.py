@@ -70,9 +70,20 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def instance_command(settings: Settings, layout: Layout, programs: Programs, slot: Slot) -> list[str]:
+def balancer_url(settings: Settings) -> str:
+    """nginx as an instance on this box reaches it (long texts' segments go there)."""
+    host = settings.listen_host
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "::1"
+    return f"http://{listen_address(host, settings.port)}"
+
+
+def instance_command(settings: Settings, layout: Layout, programs: Programs, slot: Slot, peers: int = 1) -> list[str]:
     """The instance's command line: its port and starts file, then its share of the settings
     (written and parsed by the same declarations, see ``settings.instance_args``)."""
+    long_texts = ["--balancer", balancer_url(settings), "--peers", str(peers)] if settings.max_long_chars else []
     return [
         settings.python,
         programs.app,
@@ -83,7 +94,12 @@ def instance_command(settings: Settings, layout: Layout, programs: Programs, slo
         "--ledger-dir",
         str(layout.ledger),
         *(["--auth-file", str(layout.access_policy)] if settings.auth_required else []),
-        *instance_args(settings, outputs_dir=settings.outputs_dir or str(layout.outputs)),
+        *long_texts,
+        *instance_args(
+            settings,
+            outputs_dir=settings.outputs_dir or str(layout.outputs),
+            voices_dir=settings.voices_dir or str(layout.voices),
+        ),
     ]
 
 
@@ -173,7 +189,9 @@ def render(
         worker_processes=programs.worker_processes,
         max_body=parse_size(settings.max_body),
         timeouts=timeouts,
-        instance_command=lambda slot: shlex.join(instance_command(settings, layout, programs, slot)),
+        instance_command=lambda slot: shlex.join(
+            instance_command(settings, layout, programs, slot, peers=len(plan.slots))
+        ),
         instance_env=lambda slot: instance_env(layout, slot),
         health_command=shlex.join(
             [programs.launcher_python, "-m", "cosyvoice_lb.health_loop", "--state-dir", str(layout.root)]

@@ -24,27 +24,30 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from .admission import Admission, Snapshot
 from .audio import Outputs, pcm16, streaming_wav_header
 from .auth import PolicyFile
 from .engines import create_engine
+from .fanout import SEGMENT_HEADER, Balancer, FanOut
 from .gate import Gate
 from .ledger import Ledger
-from .pipeline import ERRORS, Job, NoAudio, Pipeline, StorageFailed, describe
+from .openai_api import add_openai_routes
+from .pipeline import ERRORS, Pipeline, describe
 from .planner import parse_size
-from .settings import Settings, parse_instance_args
+from .problems import error_body, error_headers
+from .settings import Settings, parse_instance_args, parse_voice_map
+from .streams import AudioStream, audio_source, collect, first_of, streaming_headers
 from .timeouts import GRACEFUL_SHUTDOWN
-from .validation import FIELDS, BadRequest, Limits, form_payload, request_schema, safe
+from .validation import FIELDS, BadRequest, Limits, form_payload, multipart_problem, request_schema, safe
+from .voices import Registry
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -69,26 +72,13 @@ def ping_body(snapshot: Snapshot, engine: str, port: int, started: float) -> dic
     }
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    # (a message that quotes client input must still encode: lone surrogates are escaped)
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return JSONResponse({"error": {"message": message, "status": status}}, status_code=status, headers=headers)
-
-
-def multipart_problem(content_type: str, body: bytes) -> str:
-    """What is wrong with a multipart body's frame ("" if nothing): a body cut off inside a
-    file part would otherwise be read as a shorter file."""
-    boundary = ""
-    for param in content_type.split(";")[1:]:
-        key, _, value = param.strip().partition("=")
-        if key.lower() == "boundary":
-            boundary = value.strip('"')
-    if not boundary:
-        return "its Content-Type names no boundary"
-    closing = b"--" + boundary.encode("latin-1", "replace") + b"--"
-    if not body.rstrip(b"\r\n").endswith(closing):
-        return f"it does not end with its closing boundary --{safe(boundary, 40)}--: cut off, or a different boundary"
-    return ""
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None, param: str | None = None
+) -> JSONResponse:
+    """An error in the one shape every route answers with (see ``problems``)."""
+    return JSONResponse(
+        error_body(status, message, param), status_code=status, headers={**error_headers(status), **(headers or {})}
+    )
 
 
 async def read_request(request: Request, limits: Limits) -> tuple[dict, bytes | None]:
@@ -142,99 +132,18 @@ async def read_request(request: Request, limits: Limits) -> tuple[dict, bytes | 
     return payload, None
 
 
-class SynthesisStream(Response):
-    """A streamed WAV answer that watches its client: when the client goes away the
-    synthesis stops at its next chunk and its engine slot is free at once (a plain
-    streaming response would notice only once the socket's buffers are full)."""
-
-    def __init__(
-        self,
-        pipeline: Pipeline,
-        job: Job,
-        first: np.ndarray,
-        rest: Iterator[np.ndarray],
-        cancelled: threading.Event,
-        headers: dict[str, str],
-    ):
-        super().__init__(media_type="audio/wav", headers=headers)
-        # (a body of unknown length: no Content-Length, chunked transfer)
-        self.raw_headers = [(k, v) for k, v in self.raw_headers if k.lower() != b"content-length"]
-        self.pipeline, self.job, self.first, self.rest, self.cancelled = pipeline, job, first, rest, cancelled
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        loop = asyncio.get_running_loop()
-        chunks = [self.first]
-        complete = False
-
-        async def watch() -> None:
-            while not self.cancelled.is_set():
-                if (await receive())["type"] == "http.disconnect":
-                    self.cancelled.set()
-
-        def following() -> bytes | None:
-            chunk = next(self.rest, None)
-            if chunk is None:
-                return None
-            chunks.append(chunk)
-            return pcm16(chunk)
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            await send(
-                {
-                    "type": "http.response.body",
-                    "more_body": True,
-                    "body": streaming_wav_header(self.pipeline.engine.sample_rate) + pcm16(self.first),
-                }
-            )
-            while not self.cancelled.is_set():
-                try:
-                    data = await loop.run_in_executor(self.pipeline.workers, following)
-                except Exception as exc:  # the status is sent already: end the stream, keep the instance
-                    failure = describe(exc)
-                    log.log(failure.level if failure else logging.ERROR, "streaming synthesis failed: %s", exc)
-                    complete = True  # what it made is kept, as any result
-                    break
-                if data is None:
-                    complete = not self.cancelled.is_set()
-                    break
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-            if not self.cancelled.is_set():
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the client went away while we wrote
-            self.cancelled.set()
-        finally:
-            watcher.cancel()
-            if not complete:
-                self.cancelled.set()  # a generator still in a worker stops at its next chunk
-            # (in a worker: the generator may still be in one, finishing its current chunk)
-            await loop.run_in_executor(self.pipeline.workers, self.close, chunks if complete else None)
-
-    def close(self, chunks: list[np.ndarray] | None) -> None:
-        close = getattr(self.rest, "close", None)
-        try:
-            if close is not None:
-                close()  # frees the engine slot now, also when the client went away
-        except ValueError:  # still running in a worker (the task was cancelled): it stops on its own
-            pass
-        self.pipeline.finish(self.job)
-        if chunks:
-            try:
-                self.pipeline.keep(np.concatenate(chunks))
-            except StorageFailed as exc:  # the client has its audio already: only the copy is lost
-                log.error("%s", exc)
-
-
 def build_app(
     pipeline: Pipeline,
     engine_name: str = "",
     port: int = 0,
     started: float | None = None,
     policy: PolicyFile | None = None,
+    fanout: FanOut | None = None,
+    voice_map: dict[str, str] | None = None,
 ) -> Any:
-    """The FastAPI app: ``/ping``, ``/v1/tts`` and the Gradio UI at ``/``; with a ``policy``,
-    all but ``/ping`` behind the gate (``gate.py``)."""
+    """The FastAPI app: ``/ping``, ``/v1/tts``, the OpenAI-compatible routes
+    (``openai_api``) and the Gradio UI at ``/``; with a ``policy``, all but ``/ping``
+    behind the gate (``gate.py``). ``fanout``: where long texts' segments go."""
     engine, admission = pipeline.engine, pipeline.admission
     started = time.time() if started is None else started
     app = FastAPI(title="cosyvoice-lb instance", docs_url=None, redoc_url=None)
@@ -271,7 +180,7 @@ def build_app(
         ready = admission.snapshot().ready
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
-    schema = request_schema(pipeline.limits.max_chars, pipeline.modes)
+    schema = request_schema(pipeline.limits.text_chars, pipeline.modes)
     form_schema = {
         "type": "object",
         "properties": {
@@ -294,62 +203,49 @@ def build_app(
     @app.post("/v1/tts", openapi_extra=described)
     async def tts(request: Request):
         payload, prompt_data = await read_request(request, pipeline.limits)
-        job: Job | None = await asyncio.get_running_loop().run_in_executor(None, pipeline.prepare, payload, prompt_data)
-        assert job is not None
-        try:
-            headers = {"X-Instance-Port": str(port), "X-Sample-Rate": str(engine.sample_rate)}
-            if job.notices:
-                headers["X-Prompt-Notice"] = "; ".join(job.notices)
-            deadline = pipeline.deadline(request.headers.get("x-request-start"))
-            if job.request.stream:
-                # The first chunk is made before answering, so a refused input is still a 4xx/5xx.
-                cancelled = threading.Event()
-                chunks = pipeline.chunks(job, bounded=True, deadline=deadline, cancelled=cancelled)
-                try:
-                    first = await pipeline.run(deadline, next, chunks, None)
-                    if first is None:
-                        raise NoAudio()
-                except BaseException:
-                    cancelled.set()  # a synthesis still in its worker (timed out) stops at its next chunk
-                    try:
-                        chunks.close()  # type: ignore[attr-defined]
-                    except ValueError:  # still running in that worker: it releases its slot itself
-                        pass
-                    raise
-                streamed, job = job, None  # the stream finishes it
-                return SynthesisStream(pipeline, streamed, first, chunks, cancelled, headers)
-            audio = await pipeline.run(deadline, lambda: pipeline.synthesize(job, bounded=True, deadline=deadline))
-            data = await pipeline.run(None, pipeline.encode_wav, audio)
-            name = await pipeline.run(None, pipeline.keep, audio)
-            headers.update({"X-Audio-Seconds": f"{audio.size / engine.sample_rate:.3f}", "X-Output-File": name})
-            return Response(data, media_type="audio/wav", headers=headers)
-        finally:
-            if job is not None:
-                pipeline.finish(job)
+        job = await asyncio.get_running_loop().run_in_executor(None, pipeline.prepare, payload, prompt_data)
+        headers = {"X-Instance-Port": str(port), "X-Sample-Rate": str(engine.sample_rate)}
+        if job.notices:
+            headers["X-Prompt-Notice"] = "; ".join(job.notices)
+        deadline = pipeline.deadline(request.headers.get("x-request-start"))
+        source = audio_source(pipeline, fanout, job, payload, prompt_data, request.headers, deadline)
+        segment = SEGMENT_HEADER.lower() in request.headers  # a long text's segment: its coordinator keeps the whole
+        if job.request.stream:
+            first = await first_of(source)
+            header = [streaming_wav_header(engine.sample_rate)]
+
+            def encode(chunk: np.ndarray) -> bytes:
+                return (header.pop() if header else b"") + pcm16(chunk)
+
+            return AudioStream(pipeline, first, source, encode, bytes, "audio/wav", streaming_headers(headers))
+        audio = await collect(source)
+        data = await pipeline.run(None, pipeline.encode_wav, audio)
+        headers["X-Audio-Seconds"] = f"{audio.size / engine.sample_rate:.3f}"
+        if not segment:
+            headers["X-Output-File"] = await pipeline.run(None, pipeline.keep, audio)
+        return Response(data, media_type="audio/wav", headers=headers)
+
+    add_openai_routes(app, pipeline, fanout, voice_map or {}, port)
 
     # Gradio is mounted at "/" and would answer everything else under /v1/ with its own 404.
     @app.api_route("/v1/tts", methods=["GET", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def tts_wrong_method(request: Request):
-        return JSONResponse(
-            {
-                "error": {
-                    "message": f'{request.method} is not allowed on /v1/tts: POST JSON like {{"text": "Hello"}}',
-                    "status": 405,
-                }
-            },
-            status_code=405,
-            headers={"Allow": "POST"},
-        )
+        message = f'{request.method} is not allowed on /v1/tts: POST JSON like {{"text": "Hello"}}'
+        return error_response(405, message, {"Allow": "POST"})
 
     @app.api_route(
         "/v1/{path:path}", methods=["GET", "HEAD", "OPTIONS", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False
     )
     async def v1_unknown(path: str):
-        return error_response(404, f"no endpoint /v1/{path}: the API is POST /v1/tts")
+        return error_response(
+            404,
+            f"no endpoint /v1/{path}: the API is POST /v1/tts, POST /v1/audio/speech, GET /v1/models "
+            "and /v1/audio/voices",
+        )
 
     from .ui import mount_ui
 
-    app = mount_ui(app, pipeline, port)
+    app = mount_ui(app, pipeline, port, fanout)
     if policy is not None:
         app.add_middleware(Gate, policy=policy)
     return app
@@ -393,6 +289,7 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
     engine = create_engine(settings.resolved_engine, **asdict(settings))
     limits = Limits(
         max_chars=settings.max_chars,
+        max_long_chars=settings.max_long_chars,
         max_prompt_seconds=settings.max_prompt_seconds,
         max_upload_bytes=parse_size(settings.max_upload),
     )
@@ -408,8 +305,17 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
                 pass
     admission = Admission(settings.instance_concurrency, settings.max_queue)
     ledger = Ledger(ledger_dir) if ledger_dir else None
+    registry = Registry(settings.voices_dir) if settings.voices_dir else None
     return Pipeline(
-        engine, admission, limits, outputs, scratch, port=port, request_timeout=settings.request_timeout, ledger=ledger
+        engine,
+        admission,
+        limits,
+        outputs,
+        scratch,
+        port=port,
+        request_timeout=settings.request_timeout,
+        ledger=ledger,
+        registry=registry,
     )
 
 
@@ -425,7 +331,14 @@ def main(argv: list[str] | None = None) -> None:
 
     pipeline = build_pipeline(settings, args.port, args.ledger_dir)
     policy = PolicyFile(args.auth_file) if args.auth_file else None
-    app = build_app(pipeline, settings.resolved_engine, args.port, policy=policy)
+    fanout = None
+    if args.balancer and settings.max_long_chars:
+        balancer = Balancer(args.balancer, args.peers, min(settings.segment_chars, settings.max_chars))
+        fanout = FanOut(balancer, pipeline.admission.clock)
+    else:  # nowhere to send segments: texts past --max-chars are refused
+        pipeline.limits = replace(pipeline.limits, max_long_chars=0)
+    voice_map = parse_voice_map(settings.openai_voices)
+    app = build_app(pipeline, settings.resolved_engine, args.port, policy=policy, fanout=fanout, voice_map=voice_map)
 
     def load() -> None:
         try:

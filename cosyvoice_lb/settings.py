@@ -113,6 +113,25 @@ def prompt_seconds(flag: str, value: Any) -> str:
     return f"{flag} must be above 0 and at most 30 (upstream refuses longer prompts), got {value}"
 
 
+def voice_map(flag: str, value: Any) -> str:
+    try:
+        parse_voice_map(value)
+    except ValueError as exc:
+        return f"{flag}: {exc}"
+    return ""
+
+
+def parse_voice_map(value: str) -> dict[str, str]:
+    """``alloy=narrator,nova=voice_...`` -> {"alloy": "narrator", "nova": "voice_..."}."""
+    mapping: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, target = (x.strip() for x in item.partition("="))
+        if not sep or not name or not target:
+            raise ValueError(f"{item!r} is not NAME=VOICE (e.g. alloy=narrator)")
+        mapping[name] = target
+    return mapping
+
+
 def setting(
     default: Any,
     help: str,
@@ -270,6 +289,37 @@ class Settings:
     python: str = setting(sys.executable, "Python that runs the instances.", metavar="PATH")
     nginx: str = setting("nginx", "The nginx binary.", metavar="PATH")
     max_chars: int = setting(500, "Longest text one request may ask for.", type=int, check=at_least(1), instance=True)
+    max_long_chars: int = setting(
+        20000,
+        "Longest text a request may send: a text past --max-chars is split at sentence boundaries and "
+        "its segments are synthesized in parallel across the instances (0: no long texts).",
+        type=int,
+        check=at_least(0),
+        instance=True,
+    )
+    segment_chars: int = setting(
+        200,
+        "Long texts are split into segments of about this many characters (the first one half as long, "
+        "so its audio comes sooner); at most --max-chars.",
+        type=int,
+        check=at_least(20),
+        instance=True,
+    )
+    voices_dir: str = setting(
+        "",
+        "Where saved voices live (default: voices/ in the state dir); every instance reads it, so it "
+        "may be a volume several hosts share.",
+        metavar="DIR",
+        instance=True,
+    )
+    openai_voices: str = setting(
+        "",
+        "OpenAI voice names (alloy, nova, ...) mapped to saved voices or built-in speakers, e.g. "
+        "alloy=narrator,nova=voice_0123456789abcdef01234567; an unmapped name speaks in the model's default voice.",
+        metavar="MAP",
+        check=voice_map,
+        instance=True,
+    )
     max_prompt_seconds: float = setting(
         15.0,
         "Longer prompt audio is trimmed to this many seconds (with a notice).",
@@ -418,7 +468,7 @@ class Settings:
 def absolute(settings: Settings) -> Settings:
     """Paths made absolute now: supervisord runs everything from the state dir."""
     paths: dict[str, Any] = {}
-    for name in ("model_dir", "cosyvoice_root", "outputs_dir", "api_token_file", "ui_auth"):
+    for name in ("model_dir", "cosyvoice_root", "outputs_dir", "voices_dir", "api_token_file", "ui_auth"):
         value = getattr(settings, name)
         if value:
             paths[name] = str(Path(value).expanduser().resolve())
@@ -457,6 +507,11 @@ def problems(settings: Settings) -> list[str]:
         found.append(f"--public and --host {settings.host} contradict each other: drop one")
     if settings.no_auth and (settings.api_token_file or settings.ui_auth):
         found.append("--no-auth with --api-token-file or --ui-auth: drop --no-auth to require the credentials")
+    if settings.max_long_chars and settings.max_long_chars < settings.max_chars:
+        found.append(
+            f"--max-long-chars {settings.max_long_chars} is below --max-chars {settings.max_chars}: raise it, "
+            "or 0 for no long texts"
+        )
     if not size(" ", settings.max_body) and not size(" ", settings.max_upload):
         if parse_size(settings.max_upload) + 2**20 > parse_size(settings.max_body):
             found.append(
@@ -494,6 +549,8 @@ def instance_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--starts-file", default="", help="a line is appended here at every start (restart counting)")
     parser.add_argument("--ledger-dir", default="", help="marks of running syntheses, shared by all instances")
     parser.add_argument("--auth-file", default="", help="the access policy (tokens, users): all but /ping need them")
+    parser.add_argument("--balancer", default="", help="nginx's URL on this box: long texts' segments go there")
+    parser.add_argument("--peers", type=int, default=1, help="instances in the cluster: segments out at once")
     for f in declarations():
         if not f.metadata["instance"]:
             continue

@@ -13,7 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from .engines import clones
+from .fanout import FanOut, blocking
 from .pipeline import Pipeline, describe
+from .streams import audio_source
 from .validation import MAX_SPEED, MIN_SPEED, BadRequest
 
 MODE_LABELS = {
@@ -28,13 +31,22 @@ def int16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(audio, -1, 1) * 32767).astype(np.int16)
 
 
-def mount_ui(app: Any, pipeline: Pipeline, port: int) -> Any:
-    """Mount the UI on ``app`` (FastAPI) at "/" and return what Gradio returns."""
+def saved_voices(pipeline: Pipeline) -> list[tuple[str, str]]:
+    """(label, id) of every saved voice, for the dropdown ([] where voices do not apply)."""
+    if pipeline.registry is None or not clones(pipeline.engine):
+        return []
+    return [(voice.name, voice.id) for voice in pipeline.registry.all()]
+
+
+def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = None) -> Any:
+    """Mount the UI on ``app`` (FastAPI) at "/" and return what Gradio returns. A text past
+    --max-chars goes to the cluster in segments (``fanout``), as from the API."""
     import gradio as gr
 
     engine, limits = pipeline.engine, pipeline.limits
     modes = pipeline.modes
     cloning = any(m in modes for m in ("zero_shot", "cross_lingual", "instruct"))
+    has_voices = cloning and pipeline.registry is not None
     # Gradio encodes a streamed audio output with ffmpeg; without it the UI plays whole results.
     can_stream = shutil.which("ffmpeg") is not None
 
@@ -48,7 +60,7 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int) -> Any:
         return data
 
     def generate(
-        text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed, seed, stream
+        text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed, seed, stream, voice=None, request=None
     ) -> Iterator[tuple[int, np.ndarray]]:
         payload = {
             "text": text,
@@ -60,12 +72,26 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int) -> Any:
             "stream": bool(stream) and can_stream,
             "seed": None if seed is None or int(seed) < 0 else int(seed),
         }
+        if voice:
+            payload.update(voice=voice, prompt_text="")
         job = None
         try:
-            job = pipeline.prepare(payload, read_upload(prompt_audio))
+            upload = None if voice else read_upload(prompt_audio)
+            job = pipeline.prepare(payload, upload)
             for notice in job.notices:
                 gr.Info(notice)
-            if job.request.stream:
+            if len(job.request.text) > limits.max_chars:  # a long text: segments across the cluster
+                headers = dict(request.headers) if request is not None else {}
+                long_job, job = job, None
+                pieces = blocking(lambda: audio_source(pipeline, fanout, long_job, payload, upload, headers, None))
+                if long_job.request.stream:
+                    for piece in pieces:
+                        yield engine.sample_rate, int16(piece)
+                else:
+                    audio = np.concatenate(list(pieces))
+                    pipeline.keep(audio)
+                    yield engine.sample_rate, int16(audio)
+            elif job.request.stream:
                 for chunk in pipeline.chunks(job):
                     yield engine.sample_rate, int16(chunk)
             else:
@@ -82,10 +108,20 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int) -> Any:
             if job is not None:
                 pipeline.finish(job)
 
+    # Gradio passes the request to a parameter annotated gr.Request; this module's annotations
+    # are strings, and "gr" is not a global here, so the class itself goes in.
+    generate.__annotations__["request"] = gr.Request
+
     with gr.Blocks(title="cosyvoice-lb", delete_cache=(3600, 3600)) as ui:
         gr.Markdown(f"## Text to speech\nEngine `{engine.name}` · instance on port {port}")
         text = gr.Textbox(
-            label="Text", lines=4, max_length=limits.max_chars, placeholder="Type what to say (English or 中文)"
+            label="Text", lines=4, max_length=limits.text_chars, placeholder="Type what to say (English or 中文)"
+        )
+        voice = gr.Dropdown(
+            saved_voices(pipeline),
+            value=None,
+            label="Saved voice (instead of prompt audio; save one with POST /v1/audio/voices)",
+            visible=has_voices,
         )
         mode = gr.Radio([(MODE_LABELS[m], m) for m in modes], value=modes[0], label="Mode", visible=len(modes) > 1)
         with gr.Row(visible=cloning):
@@ -107,14 +143,16 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int) -> Any:
         if cloning:
             button.click(
                 generate,
-                inputs=[text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed, seed, stream],
+                inputs=[text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed, seed, stream, voice],
                 outputs=audio,
                 api_name="generate",
             )
         else:  # API callers of a non-cloning engine pass only what it uses: generate(text, speed, seed, stream)
 
-            def speak(text, speed, seed, stream):
-                yield from generate(text, modes[0], None, "", "", None, speed, seed, stream)
+            def speak(text, speed, seed, stream, request=None):
+                yield from generate(text, modes[0], None, "", "", None, speed, seed, stream, None, request)
+
+            speak.__annotations__["request"] = gr.Request
 
             button.click(speak, inputs=[text, speed, seed, stream], outputs=audio, api_name="generate")
 
@@ -125,8 +163,9 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int) -> Any:
             return (
                 gr.update(choices=[(MODE_LABELS[m], m) for m in now], value=now[0], visible=len(now) > 1),
                 gr.update(choices=engine.speakers(), visible=bool(engine.speakers())),
+                gr.update(choices=saved_voices(pipeline)),  # whichever instance saved them
             )
 
-        ui.load(refresh, outputs=[mode, speaker], api_name=False)
+        ui.load(refresh, outputs=[mode, speaker, voice], api_name=False)
 
     return gr.mount_gradio_app(app, ui, path="/")

@@ -14,7 +14,7 @@ from .engines import MODES, SynthesisRequest
 
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
 SPECIAL = re.compile(r"<\|.{0,40}?\|>", re.DOTALL)
-FIELDS = ("text", "speed", "mode", "prompt_text", "instruct_text", "speaker", "seed", "stream")
+FIELDS = ("text", "speed", "mode", "prompt_text", "instruct_text", "speaker", "seed", "stream", "voice")
 
 
 def request_schema(max_chars: int, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
@@ -34,6 +34,7 @@ def request_schema(max_chars: int, modes: tuple[str, ...] = MODES) -> dict[str, 
             "speaker": {"type": "string", "description": "sft: a built-in speaker."},
             "seed": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
             "stream": {"type": "boolean", "default": False, "description": "WAV chunks as they are made."},
+            "voice": {"type": "string", "description": "A saved voice (id or name, see /v1/audio/voices)."},
         },
     }
 
@@ -48,7 +49,14 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    max_chars: int = 500
+    max_chars: int = 500  # one synthesis
+    max_long_chars: int = 0  # longer texts are split and fanned out (0: none)
+
+    @property
+    def text_chars(self) -> int:
+        """The longest text a request may send."""
+        return max(self.max_chars, self.max_long_chars)
+
     max_prompt_seconds: float = 15.0
     max_upload_bytes: int = 10 * 1024 * 1024
 
@@ -87,21 +95,22 @@ def check_text(text: Any, max_chars: int, name: str = "text", required: bool = T
         raise BadRequest(f'"{name}" is empty: send some text')
     if len(text) > max_chars:
         raise BadRequest(
-            f'"{name}" has {len(text)} characters, more than the limit of {max_chars}: split it into shorter requests',
+            f'"{name}" has {len(text)} characters, more than the limit of {max_chars}: split it into shorter '
+            "requests (the cluster's --max-chars, or --max-long-chars for long texts)",
             status=413,
         )
     return text
 
 
-def check_speed(speed: Any) -> float:
+def check_speed(speed: Any, low: float = MIN_SPEED, high: float = MAX_SPEED) -> float:
     if isinstance(speed, bool) or not isinstance(speed, (int, float)):
-        raise BadRequest(f'"speed" must be a number between {MIN_SPEED} and {MAX_SPEED}, not {speed!r}')
+        raise BadRequest(f'"speed" must be a number between {low} and {high}, not {speed!r}')
     try:
         speed = float(speed)
     except OverflowError:  # an integer of hundreds of digits
-        raise BadRequest(f'"speed" is out of range: it must be between {MIN_SPEED} and {MAX_SPEED}') from None
-    if not (math.isfinite(speed) and MIN_SPEED <= speed <= MAX_SPEED):
-        raise BadRequest(f'"speed" is {speed}: it must be between {MIN_SPEED} and {MAX_SPEED}')
+        raise BadRequest(f'"speed" is out of range: it must be between {low} and {high}') from None
+    if not (math.isfinite(speed) and low <= speed <= high):
+        raise BadRequest(f'"speed" is {speed}: it must be between {low} and {high}')
     return float(speed)
 
 
@@ -114,11 +123,17 @@ def check_seed(seed: Any) -> int | None:
 
 
 def make_request(
-    payload: dict, limits: Limits, modes: tuple[str, ...], speakers: list[str], has_prompt: bool
+    payload: dict,
+    limits: Limits,
+    modes: tuple[str, ...],
+    speakers: list[str],
+    has_prompt: bool,
+    speeds: tuple[float, float] = (MIN_SPEED, MAX_SPEED),
 ) -> SynthesisRequest:
     """Validate one request (already decoded: JSON or form) against what the engine offers.
 
-    ``has_prompt``: prompt audio came with it. Raises :class:`BadRequest`.
+    ``has_prompt``: prompt audio (or a saved voice) came with it; ``speeds``: the range the
+    entry point accepts. Raises :class:`BadRequest`.
     """
     unknown = sorted(set(payload) - set(FIELDS))
     if unknown:
@@ -126,8 +141,8 @@ def make_request(
             f"unknown field(s) {', '.join(safe(name) for name in unknown)}: accepted fields are {', '.join(FIELDS)}"
             " (and the file prompt_audio in a multipart form)"
         )
-    text = check_text(payload.get("text"), limits.max_chars)
-    speed = check_speed(payload.get("speed", 1.0))
+    text = check_text(payload.get("text"), limits.text_chars)
+    speed = check_speed(payload.get("speed", 1.0), *speeds)
     stream = payload.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f'"stream" must be true or false, not {stream!r}')
@@ -187,3 +202,19 @@ def form_payload(form: dict[str, str]) -> dict:
             raise BadRequest(f'"stream" must be true or false, not {payload["stream"]!r}')
         payload["stream"] = value in ("true", "1", "yes")
     return payload
+
+
+def multipart_problem(content_type: str, body: bytes) -> str:
+    """What is wrong with a multipart body's frame ("" if nothing): a body cut off inside a
+    file part would otherwise be read as a shorter file."""
+    boundary = ""
+    for param in content_type.split(";")[1:]:
+        key, _, value = param.strip().partition("=")
+        if key.lower() == "boundary":
+            boundary = value.strip('"')
+    if not boundary:
+        return "its Content-Type names no boundary"
+    closing = b"--" + boundary.encode("latin-1", "replace") + b"--"
+    if not body.rstrip(b"\r\n").endswith(closing):
+        return f"it does not end with its closing boundary --{safe(boundary, 40)}--: cut off, or a different boundary"
+    return ""

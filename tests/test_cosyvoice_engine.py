@@ -159,3 +159,38 @@ def test_a_missing_checkout_is_a_clear_error(tmp_path):
             engine.load()
     finally:
         sys.path[:] = saved
+
+
+# --- saved voices through upstream's speaker cache ---------------------------------------------
+
+def test_a_saved_voice_is_cached_once_then_spoken_from_the_cache():
+    engine = loaded("Fun-CosyVoice3-0.5B")
+    frontend = engine.model.frontend
+    voice = dict(prompt_wav=PROMPT, prompt_text="希望你以后能够做的比我还好呦。", voice_id="voice_" + "a" * 24)
+    for _ in range(3):
+        assert audio(engine, text="你好。", mode="zero_shot", **voice).size > 0
+    assert audio(engine, text="Hello.", mode="cross_lingual", **voice).size > 0
+    assert frontend.extractions == 1  # the prompt's features were extracted once, at its first use
+    cached = frontend.spk2info[voice["voice_id"]]["prompt_text"]
+    assert cached == "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。"  # v3's form
+    # an upload is extracted at every request
+    audio(engine, text="你好。", mode="zero_shot", prompt_wav=PROMPT, prompt_text="希望你以后能够做的比我还好呦。")
+    assert frontend.extractions == 2
+    assert engine.speakers() == []  # a cached voice is no built-in speaker
+
+
+def test_a_saved_voice_with_instructions_follows_them():
+    # upstream's instruct2 with a cached speaker id speaks its prompt text instead of the instruction
+    engine = loaded("Fun-CosyVoice3-0.5B")
+    voice = dict(prompt_wav=PROMPT, prompt_text="希望你以后能够做的比我还好呦。", voice_id="voice_" + "b" * 24)
+    audio(engine, text="你好。", mode="instruct", instruct_text="Speak slowly.", **voice)
+    assert engine.model.last_instruct == "You are a helpful assistant. Speak slowly.<|endofprompt|>"
+
+
+def test_a_deleted_voice_leaves_the_cache():
+    engine = loaded("Fun-CosyVoice3-0.5B")
+    kept, gone = "voice_" + "c" * 24, "voice_" + "d" * 24
+    for voice_id in (kept, gone):
+        audio(engine, text="你好。", mode="zero_shot", prompt_wav=PROMPT, prompt_text="好。", voice_id=voice_id)
+    engine.retain_voices([kept])
+    assert set(engine.cached) == {kept} and gone not in engine.model.frontend.spk2info

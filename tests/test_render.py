@@ -579,9 +579,17 @@ def test_no_rate_limit_unless_asked():
 @pytest.mark.parametrize("auth", [False, True])
 def test_rate_limit_on_what_synthesizes_with_json_429(auth):
     http, server = nginx_server(Settings(rate_limit="10r/s", rate_burst=5, public=auth))
+    # a long text's segments, sent from this box, are not counted again (an empty key)
+    (segments,) = http.all("map", "$http_x_cvlb_segment|$remote_addr", "$cvlb_client")
+    (line,) = [x for x in rendered(settings=Settings(rate_limit="10r/s", public=auth))["nginx/nginx.conf"]
+               .splitlines() if x.strip().startswith('"~^.+')]
+    exempt = line.strip().split('"')[1][1:]
+    assert re.fullmatch(exempt, "2/9|127.0.0.1") and re.fullmatch(exempt, "1/3|::1")
+    assert not re.fullmatch(exempt, "|127.0.0.1") and not re.fullmatch(exempt, "2/9|10.0.0.7")
     if auth:  # per token: the token alone is the key, so "bearer  T" and "Bearer T" share a bucket
-        (key,) = http.all("map", "$http_authorization", "$cvlb_client")
+        (key,) = http.all("map", "$http_authorization", "$cvlb_token_or_address")
         assert key.values("default") == [["$binary_remote_addr"]]
+        assert segments.values("default") == [["$cvlb_token_or_address"]]
         # (read raw: this file's parser drops backslashes in quotes, as nginx does only for \" \\ \t \r \n)
         (line,) = [x for x in rendered(settings=Settings(rate_limit="10r/s", public=True))["nginx/nginx.conf"]
                    .splitlines() if "~*^bearer" in x]
@@ -591,7 +599,8 @@ def test_rate_limit_on_what_synthesizes_with_json_429(auth):
         assert ["$cvlb_client", "zone=cvlb_rate:10m", "rate=10r/s"] in http.values("limit_req_zone")
     else:  # no tokens: a made-up Authorization header must not buy a fresh bucket
         assert not http.all("map", "$http_authorization")
-        assert http.values("limit_req_zone") == [["$binary_remote_addr", "zone=cvlb_rate:10m", "rate=10r/s"]]
+        assert segments.values("default") == [["$binary_remote_addr"]]
+        assert http.values("limit_req_zone") == [["$cvlb_client", "zone=cvlb_rate:10m", "rate=10r/s"]]
     assert http.values("limit_req_status") == [["429"]]
     gradio = server.one("location", "~", "^/gradio_api/(queue/join|call/|run/|api/)")
     for location in (server.one("location", "/v1/"), gradio):

@@ -94,7 +94,9 @@ def test_tts_answers_wav_and_counts_it(client, loaded):
     ('{"text": "hi", "speed": true}', 400, "must be a number"),
     ('{"text": "hi", "speed": 0.1}', 400, "between 0.5 and 2.0"),
     ('{"text": "hi", "speed": 1e400}', 400, "between 0.5 and 2.0"),
-    ('{"text": "hi", "voice": "x"}', 400, "unknown field(s) voice"),
+    ('{"text": "hi", "voices": "x"}', 400, "unknown field(s) voices"),
+    ('{"text": "hi", "voice": "x"}', 404, "keeps no saved voices"),
+    ('{"text": "hi", "voice": 7}', 400, "must be a saved voice's id or name"),
     ('{"text": "hi", "mode": "karaoke"}', 400, "unknown mode 'karaoke': this model offers sft"),
     # what a new user's run hit: each was a 500 before
     ('{"text": "\\ud800 hi"}', 400, "a lone UTF-16 surrogate"),

@@ -30,6 +30,7 @@ class SynthesisRequest:
     speaker: str = ""
     seed: int | None = None
     stream: bool = False
+    voice_id: str = ""  # a saved voice (prompt_wav/prompt_text hold its prompt): engines may cache it
 
 
 class EngineError(RuntimeError):
@@ -49,6 +50,11 @@ class Engine(Protocol):
 
     def synthesize(self, request: SynthesisRequest) -> Iterator[np.ndarray]:
         """Yield mono float32 chunks in [-1, 1] at ``sample_rate``."""
+
+
+def clones(engine: Engine) -> bool:
+    """The engine speaks in a voice cloned from prompt audio (so it can speak saved voices)."""
+    return any(mode in engine.modes for mode in ("zero_shot", "cross_lingual"))
 
 
 # name -> "module:Class"; imported on demand so an engine's dependencies load only when used.

@@ -13,7 +13,8 @@ import logging
 import os
 import random
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,9 @@ class CosyVoiceEngine:
             self.version = 0  # load() says why
         self.sample_rate = 24000 if self.version != 1 else 22050
         self.modes: tuple[str, ...] = self._modes([])
+        # Saved voices in upstream's speaker cache (add_zero_shot_spk): id -> its prompt.
+        self.cached: dict[str, tuple[str, str]] = {}
+        self.cache_lock = threading.Lock()
 
     def _modes(self, speakers: list[str]) -> tuple[str, ...]:
         modes = ["zero_shot", "cross_lingual"]
@@ -142,7 +146,7 @@ class CosyVoiceEngine:
         prompts saved by add_zero_shot_spk, which inference_sft cannot speak with."""
         if self.model is None or self.version != 1:
             return []
-        return list(self.model.list_available_spks())
+        return [s for s in self.model.list_available_spks() if s not in self.cached]
 
     def default_prompt(self) -> tuple[str, str]:
         """Upstream's bundled prompt (path, transcript), from the checkout in use."""
@@ -174,11 +178,21 @@ class CosyVoiceEngine:
             text, prompt_text, instruct_text = v2_prompt(mode, text, prompt_text, instruct_text)
         common = {"stream": request.stream, "speed": 1.0 if request.stream else request.speed}
         model = self.model
+        # A saved voice speaks from upstream's speaker cache: its prompt features were
+        # extracted once, at its first use here. (Not for instruct: upstream's instruct2 with
+        # a cached speaker ignores the instruction, so it gets the prompt audio instead.)
+        cached = request.voice_id if request.voice_id and mode in ("zero_shot", "cross_lingual") else ""
+        if cached:
+            self.cache_voice(cached, request.prompt_wav, request.prompt_text)
         if mode == "sft":
             speaker = request.speaker or self.speakers()[0]
             outputs = model.inference_sft(text, speaker, **common)
+        elif mode == "zero_shot" and cached:
+            outputs = model.inference_zero_shot(text, "", "", zero_shot_spk_id=cached, **common)
         elif mode == "zero_shot":
             outputs = model.inference_zero_shot(text, prompt_text, request.prompt_wav, **common)
+        elif mode == "cross_lingual" and cached:
+            outputs = model.inference_cross_lingual(text, "", zero_shot_spk_id=cached, **common)
         elif mode == "cross_lingual":
             outputs = model.inference_cross_lingual(text, request.prompt_wav, **common)
         elif self.version >= 2:
@@ -188,6 +202,31 @@ class CosyVoiceEngine:
             outputs = model.inference_instruct(text, speaker, instruct_text, **common)
         for output in outputs:
             yield output["tts_speech"].detach().cpu().numpy().reshape(-1).astype(np.float32)
+
+    def cache_voice(self, voice_id: str, prompt_wav: str, prompt_text: str) -> None:
+        """Put a saved voice (its prompt audio and transcript) in upstream's speaker cache,
+        once per voice, and again if its prompt changed. The transcript is cached in the
+        model's zero-shot prompt form (v3: with the system prompt and <|endofprompt|>, which
+        upstream's LLM asserts on every later call); cross-lingual drops it upstream."""
+        key = (prompt_wav, prompt_text)
+        with self.cache_lock:
+            if self.cached.get(voice_id) == key:
+                return
+            assert self.model is not None
+            if self.version == 3:
+                prompt_text = v3_prompt("zero_shot", "", prompt_text, "")[1]
+            self.model.add_zero_shot_spk(prompt_text, prompt_wav, voice_id)
+            self.cached[voice_id] = key
+
+    def retain_voices(self, voice_ids: Iterable[str]) -> None:
+        """Forget cached voices that are no longer saved (deleted): frees their features."""
+        keep = set(voice_ids)
+        with self.cache_lock:
+            for gone in [v for v in self.cached if v not in keep]:
+                del self.cached[gone]
+                spk2info = getattr(getattr(self.model, "frontend", None), "spk2info", None)
+                if isinstance(spk2info, dict):
+                    spk2info.pop(gone, None)
 
 
 def register_vllm() -> None:

@@ -381,7 +381,7 @@ def test_ui_upload_route_refuses_a_broken_form(cluster, web, request_kw):
 @pytest.mark.parametrize("args, words", [
     pytest.param(("", 1.0, -1, False), "empty", id="ui-empty-text"),
     pytest.param((None, 1.0, -1, False), "missing", id="ui-no-text"),
-    pytest.param(("x" * 600, 1.0, -1, False), "limit of 500", id="ui-text-over-max-chars"),
+    pytest.param(("x" * 20_001, 1.0, -1, False), "limit of 20000", id="ui-text-over-max-long-chars"),
     pytest.param(("\u200b\u200d", 1.0, -1, False), "no audio", id="ui-only-zero-width-text"),
     pytest.param(("Hello", 99, -1, False), "maximum", id="ui-speed-99"),
     pytest.param(("Hello", 1.0, 2**40, False), "seed", id="ui-seed-2**40"),

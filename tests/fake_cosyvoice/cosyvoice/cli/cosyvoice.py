@@ -17,7 +17,20 @@ def snapshot_download(model_id):
     raise RuntimeError(f"fake CosyVoice: would download {model_id!r} from ModelScope")
 
 
-def _load_prompt(prompt_wav):
+class _Frontend:
+    """upstream CosyVoiceFrontEnd: holds spk2info (built-in speakers and cached prompts)."""
+
+    def __init__(self, speakers):
+        self.spk2info = {spk: {"embedding": None} for spk in speakers}
+        self.extractions = 0  # prompt feature extractions (what a cached speaker skips)
+
+
+def _load_prompt(prompt_wav, frontend=None):
+    # upstream's frontend extracts speech tokens, features and an embedding from the prompt:
+    # a large part of first-chunk time (modelled when a test asks for it)
+    time.sleep(float(os.environ.get("FAKE_COSYVOICE_PROMPT_SECONDS", "0")))
+    if frontend is not None:
+        frontend.extractions += 1
     speech, rate = soundfile.read(prompt_wav, dtype="float32", always_2d=True)
     # upstream load_wav: sources below 16 kHz fail (its message names the target rate)
     assert rate >= 16000, "wav sample rate {} must be greater than {}".format(rate, 16000)
@@ -39,20 +52,28 @@ class CosyVoice:
             raise ValueError("{} not found!".format(yaml))
         self.options = dict(load_jit=load_jit, load_trt=load_trt, fp16=fp16, trt_concurrent=trt_concurrent)
         spk_file = os.path.join(model_dir, "spk2info.txt")  # upstream: spk2info.pt (torch.load)
-        self._spks = open(spk_file).read().split() if os.path.exists(spk_file) else []
+        self.frontend = _Frontend(open(spk_file).read().split() if os.path.exists(spk_file) else [])
         time.sleep(float(os.environ.get("FAKE_COSYVOICE_LOAD_SECONDS", "1")))  # loading weights
         self.sample_rate = 22050 if self.version == 1 else 24000
 
     _yaml = "cosyvoice.yaml"
 
     def list_available_spks(self):
-        return list(self._spks)
+        return list(self.frontend.spk2info.keys())
 
     def add_zero_shot_spk(self, prompt_text, prompt_wav, zero_shot_spk_id):
         assert zero_shot_spk_id != "", "do not use empty zero_shot_spk_id"
-        _load_prompt(prompt_wav)
-        self._spks.append(zero_shot_spk_id)
+        _load_prompt(prompt_wav, self.frontend)
+        # upstream keeps the prompt's text tokens with its features: later calls reuse them
+        self.frontend.spk2info[zero_shot_spk_id] = {"prompt_text": prompt_text, "embedding": None}
         return True
+
+    def _prompt(self, prompt_text, prompt_wav, zero_shot_spk_id):
+        """upstream frontend_zero_shot: the cached speaker's prompt, or one extracted now."""
+        if zero_shot_spk_id == "":
+            _load_prompt(prompt_wav, self.frontend)
+            return prompt_text
+        return self.frontend.spk2info[zero_shot_spk_id]["prompt_text"]  # KeyError, as upstream
 
     def _speech(self, text, stream, speed):
         if stream:
@@ -71,19 +92,19 @@ class CosyVoice:
             yield {"tts_speech": part}
 
     def inference_sft(self, tts_text, spk_id, stream=False, speed=1.0, text_frontend=True):
-        assert spk_id in self._spks, "unknown speaker {}".format(spk_id)
+        assert spk_id in self.frontend.spk2info, "unknown speaker {}".format(spk_id)
         self._check_prompt(tts_text)
         yield from self._speech(tts_text, stream, speed)
 
     def inference_zero_shot(self, tts_text, prompt_text, prompt_wav, zero_shot_spk_id="", stream=False, speed=1.0,
                             text_frontend=True):
-        _load_prompt(prompt_wav)
+        prompt_text = self._prompt(prompt_text, prompt_wav, zero_shot_spk_id)
         self._check_prompt(prompt_text + tts_text)
         yield from self._speech(tts_text, stream, speed)
 
     def inference_cross_lingual(self, tts_text, prompt_wav, zero_shot_spk_id="", stream=False, speed=1.0,
                                 text_frontend=True):
-        _load_prompt(prompt_wav)
+        self._prompt("", prompt_wav, zero_shot_spk_id)
         self._check_prompt(tts_text)  # upstream drops the prompt text in cross-lingual mode
         yield from self._speech(tts_text, stream, speed)
 
@@ -106,7 +127,9 @@ class CosyVoice2(CosyVoice):
 
     def inference_instruct2(self, tts_text, instruct_text, prompt_wav, zero_shot_spk_id="", stream=False, speed=1.0,
                             text_frontend=True):
-        _load_prompt(prompt_wav)
+        # upstream: with a cached speaker its prompt text replaces instruct_text (the
+        # instruction is ignored)
+        self.last_instruct = instruct_text = self._prompt(instruct_text, prompt_wav, zero_shot_spk_id)
         self._check_prompt(instruct_text + tts_text)
         yield from self._speech(tts_text, stream, speed)
 

@@ -1,0 +1,197 @@
+"""Long texts across the cluster: the instance that took the request coordinates it.
+
+A text past ``--max-chars`` is split at sentence boundaries (``segments``); each segment
+goes back through the balancer (nginx) as an ordinary ``POST /v1/tts``, so the segments run
+on every instance at once, least-busy first, and each one is an ordinary request there
+(admission, queue bound, hang detection, poison ledger). All segments use the request's
+voice and one seed (chosen here when the client gave none): less drift between segments.
+At most ``parallel`` segments are out at a time, started in order; results come back in
+order, each as soon as it and all before it are done.
+
+A segment that fails for a reason a retry can change (no instance answered, overloaded,
+a connection lost) is sent again, at most ``RETRIES`` more times, while the request has
+time left; any other failure (the input, a poison request) ends the whole request with that
+segment's answer. No segment is sent twice once it succeeded.
+
+Instance side: standard library, numpy, soundfile and httpx (which gradio brings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import random
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import soundfile
+
+from .admission import TimedOut
+
+log = logging.getLogger("cosyvoice_lb.instance")
+
+SEGMENT_HEADER = "X-Cvlb-Segment"  # "i/n": a segment of a long text (never split again)
+RETRIES = 2
+RETRY_STATUSES = frozenset({502, 503, 504})
+FORWARDED = ("authorization", "cookie")  # the client's credentials: the segments are its work
+
+
+class SegmentFailed(Exception):
+    """A segment got an answer a retry cannot change (or ran out of retries): the whole
+    request gets that answer."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or {}
+
+
+@dataclass(frozen=True)
+class Balancer:
+    """Where segments go: nginx, as this box reaches it."""
+
+    url: str  # http://127.0.0.1:8080
+    parallel: int  # segments out at once (the number of instances)
+    segment_chars: int  # the size segments are packed to (at most --max-chars)
+
+
+def forwarded(headers: Any) -> dict[str, str]:
+    """The credentials of the client's request, for its segments."""
+    return {name: headers[name] for name in FORWARDED if headers.get(name)}
+
+
+def segment_payload(payload: dict, text: str, seed: int) -> dict:
+    return {**{k: v for k, v in payload.items() if v not in (None, "")}, "text": text, "seed": seed, "stream": False}
+
+
+def message_of(body: bytes, status: int) -> str:
+    try:
+        error = json.loads(body)["error"]
+        return str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"a segment got HTTP {status} from the balancer"
+
+
+class FanOut:
+    """Sends the segments of long texts through the balancer."""
+
+    def __init__(self, balancer: Balancer, clock: Callable[[], float]):
+        self.balancer = balancer
+        self.clock = clock  # the admission clock (deadlines are on it)
+
+    async def audio(
+        self,
+        segments: list[str],
+        payload: dict,
+        prompt_data: bytes | None,
+        headers: dict[str, str],
+        deadline: float | None,
+    ) -> AsyncIterator[np.ndarray]:
+        """Each segment's audio, in order (float32 mono at the engine's rate)."""
+        seed = payload.get("seed")
+        seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else random.randrange(2**32)
+        gate = asyncio.Semaphore(max(1, self.balancer.parallel))  # waiters wake in order
+        import httpx
+
+        # One client per long text (its connections belong to this event loop); trust_env
+        # off: a proxy from the environment must not carry loopback traffic.
+        async with httpx.AsyncClient(trust_env=False, timeout=None) as client:
+            tasks = [
+                asyncio.ensure_future(
+                    self.one(
+                        client,
+                        gate,
+                        i,
+                        len(segments),
+                        segment_payload(payload, text, seed),
+                        prompt_data,
+                        headers,
+                        deadline,
+                    )
+                )
+                for i, text in enumerate(segments)
+            ]
+            try:
+                for task in tasks:
+                    yield await task
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def one(
+        self,
+        client: Any,
+        gate: asyncio.Semaphore,
+        index: int,
+        count: int,
+        payload: dict,
+        prompt_data: bytes | None,
+        headers: dict[str, str],
+        deadline: float | None,
+    ) -> np.ndarray:
+        import httpx
+
+        sent = {**headers, SEGMENT_HEADER: f"{index + 1}/{count}"}
+        attempt = 0
+        while True:
+            async with gate:
+                left = None if deadline is None else deadline - self.clock()
+                if left is not None and left <= 0:
+                    raise TimedOut(
+                        f"segment {index + 1} of {count} had not finished within the request timeout: "
+                        "send a shorter text, or raise --request-timeout"
+                    )
+                try:
+                    response = await client.post(
+                        f"{self.balancer.url}/v1/tts", timeout=left, headers=sent, **self.body(payload, prompt_data)
+                    )
+                    status, body, answer = response.status_code, response.content, dict(response.headers)
+                except httpx.TimeoutException:
+                    raise TimedOut(
+                        f"segment {index + 1} of {count} had not finished within the request timeout: "
+                        "send a shorter text, or raise --request-timeout"
+                    ) from None
+                except httpx.TransportError as exc:
+                    status, body, answer = 502, b"", {}
+                    log.warning("segment %d/%d: the balancer did not answer (%s)", index + 1, count, exc)
+            if status == 200:
+                return decode(body)
+            if status in RETRY_STATUSES and attempt < RETRIES:
+                attempt += 1
+                await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
+                continue
+            message = message_of(body, status) if body else "the balancer did not answer"
+            keep = {k: v for k, v in answer.items() if k.lower() in ("retry-after", "x-should-retry")}
+            raise SegmentFailed(status, f"segment {index + 1} of {count} of the long text failed: {message}", keep)
+
+    @staticmethod
+    def body(payload: dict, prompt_data: bytes | None) -> dict[str, Any]:
+        if prompt_data is None:
+            return {"json": payload}
+        form = {k: json.dumps(v) if isinstance(v, bool) else str(v) for k, v in payload.items()}
+        return {"data": form, "files": {"prompt_audio": ("prompt.wav", prompt_data)}}
+
+
+def decode(data: bytes) -> np.ndarray:
+    audio, _rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    return audio.mean(axis=1).astype(np.float32)
+
+
+def blocking(source: Callable[[], AsyncIterator[np.ndarray]]) -> Iterator[np.ndarray]:
+    """An async source driven from synchronous code (the UI's handlers run in threads)."""
+    loop = asyncio.new_event_loop()
+    iterator = source().__aiter__()
+    try:
+        while True:
+            try:
+                yield loop.run_until_complete(iterator.__anext__())
+            except StopAsyncIteration:
+                return
+    finally:
+        loop.run_until_complete(iterator.aclose())  # type: ignore[attr-defined]
+        loop.close()

@@ -1,0 +1,169 @@
+"""Saved voices: one registry for the whole cluster, in one directory every instance reads.
+
+A voice is a prepared prompt (mono WAV, already checked and trimmed by the prompt rules)
+and its transcript, stored as ``<root>/<id>/voice.json`` + ``prompt.wav``. It is built in a
+hidden directory and renamed into place, so every instance sees a voice whole or not at
+all; a deleted voice is renamed away first, so it stops working everywhere at once. Each
+instance reads the directory when a request names a voice: nothing to keep in sync, and
+the registry survives restarts and ``down``/``up`` (it lives in the state dir, or in
+``--voices-dir``, e.g. a volume shared by several hosts).
+
+Instance side: standard library, numpy and ``audio``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .audio import write_wav
+from .validation import BadRequest, safe
+
+VOICE_ID = re.compile(r"voice_[0-9a-f]{24}")
+MAX_NAME = 64
+MAX_VOICES = 1000
+META, AUDIO = "voice.json", "prompt.wav"
+
+
+class VoiceNotFound(LookupError):
+    """A request named a voice the registry does not hold (never saved, or deleted)."""
+
+    def __init__(self, key: str, known: list[str]):
+        listing = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "") if known else "none saved yet"
+        super().__init__(
+            f"no saved voice {safe(key)!r} (saved: {listing}): list them with GET /v1/audio/voices, "
+            "save one with POST /v1/audio/voices"
+        )
+
+
+class RegistryFull(BadRequest):
+    def __init__(self) -> None:
+        super().__init__(f"the voice registry holds {MAX_VOICES} voices: delete some first", status=409)
+
+
+@dataclass(frozen=True)
+class Voice:
+    id: str
+    name: str
+    created_at: int
+    prompt_text: str
+    consent: str = ""
+
+    def public(self) -> dict[str, object]:
+        """What the API shows (OpenAI's ``audio.voice`` object, plus the transcript)."""
+        return {
+            "object": "audio.voice",
+            "id": self.id,
+            "name": self.name,
+            "created_at": self.created_at,
+            "prompt_text": self.prompt_text,
+        }
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise BadRequest('"name" is missing: name the voice, e.g. name=narrator', status=400)
+    name = name.strip()
+    if len(name) > MAX_NAME or not name.isprintable():
+        raise BadRequest(f'"name" must be at most {MAX_NAME} printable characters, not {safe(name)!r}')
+    if VOICE_ID.fullmatch(name):
+        raise BadRequest(f'"name" {name!r} has the form of a voice id: choose another name')
+    return name
+
+
+class Registry:
+    """The voices under ``root`` (created on first write, 0700: prompts are someone's voice)."""
+
+    def __init__(self, root: str | os.PathLike, clock: Callable[[], float] = time.time):
+        self.root = Path(root)
+        self.clock = clock
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def ids(self) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(self.root) if VOICE_ID.fullmatch(n))
+        except FileNotFoundError:
+            return []
+
+    def get(self, voice_id: str) -> Voice | None:
+        if not VOICE_ID.fullmatch(voice_id):
+            return None
+        try:
+            data = json.loads((self.root / voice_id / META).read_text(encoding="utf-8"))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return Voice(**{k: data[k] for k in ("id", "name", "created_at", "prompt_text", "consent") if k in data})
+
+    def all(self) -> list[Voice]:
+        found = [v for v in (self.get(i) for i in self.ids()) if v is not None]
+        return sorted(found, key=lambda v: (v.created_at, v.id))
+
+    def find(self, key: str) -> Voice | None:
+        """A voice by id, or by its name (names are unique)."""
+        if VOICE_ID.fullmatch(key):
+            return self.get(key)
+        return next((v for v in self.all() if v.name == key), None)
+
+    def require(self, key: str) -> Voice:
+        voice = self.find(key)
+        if voice is None:
+            raise VoiceNotFound(key, [f"{v.name} ({v.id})" for v in self.all()])
+        return voice
+
+    def audio_path(self, voice: Voice) -> str:
+        return str(self.root / voice.id / AUDIO)
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def create(self, name: str, audio: np.ndarray, rate: int, prompt_text: str, consent: str = "") -> Voice:
+        """Store a voice whole (OSError when the disk refuses; nothing half-written stays)."""
+        name = check_name(name)
+        existing = self.all()
+        if len(existing) >= MAX_VOICES:
+            raise RegistryFull()
+        taken = next((v for v in existing if v.name == name), None)
+        if taken is not None:
+            raise BadRequest(
+                f"a voice named {name!r} exists ({taken.id}): delete it first or choose another name", status=409
+            )
+        voice = Voice(
+            id=f"voice_{uuid.uuid4().hex[:24]}",
+            name=name,
+            created_at=int(self.clock()),
+            prompt_text=prompt_text,
+            consent=consent,
+        )
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        building = self.root / f".new-{voice.id}"
+        try:
+            building.mkdir(mode=0o700)
+            write_wav(building / AUDIO, audio, rate)
+            meta = building / f".{META}.part"
+            with os.fdopen(os.open(meta, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as out:
+                json.dump(asdict(voice), out, ensure_ascii=False)
+            os.replace(meta, building / META)
+            os.rename(building, self.root / voice.id)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
+        return voice
+
+    def delete(self, key: str) -> Voice:
+        voice = self.require(key)
+        gone = self.root / f".gone-{voice.id}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(self.root / voice.id, gone)  # one step: no instance finds it after this
+        except FileNotFoundError:  # deleted meanwhile by another instance
+            raise VoiceNotFound(key, []) from None
+        shutil.rmtree(gone, ignore_errors=True)
+        return voice

@@ -1,0 +1,174 @@
+"""The OpenAI-compatible API end to end, with the official ``openai`` client through nginx.
+
+A real cluster of two espeak instances (real speech), with --max-chars 80 so that longer
+inputs are split and fanned out across both instances.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import soundfile
+
+from conftest import cli, free_port_block, unexpected_tracebacks, wait_for
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.integration
+SENTENCE = "This is sentence number {} of a long text that the cluster splits. "
+LONG = "".join(SENTENCE.format(i) for i in range(10))  # ~690 characters, 9 or 10 segments
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
+    port, base = free_port_block(1), free_port_block(2)
+    done = cli("up", "--instances", "2", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir),
+               "--max-chars", "80", "--segment-chars", "80", timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    url = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="anything: no credentials configured", max_retries=2)
+    session = requests.Session()
+    session.trust_env = False
+    yield {"url": url, "client": client, "http": session, "state_dir": state_dir, "base": base}
+    cli("down", "--state-dir", str(state_dir), timeout=120)
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def decode(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
+    if fmt == "pcm":
+        return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768, 24000
+    if fmt == "aac":
+        import av
+
+        with av.open(io.BytesIO(data)) as container:
+            frames = [f.to_ndarray().reshape(-1) for f in container.decode(audio=0)]
+            return np.concatenate(frames).astype(np.float32), container.streams.audio[0].rate
+    audio, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    return audio, rate
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_every_format_from_the_official_client_decodes_to_speech(cluster, fmt):
+    response = cluster["client"].audio.speech.create(
+        model="tts-1", voice="alloy", input="Hello from the OpenAI client.", response_format=fmt
+    )
+    audio, rate = decode(response.content, fmt)
+    assert rate == 24000
+    seconds = audio.size / rate
+    assert 0.8 < seconds < 5, seconds  # espeak says this in about 2 s
+    assert float(np.sqrt(np.mean(audio**2))) > 0.01  # speech, not silence
+
+
+def test_the_default_format_is_mp3_with_its_content_type_as_open_webui_asks(cluster):
+    # Open WebUI posts {model, input, voice} to {base}/audio/speech and saves the answer as .mp3
+    r = cluster["http"].post(cluster["url"] + "/v1/audio/speech",
+                             json={"model": "tts-1", "input": "Open WebUI says hello.", "voice": "nova"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "audio/mpeg"
+    audio, rate = decode(r.content, "mp3")
+    assert rate == 24000 and audio.size > rate // 2
+
+
+def test_models_are_listed_and_any_model_name_works(cluster):
+    ids = [m.id for m in cluster["client"].models.list()]
+    assert "espeak" in ids and "tts-1" in ids and "gpt-4o-mini-tts" in ids
+    response = cluster["client"].audio.speech.create(model="whatever-model", voice="echo", input="Any model.",
+                                                     response_format="wav")
+    assert decode(response.content, "wav")[0].size > 0
+
+
+def test_a_long_input_streams_its_segments_in_order_first_bytes_long_before_the_last(cluster):
+    arrivals = []
+    with cluster["client"].audio.speech.with_streaming_response.create(
+        model="tts-1", voice="alloy", input=LONG, response_format="pcm"
+    ) as response:
+        data = b""
+        for chunk in response.iter_bytes(4096):
+            arrivals.append(time.monotonic())
+            data += chunk
+    audio, rate = decode(data, "pcm")
+    # the whole text was spoken (espeak: ~3.5 s a sentence), in pieces that came as they were made
+    assert audio.size / rate > 25, audio.size / rate
+    assert len(arrivals) > 5
+    assert arrivals[0] < arrivals[-1]
+    # the segments ran on both instances (nginx's log: upstream of each segment)
+    log = (cluster["state_dir"] / "logs" / "nginx-access.log").read_text()
+    upstreams = set(re.findall(r'"POST /v1/tts HTTP/1.1" 200 \d+ rt=\S+ upstream=(\S+)', log))
+    assert {f"127.0.0.1:{cluster['base']}", f"127.0.0.1:{cluster['base'] + 1}"} <= upstreams
+
+
+def test_a_long_text_on_v1_tts_is_joined_whole_with_no_segment_twice(cluster):
+    log = cluster["state_dir"] / "logs" / "nginx-access.log"
+    before = log.read_text().count('"POST /v1/tts')
+    r = cluster["http"].post(cluster["url"] + "/v1/tts", json={"text": LONG, "seed": 3}, timeout=120)
+    assert r.status_code == 200, r.text
+    audio, rate = soundfile.read(io.BytesIO(r.content), dtype="float32")
+    assert float(r.headers["x-audio-seconds"]) == pytest.approx(audio.size / rate, abs=0.01)
+    assert audio.size / rate > 25
+    from cosyvoice_lb.segments import split_text
+
+    expected = len(split_text(LONG, 80, first_chars=40))
+    # (the request itself is logged just after its answer)
+    wait_for(lambda: log.read_text().count('"POST /v1/tts') >= before + expected + 1, timeout=10)
+    time.sleep(0.5)
+    assert log.read_text().count('"POST /v1/tts') - before - 1 == expected  # each segment once
+
+
+def test_server_sent_events_carry_base64_audio_then_done(cluster):
+    r = cluster["http"].post(cluster["url"] + "/v1/audio/speech", timeout=60, stream=True,
+                             json={"model": "gpt-4o-mini-tts", "input": "Events, please.", "voice": "alloy",
+                                   "response_format": "wav", "stream_format": "sse"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "speech.audio.done" and events[-1]["usage"]["input_tokens"] == 15
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    data = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    audio = np.frombuffer(data[44:], dtype="<i2")  # a streamed WAV: header, then 16-bit samples
+    assert data[:4] == b"RIFF" and audio.size > 24000 // 2
+
+
+def test_errors_raise_the_right_exception_and_say_a_retry_cannot_help(cluster):
+    client = cluster["client"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="ogg")  # type: ignore
+    assert "response_format" in bad.value.message and "mp3" in bad.value.message
+    assert bad.value.response.headers["x-should-retry"] == "false"
+    body = bad.value.body
+    assert set(body) >= {"message", "type", "param", "code"} and body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="4096"):
+        client.audio.speech.create(model="tts-1", voice="alloy", input="x" * 4097)
+    with pytest.raises(openai.BadRequestError, match="speed"):
+        client.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", speed=5.0)
+    # a saved voice on an engine that cannot clone: said, and not retried
+    with pytest.raises(openai.BadRequestError, match="cannot speak saved voices"):
+        client.audio.speech.create(model="tts-1", voice={"id": "voice_0123456789abcdef01234567"}, input="Hi.")
+    log = cluster["state_dir"] / "logs" / "nginx-access.log"
+
+    def refused() -> int:  # (nginx logs a request just after its answer)
+        return len(re.findall(r'"POST /v1/audio/speech HTTP/1.1" 400', log.read_text()))
+
+    wait_for(lambda: refused() >= 4, timeout=10)
+    time.sleep(1)  # a retry would come within the client's backoff
+    assert refused() == 4  # each sent once: no retries
+
+
+def test_speed_is_applied_and_the_instances_stayed_up(cluster):
+    client = cluster["client"]
+    slow = client.audio.speech.create(model="tts-1", voice="alloy", input="Slowly now.", response_format="wav",
+                                      speed=0.6)
+    fast = client.audio.speech.create(model="tts-1", voice="alloy", input="Slowly now.", response_format="wav",
+                                      speed=1.8)
+    assert decode(slow.content, "wav")[0].size > 1.5 * decode(fast.content, "wav")[0].size
+    logs = "".join(p.read_text() for p in (cluster["state_dir"] / "logs").glob("instance-*.log"))
+    assert not unexpected_tracebacks(logs)

@@ -1,0 +1,128 @@
+"""Saved voices, one registry for the cluster, end to end on the contract fake of CosyVoice3:
+registered on one instance, spoken by every instance, kept across down/up, deleted everywhere.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import soundfile
+
+from conftest import ROOT, cli, clean_env, free_port_block, unexpected_tracebacks
+
+pytest.importorskip("torch", reason="the contract fake yields torch tensors, like upstream")
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.integration
+FAKE = ROOT / "tests" / "fake_cosyvoice"
+V3 = ROOT / "tests" / "fake_models" / "Fun-CosyVoice3-0.5B"
+PROMPT = FAKE / "asset" / "zero_shot_prompt.wav"
+TRANSCRIPT = "希望你以后能够做的比我还好呦。"
+
+
+def up(state_dir: Path, port: int, base: int) -> None:
+    done = cli("up", "--engine", "cosyvoice3", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE),
+               "--instances", "2", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir),
+               "--max-chars", "60", "--segment-chars", "40", "--openai-voices", "alloy=narrator",
+               env=clean_env(FAKE_COSYVOICE_LOAD_SECONDS="0.2"), timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
+    port, base = free_port_block(1), free_port_block(2)
+    up(state_dir, port, base)
+    http = requests.Session()
+    http.trust_env = False
+    yield {"url": f"http://127.0.0.1:{port}", "port": port, "base": base, "state_dir": state_dir, "http": http}
+    cli("down", "--state-dir", str(state_dir), timeout=120)
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def register(cluster, name: str, url: str | None = None, **fields) -> requests.Response:
+    with open(PROMPT, "rb") as prompt:
+        return cluster["http"].post((url or cluster["url"]) + "/v1/audio/voices", timeout=60,
+                                    data={"name": name, "prompt_text": TRANSCRIPT, "consent": "yes", **fields},
+                                    files={"audio_sample": ("me.wav", prompt, "audio/wav")})
+
+
+def speech(cluster, url: str, voice, **extra) -> requests.Response:
+    return cluster["http"].post(url + "/v1/audio/speech", timeout=60,
+                                json={"model": "tts-1", "input": "你好，世界。", "voice": voice,
+                                      "response_format": "wav", **extra})
+
+
+def test_a_voice_registered_on_one_instance_is_spoken_by_every_instance(cluster):
+    first = f"http://127.0.0.1:{cluster['base']}"  # straight to each instance: the registry is what is shared
+    second = f"http://127.0.0.1:{cluster['base'] + 1}"
+    r = register(cluster, "narrator", url=first)
+    assert r.status_code == 200, r.text
+    voice = r.json()
+    assert voice["object"] == "audio.voice" and voice["id"].startswith("voice_") and voice["name"] == "narrator"
+    cluster["voice"] = voice["id"]
+    for url in (first, second):
+        listed = cluster["http"].get(url + "/v1/audio/voices", timeout=10).json()
+        assert [v["id"] for v in listed["data"]] == [voice["id"]]
+        assert cluster["http"].get(f"{url}/v1/audio/voices/{voice['id']}", timeout=10).json()["name"] == "narrator"
+        for key in (voice["id"], {"id": voice["id"]}, "narrator", "alloy"):  # alloy is mapped to it
+            r = speech(cluster, url, key)
+            assert r.status_code == 200, r.text
+        r = cluster["http"].post(url + "/v1/tts", json={"text": "你好。", "voice": voice["id"]}, timeout=60)
+        assert r.status_code == 200, r.text
+    # each instance put the voice in upstream's speaker cache
+    logs = "".join((cluster["state_dir"] / "logs" / f"instance-{i}.log").read_text() for i in (0, 1))
+    assert not unexpected_tracebacks(logs)
+
+
+def test_the_official_client_speaks_a_saved_voice_with_instructions(cluster):
+    client = openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="none-configured")
+    response = client.audio.speech.create(model="tts-1", voice={"id": cluster["voice"]}, input="慢慢说。",
+                                          instructions="Speak slowly.", response_format="flac")
+    audio, rate = soundfile.read(io.BytesIO(response.content), dtype="float32")
+    assert rate == 24000 and audio.size > 0
+
+
+def test_a_long_text_in_a_saved_voice_fans_out(cluster):
+    text = "这是一个很长的句子，用来测试长文本的切分。" * 8  # 168 characters: past --max-chars 60
+    r = cluster["http"].post(cluster["url"] + "/v1/tts", json={"text": text, "voice": "narrator"}, timeout=120)
+    assert r.status_code == 200, r.text
+    audio, rate = soundfile.read(io.BytesIO(r.content), dtype="float32")
+    assert audio.size / rate > 0.06 * 150  # the fake speaks 0.06 s a character
+
+
+def test_registration_applies_the_prompt_rules(cluster):
+    silent = io.BytesIO()
+    soundfile.write(silent, np.zeros(48000, dtype=np.float32), 16000, format="WAV")
+    r = cluster["http"].post(cluster["url"] + "/v1/audio/voices", timeout=30,
+                             data={"name": "quiet", "prompt_text": "x"},
+                             files={"audio_sample": ("q.wav", silent.getvalue(), "audio/wav")})
+    assert r.status_code == 400 and "silent" in r.json()["error"]["message"]
+    assert r.headers["x-should-retry"] == "false"
+    r = register(cluster, "no-transcript", prompt_text="")
+    assert r.status_code == 400 and "prompt_text" in r.json()["error"]["message"]
+    r = register(cluster, "narrator")
+    assert r.status_code == 409 and "exists" in r.json()["error"]["message"]
+    r = cluster["http"].post(cluster["url"] + "/v1/audio/voices", json={"name": "x"}, timeout=30)
+    assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"]
+
+
+def test_voices_survive_down_and_up_then_a_deleted_voice_stops_everywhere(cluster):
+    assert cli("down", "--state-dir", str(cluster["state_dir"]), timeout=120).returncode == 0
+    up(cluster["state_dir"], cluster["port"], cluster["base"])
+    assert speech(cluster, cluster["url"], cluster["voice"]).status_code == 200
+    r = cluster["http"].delete(f"{cluster['url']}/v1/audio/voices/{cluster['voice']}", timeout=10)
+    assert r.status_code == 200 and r.json() == {"id": cluster["voice"], "object": "audio.voice.deleted",
+                                                 "deleted": True}
+    for i in (0, 1):
+        url = f"http://127.0.0.1:{cluster['base'] + i}"
+        r = speech(cluster, url, cluster["voice"])
+        assert r.status_code == 404 and "GET /v1/audio/voices" in r.json()["error"]["message"], r.text
+        assert r.headers["x-should-retry"] == "false"
+    assert cluster["http"].get(cluster["url"] + "/v1/audio/voices", timeout=10).json()["data"] == []

@@ -1,0 +1,79 @@
+"""The saved-voice registry: whole or nothing on disk, one view for every reader."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+import soundfile
+
+from cosyvoice_lb.validation import BadRequest
+from cosyvoice_lb.voices import MAX_VOICES, Registry, VoiceNotFound
+
+TONE = (0.3 * np.sin(np.linspace(0, 2000, 48000))).astype(np.float32)
+
+
+def test_a_voice_round_trips_and_every_reader_sees_it(tmp_path):
+    one, other = Registry(tmp_path / "voices", clock=lambda: 1700000000.5), Registry(tmp_path / "voices")
+    voice = one.create("narrator", TONE, 16000, "the transcript", consent="yes")
+    assert voice.id.startswith("voice_") and len(voice.id) == 30 and voice.created_at == 1700000000
+    assert other.require(voice.id) == voice and other.require("narrator") == voice
+    assert voice.public() == {
+        "object": "audio.voice",
+        "id": voice.id,
+        "name": "narrator",
+        "created_at": 1700000000,
+        "prompt_text": "the transcript",
+    }
+    audio, rate = soundfile.read(other.audio_path(voice), dtype="float32")
+    assert rate == 16000 and np.allclose(audio, TONE, atol=1e-4)
+    # someone's voice: readable by the service's user only
+    assert stat.S_IMODE(os.stat(tmp_path / "voices").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(other.audio_path(voice)).st_mode) == 0o600
+    assert [v.id for v in other.all()] == [voice.id]
+
+
+def test_delete_makes_it_unknown_everywhere(tmp_path):
+    one, other = Registry(tmp_path), Registry(tmp_path)
+    voice = one.create("narrator", TONE, 16000, "text")
+    assert other.delete("narrator") == voice
+    with pytest.raises(VoiceNotFound, match="none saved yet"):
+        one.require(voice.id)
+    assert os.listdir(tmp_path) == []  # nothing left behind
+
+
+def test_names_are_unique_checked_and_ids_are_not_names(tmp_path):
+    registry = Registry(tmp_path)
+    registry.create("narrator", TONE, 16000, "text")
+    with pytest.raises(BadRequest, match="exists") as taken:
+        registry.create(" narrator ", TONE, 16000, "text")
+    assert taken.value.status == 409
+    for bad in ("", "   ", "x" * 65, "tab\there", "voice_0123456789abcdef01234567", None):
+        with pytest.raises(BadRequest):
+            registry.create(bad, TONE, 16000, "text")  # type: ignore[arg-type]
+    with pytest.raises(VoiceNotFound, match="narrator"):  # the message lists what is saved
+        registry.require("nobody")
+
+
+def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    registry = Registry(tmp_path)
+
+    def disk_full(*_args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("cosyvoice_lb.voices.write_wav", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        registry.create("narrator", TONE, 16000, "text")
+    assert registry.all() == [] and os.listdir(tmp_path) == []
+
+
+def test_the_registry_is_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr("cosyvoice_lb.voices.MAX_VOICES", 2)
+    registry = Registry(tmp_path)
+    registry.create("a", TONE, 16000, "text")
+    registry.create("b", TONE, 16000, "text")
+    with pytest.raises(BadRequest, match="holds 2 voices") as full:
+        registry.create("c", TONE, 16000, "text")
+    assert full.value.status == 409 and MAX_VOICES == 1000
