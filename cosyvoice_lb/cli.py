@@ -184,6 +184,9 @@ def up_command(**kwargs: Any) -> None:
         + (f", {len(failed)} failed" if failed else "")
     )
     click.echo(f"  UI and API: {current.url}/   (API: POST {current.url}/v1/tts, health: {current.url}/ping)")
+    click.echo(
+        f"  OpenAI-compatible: base_url {current.url}/v1   (POST /v1/audio/speech, saved voices: /v1/audio/voices)"
+    )
     click.echo(f"  reachable: {reach(settings.listen_host, settings.port)}")
     for line in access_lines(settings, layout, current.url):
         click.echo(line)

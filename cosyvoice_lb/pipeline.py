@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -130,6 +131,8 @@ class Pipeline:
         self.wall = wall
         self.ledger = ledger  # poison requests: see ``ledger``
         self.registry = registry  # saved voices: see ``voices``
+        self.coordinating = 0  # long texts this instance is fanning out (a drain waits for them)
+        self.coordinating_lock = threading.Lock()  # (from the event loop and the UI's threads)
         # API syntheses run here rather than in the server's shared pool: a request whose
         # time ran out is answered while a stuck engine call keeps only its own thread.
         self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="synthesis")

@@ -24,6 +24,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -251,7 +252,9 @@ def build_app(
     return app
 
 
-def draining_server(config: Any, admission: Admission, drain_timeout: float) -> Any:
+def draining_server(
+    config: Any, admission: Admission, drain_timeout: float, coordinating: Callable[[], int] = lambda: 0
+) -> Any:
     """A uvicorn server that, on SIGTERM/SIGINT, first stops taking work and lets the
     syntheses in flight finish (at most ``drain_timeout``), then shuts down.
 
@@ -273,10 +276,15 @@ def draining_server(config: Any, admission: Admission, drain_timeout: float) -> 
 
             def drain() -> None:
                 deadline = time.monotonic() + drain_timeout
-                while admission.snapshot().inflight and time.monotonic() < deadline:
+                # (and the long texts this instance coordinates: their segments run elsewhere)
+                while (admission.snapshot().inflight or coordinating()) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                if admission.snapshot().inflight:
-                    log.warning("drain timeout: %d synthesis(es) still running", admission.snapshot().inflight)
+                if admission.snapshot().inflight or coordinating():
+                    log.warning(
+                        "drain timeout: %d synthesis(es) and %d long text(s) still running",
+                        admission.snapshot().inflight,
+                        coordinating(),
+                    )
                 super(DrainingServer, self).handle_exit(sig, frame)
 
             threading.Thread(target=drain, name="drain", daemon=True).start()
@@ -359,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
         access_log=False,
     )
-    draining_server(config, pipeline.admission, settings.drain_timeout).run()
+    draining_server(config, pipeline.admission, settings.drain_timeout, lambda: pipeline.coordinating).run()
     if pipeline.ledger is not None and not pipeline.admission.snapshot().inflight:
         pipeline.ledger.clear_own()  # a graceful stop: what it cut short harmed nothing
     # (a synthesis still running past the drain timeout may be stuck: its mark stays as evidence)

@@ -62,7 +62,20 @@ def audio_source(
     segments = split_text(text, size, first_chars=max(1, size // 2))
     log.info("long text: %d characters in %d segments across the cluster", len(text), len(segments))
     source = fanout.audio(segments, payload, prompt_data, forwarded(headers), None if job.request.stream else deadline)
-    return joined(source, pipeline.engine.sample_rate)
+    return coordinated(pipeline, joined(source, pipeline.engine.sample_rate))
+
+
+async def coordinated(pipeline: Pipeline, source: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
+    """Counts a long text in flight while its audio is being made (a drain waits for it)."""
+    with pipeline.coordinating_lock:
+        pipeline.coordinating += 1
+    try:
+        async for chunk in source:
+            yield chunk
+    finally:
+        with pipeline.coordinating_lock:
+            pipeline.coordinating -= 1
+        await source.aclose()  # type: ignore[attr-defined]
 
 
 async def local_audio(pipeline: Pipeline, job: Job, deadline: float | None, stream: bool) -> AsyncIterator[np.ndarray]:

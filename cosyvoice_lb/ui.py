@@ -122,6 +122,8 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = No
             value=None,
             label="Saved voice (instead of prompt audio; save one with POST /v1/audio/voices)",
             visible=has_voices,
+            # (the list is read at each page load; a voice saved since is still taken by id)
+            allow_custom_value=True,
         )
         mode = gr.Radio([(MODE_LABELS[m], m) for m in modes], value=modes[0], label="Mode", visible=len(modes) > 1)
         with gr.Row(visible=cloning):

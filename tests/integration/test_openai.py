@@ -172,3 +172,11 @@ def test_speed_is_applied_and_the_instances_stayed_up(cluster):
     assert decode(slow.content, "wav")[0].size > 1.5 * decode(fast.content, "wav")[0].size
     logs = "".join(p.read_text() for p in (cluster["state_dir"] / "logs").glob("instance-*.log"))
     assert not unexpected_tracebacks(logs)
+
+
+def test_the_ui_speaks_a_long_text_across_the_instances(cluster):
+    from gradio_client import Client
+
+    path = Client(cluster["url"] + "/", verbose=False).predict(LONG, 1.0, -1, False, api_name="/generate")
+    audio, rate = soundfile.read(path, dtype="float32")
+    assert audio.size / rate > 25  # the whole text, not its first --max-chars

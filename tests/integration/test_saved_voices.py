@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +32,7 @@ def up(state_dir: Path, port: int, base: int) -> None:
     done = cli("up", "--engine", "cosyvoice3", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE),
                "--instances", "2", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir),
                "--max-chars", "60", "--segment-chars", "40", "--openai-voices", "alloy=narrator",
-               env=clean_env(FAKE_COSYVOICE_LOAD_SECONDS="0.2"), timeout=240)
+               env=clean_env(FAKE_COSYVOICE_LOAD_SECONDS="0.2", FAKE_COSYVOICE_CHUNK_SECONDS="0.1"), timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -95,6 +97,53 @@ def test_a_long_text_in_a_saved_voice_fans_out(cluster):
     assert r.status_code == 200, r.text
     audio, rate = soundfile.read(io.BytesIO(r.content), dtype="float32")
     assert audio.size / rate > 0.06 * 150  # the fake speaks 0.06 s a character
+
+
+def test_the_ui_offers_saved_voices_and_speaks_them(cluster):
+    from gradio_client import Client
+
+    client = Client(cluster["url"] + "/", verbose=False)
+    path = client.predict("你好，世界。", "zero_shot", None, "", "", None, 1.0, 7, False, cluster["voice"],
+                          api_name="/generate")
+    audio, rate = soundfile.read(path, dtype="float32")
+    assert rate == 24000 and audio.size > 0
+    config = cluster["http"].get(cluster["url"] + "/config", timeout=10).json()
+    (dropdown,) = [c for c in config["components"] if str(c["props"].get("label", "")).startswith("Saved voice")]
+    assert dropdown["props"]["visible"] is True
+
+
+def test_a_streamed_long_text_sends_its_first_segment_long_before_the_last(cluster):
+    text = "这是一个很长的句子，用来测试长文本的切分。" * 12  # 252 characters, 7 segments, 2 instances
+    t0 = time.monotonic()
+    arrivals = []
+    with cluster["http"].post(cluster["url"] + "/v1/tts", json={"text": text, "voice": "narrator", "stream": True},
+                              stream=True, timeout=120) as r:
+        assert r.status_code == 200, r.text
+        for chunk in r.iter_content(None):
+            arrivals.append((time.monotonic() - t0, len(chunk)))
+    total = arrivals[-1][0]
+    first_audio = arrivals[0][0]  # (the WAV header goes out with the first segment's audio)
+    # each segment takes the fake 0.4 s; 7 of them on 2 instances, in order
+    assert first_audio < total / 2, arrivals
+    assert sum(n for _, n in arrivals) > 44 + 2 * 24000 * 0.06 * 200
+
+
+def test_a_drained_restart_of_the_coordinating_instance_loses_no_long_text(cluster):
+    text = "这是一个很长的句子，用来测试长文本的切分。" * 30  # 16 segments of 0.4 s: seconds of work left
+    with cluster["http"].post(cluster["url"] + "/v1/audio/speech", timeout=120, stream=True,
+                              json={"model": "tts-1", "input": text, "voice": "narrator",
+                                    "response_format": "pcm"}) as r:
+        assert r.status_code == 200, r.text
+        coordinator = f"instance-{int(r.headers['x-instance-port']) - cluster['base']}"
+        # the instance coordinating this text is restarted (drained) while the text is on its way
+        restart = threading.Thread(target=lambda: cli("restart", coordinator, "--state-dir",
+                                                      str(cluster["state_dir"]), timeout=180))
+        restart.start()
+        size = sum(len(chunk) for chunk in r.iter_content(None))
+    restart.join(180)
+    log = (cluster["state_dir"] / "logs" / f"{coordinator}.log").read_text()
+    assert "long text(s) still running" not in log and "stopping: draining" in log
+    assert size / 2 / 24000 > 0.06 * len(text) * 0.9  # the whole text, at 24 kHz 16-bit
 
 
 def test_registration_applies_the_prompt_rules(cluster):
