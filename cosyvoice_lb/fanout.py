@@ -79,9 +79,10 @@ def message_of(body: bytes, status: int) -> str:
 class FanOut:
     """Sends the segments of long texts through the balancer."""
 
-    def __init__(self, balancer: Balancer, clock: Callable[[], float]):
+    def __init__(self, balancer: Balancer, clock: Callable[[], float], backoff: float = 0.25):
         self.balancer = balancer
         self.clock = clock  # the admission clock (deadlines are on it)
+        self.backoff = backoff  # seconds before the first retry of a segment, doubled after
 
     async def audio(
         self,
@@ -163,7 +164,7 @@ class FanOut:
                 return decode(body)
             if status in RETRY_STATUSES and attempt < RETRIES:
                 attempt += 1
-                await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
+                await asyncio.sleep(min(2.0, self.backoff * 2 ** (attempt - 1)))
                 continue
             message = message_of(body, status) if body else "the balancer did not answer"
             keep = {k: v for k, v in answer.items() if k.lower() in ("retry-after", "x-should-retry")}

@@ -72,7 +72,7 @@ def balancer():
 
 
 def run(url: str, segments: list[str], parallel: int = 2, deadline: float | None = None, **payload):
-    fanout = FanOut(Balancer(url, parallel, 100), time.monotonic)
+    fanout = FanOut(Balancer(url, parallel, 100), time.monotonic, backoff=0.01)
 
     async def go():
         return [a async for a in fanout.audio(segments, payload, None, {"authorization": "Bearer t"}, deadline)]
