@@ -32,6 +32,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from .admission import Admission, Snapshot
 from .audio import Outputs, pcm16, streaming_wav_header
@@ -229,15 +230,21 @@ def build_app(
     add_openai_routes(app, pipeline, fanout, voice_map or {}, port)
 
     # Gradio is mounted at "/" and would answer everything else under /v1/ with its own 404.
-    @app.api_route("/v1/tts", methods=["GET", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"], include_in_schema=False)
-    async def tts_wrong_method(request: Request):
-        message = f'{request.method} is not allowed on /v1/tts: POST JSON like {{"text": "Hello"}}'
-        return error_response(405, message, {"Allow": "POST"})
-
     @app.api_route(
         "/v1/{path:path}", methods=["GET", "HEAD", "OPTIONS", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False
     )
-    async def v1_unknown(path: str):
+    async def v1_unknown(request: Request, path: str):
+        # a route that exists, asked with another method: say which methods it takes
+        allowed = sorted(
+            method
+            for route in app.routes
+            if getattr(route, "path", "") != "/v1/{path:path}" and getattr(route, "methods", None)
+            for method in route.methods  # type: ignore[attr-defined]
+            if route.matches({"type": "http", "path": request.url.path, "method": method})[0] is Match.FULL
+        )
+        if allowed:
+            message = f"{request.method} is not allowed on {request.url.path}: use {' or '.join(allowed)}"
+            return error_response(405, message, {"Allow": ", ".join(allowed)})
         return error_response(
             404,
             f"no endpoint /v1/{path}: the API is POST /v1/tts, POST /v1/audio/speech, GET /v1/models "

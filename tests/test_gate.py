@@ -37,6 +37,10 @@ CLOSED_ROUTES = [
     ("POST", "/gradio_api/queue/join"), ("GET", "/gradio_api/queue/data"), ("POST", "/gradio_api/upload"),
     ("GET", "/gradio_api/file=/etc/passwd"), ("POST", "/gradio_api/call/generate"), ("POST", "/gradio_api/run/predict"),
     ("GET", "/openapi.json"), ("GET", "/gradio_api/heartbeat/abc"),
+    # the OpenAI-compatible routes
+    ("POST", "/v1/audio/speech"), ("GET", "/v1/models"), ("GET", "/v1/audio/voices"), ("POST", "/v1/audio/voices"),
+    ("GET", "/v1/audio/voices/voice_0123456789abcdef01234567"),
+    ("DELETE", "/v1/audio/voices/voice_0123456789abcdef01234567"),
 ]
 
 
@@ -52,6 +56,9 @@ def test_a_wrong_token_is_told_apart_from_none(client):
     r = client.post("/v1/tts", json=JSON_TEXT, headers={"Authorization": "Bearer not-the-token-at-all"})
     assert r.status_code == 401 and 'error="invalid_token"' in r.headers["www-authenticate"]
     assert "not valid" in r.json()["error"]["message"]
+    # OpenAI's shape, and a retry cannot help
+    assert r.json()["error"]["type"] == "authentication_error" and r.json()["error"]["code"] == "invalid_api_key"
+    assert r.headers["x-should-retry"] == "false"
 
 
 def test_ping_and_the_login_form_stay_open(client):

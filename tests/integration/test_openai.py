@@ -180,3 +180,60 @@ def test_the_ui_speaks_a_long_text_across_the_instances(cluster):
     path = Client(cluster["url"] + "/", verbose=False).predict(LONG, 1.0, -1, False, api_name="/generate")
     audio, rate = soundfile.read(path, dtype="float32")
     assert audio.size / rate > 25  # the whole text, not its first --max-chars
+
+
+SPEECH = {"model": "tts-1", "input": "Hi.", "voice": "alloy"}
+HOSTILE = [
+    ("speech-not-json", "/v1/audio/speech", {"data": b"{nope", "headers": {"content-type": "application/json"}},
+     400, "not valid JSON"),
+    ("speech-empty-body", "/v1/audio/speech", {"data": b""}, 400, "no body"),
+    ("speech-array", "/v1/audio/speech", {"json": [SPEECH]}, 400, "JSON object"),
+    ("speech-deep-nesting", "/v1/audio/speech", {"data": b"[" * 100_000, "headers": {"content-type": "application/json"}},
+     400, "not valid JSON"),
+    ("speech-no-input", "/v1/audio/speech", {"json": {"model": "tts-1", "voice": "alloy"}}, 400, '"input" is missing'),
+    ("speech-input-list", "/v1/audio/speech", {"json": {**SPEECH, "input": ["a"]}}, 400, "must be a string"),
+    ("speech-blank-input", "/v1/audio/speech", {"json": {**SPEECH, "input": "   "}}, 400, "empty"),
+    ("speech-special-tokens", "/v1/audio/speech", {"json": {**SPEECH, "input": "hi <|endofprompt|>"}}, 400,
+     "special tokens"),
+    ("speech-model-number", "/v1/audio/speech", {"json": {**SPEECH, "model": 7}}, 400, '"model" must be a string'),
+    ("speech-voice-number", "/v1/audio/speech", {"json": {**SPEECH, "voice": 7}}, 400, '"voice" must be'),
+    ("speech-voice-object-extra", "/v1/audio/speech", {"json": {**SPEECH, "voice": {"id": "x", "y": 1}}}, 400,
+     '"voice" must be'),
+    ("speech-format-list", "/v1/audio/speech", {"json": {**SPEECH, "response_format": ["mp3"]}}, 400,
+     "response_format"),
+    ("speech-stream-format", "/v1/audio/speech", {"json": {**SPEECH, "stream_format": "ws"}}, 400, "stream_format"),
+    ("speech-speed-string", "/v1/audio/speech", {"json": {**SPEECH, "speed": "fast"}}, 400, "speed"),
+    ("speech-speed-nan", "/v1/audio/speech", {"data": b'{"input": "Hi.", "speed": NaN}',
+                                              "headers": {"content-type": "application/json"}}, 400, "speed"),
+    ("speech-speed-0.1", "/v1/audio/speech", {"json": {**SPEECH, "speed": 0.1}}, 400, "0.25 and 4.0"),
+    ("speech-unknown-field", "/v1/audio/speech", {"json": {**SPEECH, "temperature": 1}}, 400, "temperature"),
+    ("speech-instructions-number", "/v1/audio/speech", {"json": {**SPEECH, "instructions": 5}}, 400,
+     '"instructions" must be a string'),
+    ("speech-instructions-espeak", "/v1/audio/speech", {"json": {**SPEECH, "instructions": "Whisper."}}, 400,
+     "instruct"),
+    ("speech-mode-unknown", "/v1/audio/speech", {"json": {**SPEECH, "mode": "sing"}}, 400, "unknown mode"),
+    ("speech-seed-negative", "/v1/audio/speech", {"json": {**SPEECH, "seed": -1}}, 400, "seed"),
+    ("speech-punctuation-only", "/v1/audio/speech", {"json": {**SPEECH, "input": "..."}}, 422, "no audio"),
+    ("voices-json", "/v1/audio/voices", {"json": {"name": "x"}}, 400, "cannot speak saved voices"),
+    ("voice-traversal", "/v1/audio/voices/..%2F..%2Fetc%2Fpasswd", {"method": "GET"}, 404, "no endpoint"),
+    ("models-post", "/v1/models", {"json": {}}, 405, "use GET"),
+    ("speech-get", "/v1/audio/speech", {"method": "GET"}, 405, "use POST"),
+]
+
+
+@pytest.mark.parametrize("path,kwargs,status,words", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_hostile_requests_to_the_openai_routes_get_a_4xx_in_openais_shape(cluster, path, kwargs, status, words):
+    kwargs = dict(kwargs)
+    method = kwargs.pop("method", "POST")
+    r = cluster["http"].request(method, cluster["url"] + path, timeout=30, **kwargs)
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and words in error["message"]
+    assert r.headers["x-should-retry"] == "false"
+
+
+def test_after_the_hostile_requests_no_instance_restarted(cluster):
+    from conftest import status
+
+    code, report = status(cluster["state_dir"])
+    assert code == 0 and all(i["restarts"] == 0 for i in report["instances"]), report
