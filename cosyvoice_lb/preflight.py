@@ -73,7 +73,12 @@ ENGINE_NEEDS = {"espeak": {"pypinyin": "pypinyin"}, "cosyvoice3": {"torch": "tor
 def check_instance_env(settings: Settings) -> dict:
     """Ask the instances' Python what it lacks; refuse with the exact install command."""
     engine = settings.resolved_engine
-    needs = {**INSTANCE_NEEDS, **ENGINE_NEEDS[engine], **({"bcrypt": "bcrypt"} if settings.ui_auth else {})}
+    needs = {
+        **INSTANCE_NEEDS,
+        **ENGINE_NEEDS[engine],
+        **({"bcrypt": "bcrypt"} if settings.ui_auth else {}),
+        **({"httpx": "httpx"} if settings.max_long_chars else {}),  # long texts' segments (gradio brings it)
+    }
     modules = list(needs) + (["cosyvoice.cli.cosyvoice"] if engine == "cosyvoice3" else [])
     roots = []
     if settings.cosyvoice_root:

@@ -128,6 +128,21 @@ def test_a_streamed_long_text_sends_its_first_segment_long_before_the_last(clust
     assert sum(n for _, n in arrivals) > 44 + 2 * 24000 * 0.06 * 200
 
 
+def test_with_streaming_response_the_first_bytes_come_long_before_the_last(cluster):
+    client = openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="none-configured")
+    text = "这是一个很长的句子，用来测试长文本的切分。" * 12  # 7 segments of 0.4 s on 2 instances
+    t0 = time.monotonic()
+    arrivals = []
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="narrator", input=text,
+                                                            response_format="mp3") as response:
+        for chunk in response.iter_bytes():
+            arrivals.append(time.monotonic() - t0)
+            data = chunk if len(arrivals) == 1 else data + chunk
+    assert arrivals[0] < arrivals[-1] / 2, arrivals
+    audio, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    assert rate == 24000 and audio.size / rate > 0.06 * len(text) * 0.9
+
+
 def test_a_drained_restart_of_the_coordinating_instance_loses_no_long_text(cluster):
     text = "这是一个很长的句子，用来测试长文本的切分。" * 30  # 16 segments of 0.4 s: seconds of work left
     with cluster["http"].post(cluster["url"] + "/v1/audio/speech", timeout=120, stream=True,
