@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .credentials import write_policy
+from .credentials import write_policy, write_segment_key
 from .errors import ClusterError
 from .files import write_atomic
 from .footprint import make_plan
@@ -79,11 +79,13 @@ def render_to_disk(
     with tempfile.TemporaryDirectory(prefix="cvlb-check-") as scratch:
         trial = Layout(Path(scratch))
         make_dirs(trial)
+        write_segment_key(trial)  # (nginx.conf includes it)
         for relative, text in render(settings, result, trial, programs, out).items():
             write_atomic(trial.root / relative, text)
         check_nginx(settings, trial)
     make_dirs(layout)
     write_policy(settings, layout)  # before the instances that read it (re)start
+    write_segment_key(layout)
     changed = []
     staged = {layout.relative(layout.instance_lib / name): text for name, text in instance_files().items()}
     for relative, text in {**files, **staged}.items():

@@ -96,3 +96,26 @@ def write_policy(settings: Settings, layout: Layout) -> Access:
         users=len(users),
         generated=None if settings.api_token_file else layout.api_token,
     )
+
+
+def write_segment_key(layout: Layout) -> str:
+    """The cluster's segment key: made once (0600), reused by every render. Instances send
+    it with the segments of a long text; nginx (from a 0600 include, never from nginx.conf)
+    then skips the rate limit, already paid by the client's request, and balances segments
+    in a pool of their own. Without it a client cannot pass for a segment: nginx strips the
+    segment headers of every other request."""
+    key = ""
+    try:
+        key = layout.segment_key.read_text(encoding="utf-8").strip()
+    except OSError:
+        pass
+    if not (len(key) == 64 and all(c in "0123456789abcdef" for c in key)):
+        key = secrets.token_hex(32)
+        write_atomic(layout.segment_key, key + "\n", mode=PRIVATE)
+    conf = (
+        "# Rendered by cosyvoice-lb: the segment key (see credentials.py); readable by its owner only.\n"
+        f'map $http_x_cvlb_segment_key $cvlb_segment_ok {{\n    default "";\n    "{key}" 1;\n}}\n'
+    )
+    if not layout.segment_key_conf.exists() or layout.segment_key_conf.read_text() != conf:
+        write_atomic(layout.segment_key_conf, conf, mode=PRIVATE)
+    return key

@@ -23,6 +23,7 @@ import io
 import json
 import logging
 import random
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +36,9 @@ from .admission import TimedOut
 log = logging.getLogger("cosyvoice_lb.instance")
 
 SEGMENT_HEADER = "X-Cvlb-Segment"  # "i/n": a segment of a long text (never split again)
+KEY_HEADER = "X-Cvlb-Segment-Key"  # proves to nginx that an instance sent it (credentials.write_segment_key)
 RETRIES = 2
-RETRY_STATUSES = frozenset({502, 503, 504})
+RETRY_STATUSES = frozenset({502, 503})
 FORWARDED = ("authorization", "cookie")  # the client's credentials: the segments are its work
 
 
@@ -57,6 +59,7 @@ class Balancer:
     url: str  # http://127.0.0.1:8080
     parallel: int  # segments out at once (the number of instances)
     segment_chars: int  # the size segments are packed to (at most --max-chars)
+    key: str = ""  # the cluster's segment key
 
 
 def forwarded(headers: Any) -> dict[str, str]:
@@ -95,7 +98,11 @@ class FanOut:
         """Each segment's audio, in order (float32 mono at the engine's rate)."""
         seed = payload.get("seed")
         seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else random.randrange(2**32)
-        gate = asyncio.Semaphore(max(1, self.balancer.parallel))  # waiters wake in order
+        parallel = max(1, self.balancer.parallel)
+        gate = asyncio.Semaphore(parallel)  # segments out at once; waiters wake in order
+        # Segments done but not yet taken stay few: a slow reader holds back the work, and
+        # the memory it would fill.
+        ahead = asyncio.Semaphore(2 * parallel)
         import httpx
 
         # One client per long text (its connections belong to this event loop); trust_env
@@ -103,22 +110,16 @@ class FanOut:
         async with httpx.AsyncClient(trust_env=False, timeout=None) as client:
             tasks = [
                 asyncio.ensure_future(
-                    self.one(
-                        client,
-                        gate,
-                        i,
-                        len(segments),
-                        segment_payload(payload, text, seed),
-                        prompt_data,
-                        headers,
-                        deadline,
-                    )
+                    self.one(client, gate, ahead, i, len(segments), segment_payload(payload, text, seed),
+                             prompt_data, headers, deadline)
                 )
                 for i, text in enumerate(segments)
-            ]
+            ]  # fmt: skip
             try:
                 for task in tasks:
-                    yield await task
+                    audio = await task
+                    ahead.release()  # taken: one more may start
+                    yield audio
             finally:
                 for task in tasks:
                     task.cancel()
@@ -128,6 +129,7 @@ class FanOut:
         self,
         client: Any,
         gate: asyncio.Semaphore,
+        ahead: asyncio.Semaphore,
         index: int,
         count: int,
         payload: dict,
@@ -135,40 +137,43 @@ class FanOut:
         headers: dict[str, str],
         deadline: float | None,
     ) -> np.ndarray:
+        """One segment: sent when it is among the next few and a slot is free; retried in
+        that slot (a retry does not queue behind later segments)."""
         import httpx
 
-        sent = {**headers, SEGMENT_HEADER: f"{index + 1}/{count}"}
-        attempt = 0
-        while True:
-            async with gate:
+        sent = {**headers, SEGMENT_HEADER: f"{index + 1}/{count}", KEY_HEADER: self.balancer.key}
+        timed_out = TimedOut(
+            f"segment {index + 1} of {count} had not finished within the request timeout: "
+            "send a shorter text, stream it, or raise --request-timeout"
+        )
+        await ahead.acquire()  # (released by the reader once it took this segment)
+        async with gate:
+            for attempt in range(RETRIES + 1):
+                if attempt:
+                    await asyncio.sleep(min(2.0, self.backoff * 2 ** (attempt - 1)))
                 left = None if deadline is None else deadline - self.clock()
                 if left is not None and left <= 0:
-                    raise TimedOut(
-                        f"segment {index + 1} of {count} had not finished within the request timeout: "
-                        "send a shorter text, or raise --request-timeout"
-                    )
+                    raise timed_out
                 try:
                     response = await client.post(
                         f"{self.balancer.url}/v1/tts", timeout=left, headers=sent, **self.body(payload, prompt_data)
                     )
                     status, body, answer = response.status_code, response.content, dict(response.headers)
                 except httpx.TimeoutException:
-                    raise TimedOut(
-                        f"segment {index + 1} of {count} had not finished within the request timeout: "
-                        "send a shorter text, or raise --request-timeout"
-                    ) from None
+                    raise timed_out from None
                 except httpx.TransportError as exc:
                     status, body, answer = 502, b"", {}
                     log.warning("segment %d/%d: the balancer did not answer (%s)", index + 1, count, exc)
-            if status == 200:
-                return decode(body)
-            if status in RETRY_STATUSES and attempt < RETRIES:
-                attempt += 1
-                await asyncio.sleep(min(2.0, self.backoff * 2 ** (attempt - 1)))
-                continue
-            message = message_of(body, status) if body else "the balancer did not answer"
-            keep = {k: v for k, v in answer.items() if k.lower() in ("retry-after", "x-should-retry")}
-            raise SegmentFailed(status, f"segment {index + 1} of {count} of the long text failed: {message}", keep)
+                if status == 200:
+                    return decode(body)
+                # Only what a retry can change: nobody answered, or everyone was busy. (A
+                # timed-out segment may hang its model: sent again it would hang another.)
+                retry = status in RETRY_STATUSES and answer.get("x-should-retry", "").lower() != "false"
+                if not retry:
+                    break
+        message = message_of(body, status) if body else "the balancer did not answer"
+        keep = {k: v for k, v in answer.items() if k.lower() in ("retry-after", "x-should-retry")}
+        raise SegmentFailed(status, f"segment {index + 1} of {count} of the long text failed: {message}", keep)
 
     @staticmethod
     def body(payload: dict, prompt_data: bytes | None) -> dict[str, Any]:
@@ -184,15 +189,26 @@ def decode(data: bytes) -> np.ndarray:
 
 
 def blocking(source: Callable[[], AsyncIterator[np.ndarray]]) -> Iterator[np.ndarray]:
-    """An async source driven from synchronous code (the UI's handlers run in threads)."""
+    """An async source driven from synchronous code (the UI's handlers run in threads).
+
+    Its event loop runs in a thread of its own: Gradio may close this generator from a
+    thread whose loop is running, and closing must still reach the source (which cancels
+    its segments and closes its connections)."""
     loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, name="long-text", daemon=True)
+    runner.start()
     iterator = source().__aiter__()
     try:
         while True:
             try:
-                yield loop.run_until_complete(iterator.__anext__())
+                step = iterator.__anext__()
+                yield asyncio.run_coroutine_threadsafe(step, loop).result()  # type: ignore[arg-type]
             except StopAsyncIteration:
                 return
     finally:
-        loop.run_until_complete(iterator.aclose())  # type: ignore[attr-defined]
-        loop.close()
+        try:
+            asyncio.run_coroutine_threadsafe(iterator.aclose(), loop).result(timeout=30)  # type: ignore[attr-defined]
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            runner.join(5)
+            loop.close()

@@ -89,6 +89,15 @@ class Layout:
         return self.root / "voices"
 
     @property
+    def segment_key(self) -> Path:
+        """The key instances send with long texts' segments (0600), and nginx's map of it."""
+        return self.run / "segment-key"
+
+    @property
+    def segment_key_conf(self) -> Path:
+        return self.run / "segment-key.conf"
+
+    @property
     def ledger(self) -> Path:
         """Marks of the syntheses running in every instance (poison requests, see ``ledger``)."""
         return self.run / "ledger"

@@ -28,7 +28,7 @@ from .fanout import FanOut
 from .formats import CONTENT_TYPES, FORMATS, Encoder, available
 from .pipeline import Pipeline
 from .streams import AudioStream, Framing, audio_source, first_of, streaming_headers
-from .validation import BadRequest, check_text, multipart_problem, safe
+from .validation import OPENAI_SPEEDS, BadRequest, check_text, multipart_problem, safe
 
 VOICES = (
     "alloy",
@@ -47,7 +47,6 @@ VOICES = (
 )
 MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 MAX_INPUT = 4096
-SPEEDS = (0.25, 4.0)
 OPENAI_FIELDS = ("model", "input", "voice", "instructions", "response_format", "speed", "stream_format")
 EXTRA_FIELDS = ("mode", "prompt_text", "seed", "speaker")
 VOICE_FORM = ("name", "audio_sample", "prompt_text", "consent")
@@ -176,12 +175,12 @@ def add_openai_routes(
         if decoded is None:
             raise BadRequest('no body: POST {"model": "tts-1", "input": "Hello", "voice": "alloy"}')
         payload, fmt, sse = speech_request(decoded, voice_map, engine.speakers())
+        encoder = Encoder(fmt, engine.sample_rate)  # (before any synthesis: it may refuse)
         loop = asyncio.get_running_loop()
-        job = await loop.run_in_executor(None, lambda: pipeline.prepare(payload, None, speeds=SPEEDS))
+        job = await loop.run_in_executor(None, lambda: pipeline.prepare(payload, None, speeds=OPENAI_SPEEDS))
         deadline = pipeline.deadline(request.headers.get("x-request-start"))
         source = audio_source(pipeline, fanout, job, payload, None, request.headers, deadline)
         first = await first_of(source)
-        encoder = Encoder(fmt, engine.sample_rate)
         headers = streaming_headers({"X-Instance-Port": str(port)})
         usage = {"input_tokens": len(payload["text"]), "output_tokens": 0, "total_tokens": len(payload["text"])}
         media = "text/event-stream" if sse else CONTENT_TYPES[fmt]

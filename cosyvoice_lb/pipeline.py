@@ -190,11 +190,14 @@ class Pipeline:
             has_prompt=prompt_data is not None or voice is not None,
             speeds=speeds,
         )
-        if voice is not None and self.registry is not None:
-            request = replace(request, prompt_wav=self.registry.audio_path(voice), voice_id=voice.id)
         self.admission.check_ready()
-        job = Job(request, fingerprint=fingerprint(request, prompt_data or b""))
+        # (the voice's file, not the per-request copy, so the same request has one fingerprint)
+        voice_file = self.registry.audio_path(voice) if voice is not None and self.registry is not None else ""
+        job = Job(request, fingerprint=fingerprint(request, voice_file, prompt_data or b""))
         try:
+            if voice is not None and self.registry is not None:
+                job.prompt_path = self.registry.borrow(voice, self.scratch)
+                job.request = replace(job.request, prompt_wav=job.prompt_path, voice_id=voice.id)
             if prompt_data is not None:
                 job.prompt_path, job.notices = self.prepare_prompt(prompt_data)
                 job.request = replace(job.request, prompt_wav=job.prompt_path)

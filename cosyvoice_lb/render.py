@@ -83,7 +83,11 @@ def balancer_url(settings: Settings) -> str:
 def instance_command(settings: Settings, layout: Layout, programs: Programs, slot: Slot, peers: int = 1) -> list[str]:
     """The instance's command line: its port and starts file, then its share of the settings
     (written and parsed by the same declarations, see ``settings.instance_args``)."""
-    long_texts = ["--balancer", balancer_url(settings), "--peers", str(peers)] if settings.max_long_chars else []
+    long_texts = (
+        ["--balancer", balancer_url(settings), "--peers", str(peers), "--segment-key-file", str(layout.segment_key)]
+        if settings.max_long_chars
+        else []
+    )
     return [
         settings.python,
         programs.app,

@@ -48,7 +48,18 @@ from .problems import error_body, error_headers
 from .settings import Settings, parse_instance_args, parse_voice_map
 from .streams import AudioStream, audio_source, collect, first_of, streaming_headers
 from .timeouts import GRACEFUL_SHUTDOWN
-from .validation import FIELDS, BadRequest, Limits, form_payload, multipart_problem, request_schema, safe
+from .validation import (
+    FIELDS,
+    MAX_SPEED,
+    MIN_SPEED,
+    OPENAI_SPEEDS,
+    BadRequest,
+    Limits,
+    form_payload,
+    multipart_problem,
+    request_schema,
+    safe,
+)
 from .voices import Registry
 
 log = logging.getLogger("cosyvoice_lb.instance")
@@ -205,13 +216,18 @@ def build_app(
     @app.post("/v1/tts", openapi_extra=described)
     async def tts(request: Request):
         payload, prompt_data = await read_request(request, pipeline.limits)
-        job = await asyncio.get_running_loop().run_in_executor(None, pipeline.prepare, payload, prompt_data)
+        # A long text's segment (nginx passes the header only with the cluster's segment key):
+        # its coordinator keeps the whole, and its speed is the OpenAI route's if it came from there.
+        segment = SEGMENT_HEADER.lower() in request.headers
+        speeds = OPENAI_SPEEDS if segment else (MIN_SPEED, MAX_SPEED)
+        job = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: pipeline.prepare(payload, prompt_data, speeds=speeds)
+        )
         headers = {"X-Instance-Port": str(port), "X-Sample-Rate": str(engine.sample_rate)}
         if job.notices:
             headers["X-Prompt-Notice"] = "; ".join(job.notices)
         deadline = pipeline.deadline(request.headers.get("x-request-start"))
         source = audio_source(pipeline, fanout, job, payload, prompt_data, request.headers, deadline)
-        segment = SEGMENT_HEADER.lower() in request.headers  # a long text's segment: its coordinator keeps the whole
         if job.request.stream:
             first = await first_of(source)
             header = [streaming_wav_header(engine.sample_rate)]
@@ -220,7 +236,8 @@ def build_app(
                 return (header.pop() if header else b"") + pcm16(chunk)
 
             return AudioStream(pipeline, first, source, encode, bytes, "audio/wav", streaming_headers(headers))
-        audio = await collect(source)
+        # (a long text is stopped when its client goes; one synthesis here runs to its end)
+        audio = await collect(source, request if len(job.request.text) > pipeline.limits.max_chars else None)
         data = await pipeline.run(None, pipeline.encode_wav, audio)
         headers["X-Audio-Seconds"] = f"{audio.size / engine.sample_rate:.3f}"
         if not segment:
@@ -348,7 +365,11 @@ def main(argv: list[str] | None = None) -> None:
     policy = PolicyFile(args.auth_file) if args.auth_file else None
     fanout = None
     if args.balancer and settings.max_long_chars:
-        balancer = Balancer(args.balancer, args.peers, min(settings.segment_chars, settings.max_chars))
+        key = ""
+        if args.segment_key_file:
+            with open(args.segment_key_file, encoding="utf-8") as handle:
+                key = handle.read().strip()
+        balancer = Balancer(args.balancer, args.peers, min(settings.segment_chars, settings.max_chars), key)
         fanout = FanOut(balancer, pipeline.admission.clock)
     else:  # nowhere to send segments: texts past --max-chars are refused
         pipeline.limits = replace(pipeline.limits, max_long_chars=0)

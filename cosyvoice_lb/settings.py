@@ -551,6 +551,7 @@ def instance_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--auth-file", default="", help="the access policy (tokens, users): all but /ping need them")
     parser.add_argument("--balancer", default="", help="nginx's URL on this box: long texts' segments go there")
     parser.add_argument("--peers", type=int, default=1, help="instances in the cluster: segments out at once")
+    parser.add_argument("--segment-key-file", default="", help="the key segments carry (nginx knows them by it)")
     for f in declarations():
         if not f.metadata["instance"]:
             continue

@@ -19,6 +19,7 @@ import asyncio
 import base64
 import json
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -27,8 +28,10 @@ import numpy as np
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from .admission import Cancelled
 from .fanout import SEGMENT_HEADER, FanOut, forwarded
 from .pipeline import Job, NoAudio, Pipeline, StorageFailed, describe
+from .problems import error_body
 from .segments import Joiner, split_text
 from .validation import BadRequest
 
@@ -59,7 +62,11 @@ def audio_source(
             status=413,
         )
     size = fanout.balancer.segment_chars
-    segments = split_text(text, size, first_chars=max(1, size // 2))
+    # A piece with no word in it ("* * *" between chapters) has nothing to say: the model
+    # would answer "no audio" and fail the whole text.
+    segments = [piece for piece in split_text(text, size, first_chars=max(1, size // 2)) if re.search(r"\w", piece)]
+    if not segments:
+        raise NoAudio()
     log.info("long text: %d characters in %d segments across the cluster", len(text), len(segments))
     source = fanout.audio(segments, payload, prompt_data, forwarded(headers), None if job.request.stream else deadline)
     return coordinated(pipeline, joined(source, pipeline.engine.sample_rate))
@@ -137,8 +144,24 @@ async def joined(source: AsyncIterator[np.ndarray], rate: int) -> AsyncIterator[
         await source.aclose()  # type: ignore[attr-defined]
 
 
-async def collect(source: AsyncIterator[np.ndarray]) -> np.ndarray:
-    chunks = [chunk async for chunk in source]
+async def collect(source: AsyncIterator[np.ndarray], request: Any = None) -> np.ndarray:
+    """The whole audio. With the client's ``request``, a client that goes away stops it
+    (a long text's segments are cancelled, not made for nobody): Cancelled (499)."""
+
+    async def gather() -> list[np.ndarray]:
+        try:
+            return [chunk async for chunk in source]
+        finally:
+            await source.aclose()  # type: ignore[attr-defined]
+
+    work = asyncio.ensure_future(gather())
+    while request is not None and not work.done():
+        await asyncio.wait({work}, timeout=0.5)
+        if not work.done() and await request.is_disconnected():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise Cancelled()
+    chunks = await work
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
 
@@ -169,6 +192,13 @@ class Framing:
         if not self.sse:
             return b""
         return f"data: {json.dumps({'type': 'speech.audio.done', 'usage': self.usage})}\n\n".encode()
+
+    def error(self, status: int, message: str) -> bytes | None:
+        """What tells the client its stream broke off: an error event, or (None) nothing,
+        and the connection is cut before the stream's end, which every client sees."""
+        if not self.sse:
+            return None
+        return f"data: {json.dumps({'type': 'error', **error_body(status, message)})}\n\n".encode()
 
 
 class AudioStream(Response):
@@ -224,11 +254,14 @@ class AudioStream(Response):
                 except StopAsyncIteration:
                     complete = True
                     break
-                except Exception as exc:  # the status is sent already: end the stream, keep the instance
+                except Exception as exc:  # the status is sent already: break the stream off, keep the instance
                     failure = describe(exc)
                     log.log(failure.level if failure else logging.ERROR, "streaming synthesis failed: %s", exc)
-                    complete = True  # what it made is kept, as any result
-                    break
+                    # (not a result: nothing is kept; the client must not take it for the whole)
+                    event = self.framing.error(failure.status if failure else 500, str(exc))
+                    if event is not None:
+                        await body(event, more=False)
+                    return  # a raw stream ends without its last chunk: the client sees it cut off
                 chunks.append(chunk)
                 await body(self.framing.data(await loop.run_in_executor(self.pipeline.workers, self.encode, chunk)))
             if not gone.is_set():

@@ -13,6 +13,7 @@ from typing import Any
 from .engines import MODES, SynthesisRequest
 
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
+OPENAI_SPEEDS = (0.25, 4.0)  # what OpenAI's speech API takes (and so a long text's segments)
 SPECIAL = re.compile(r"<\|.{0,40}?\|>", re.DOTALL)
 FIELDS = ("text", "speed", "mode", "prompt_text", "instruct_text", "speaker", "seed", "stream", "voice")
 

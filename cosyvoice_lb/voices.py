@@ -13,6 +13,7 @@ Instance side: standard library, numpy and ``audio``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -32,6 +33,7 @@ VOICE_ID = re.compile(r"voice_[0-9a-f]{24}")
 MAX_NAME = 64
 MAX_VOICES = 1000
 META, AUDIO = "voice.json", "prompt.wav"
+CLAIM_SECONDS = 60.0  # a name claimed this long ago with no voice behind it was abandoned
 
 
 class VoiceNotFound(LookupError):
@@ -125,17 +127,40 @@ class Registry:
 
     # --- writing ---------------------------------------------------------------------------
 
+    def claim(self, name: str) -> Path:
+        """Take ``name`` for a new voice, atomically across instances (and hosts sharing the
+        dir): a directory per name, which only one mkdir can create. A claim whose voice
+        never appeared (its instance died while saving) is taken over after CLAIM_SECONDS."""
+        names = self.root / ".names"
+        names.mkdir(parents=True, exist_ok=True, mode=0o700)
+        claim = names / hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
+        for _ in range(2):
+            try:
+                claim.mkdir(mode=0o700)
+                return claim
+            except FileExistsError:
+                owner = self.find(name)
+                if owner is not None:
+                    raise BadRequest(
+                        f"a voice named {name!r} exists ({owner.id}): delete it first or choose another name",
+                        status=409,
+                    ) from None
+                try:
+                    stale = self.clock() - claim.stat().st_mtime > CLAIM_SECONDS
+                except FileNotFoundError:  # released meanwhile: try again
+                    continue
+                if not stale:
+                    raise BadRequest(
+                        f"a voice named {name!r} is being saved right now: retry shortly", status=409
+                    ) from None
+                shutil.rmtree(claim, ignore_errors=True)
+        raise BadRequest(f"a voice named {name!r} is being saved right now: retry shortly", status=409)
+
     def create(self, name: str, audio: np.ndarray, rate: int, prompt_text: str, consent: str = "") -> Voice:
         """Store a voice whole (OSError when the disk refuses; nothing half-written stays)."""
         name = check_name(name)
-        existing = self.all()
-        if len(existing) >= MAX_VOICES:
+        if len(self.ids()) >= MAX_VOICES:
             raise RegistryFull()
-        taken = next((v for v in existing if v.name == name), None)
-        if taken is not None:
-            raise BadRequest(
-                f"a voice named {name!r} exists ({taken.id}): delete it first or choose another name", status=409
-            )
         voice = Voice(
             id=f"voice_{uuid.uuid4().hex[:24]}",
             name=name,
@@ -144,6 +169,7 @@ class Registry:
             consent=consent,
         )
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        claim = self.claim(name)
         building = self.root / f".new-{voice.id}"
         try:
             building.mkdir(mode=0o700)
@@ -155,6 +181,7 @@ class Registry:
             os.rename(building, self.root / voice.id)
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
+            shutil.rmtree(claim, ignore_errors=True)
             raise
         return voice
 
@@ -166,4 +193,23 @@ class Registry:
         except FileNotFoundError:  # deleted meanwhile by another instance
             raise VoiceNotFound(key, []) from None
         shutil.rmtree(gone, ignore_errors=True)
+        # the name is free again
+        shutil.rmtree(self.root / ".names" / hashlib.sha256(voice.name.encode("utf-8")).hexdigest()[:32], True)
         return voice
+
+    def borrow(self, voice: Voice, directory: str) -> str:
+        """A private copy of the voice's prompt for one request (a hard link when the dir
+        is on the same disk): a voice deleted while a request uses it does not pull the
+        file from under the model. The caller removes it."""
+        path = os.path.join(directory, f"voice-{voice.id}-{uuid.uuid4().hex[:12]}.wav")
+        try:
+            os.link(self.audio_path(voice), path)
+        except FileNotFoundError:  # deleted just now
+            raise VoiceNotFound(voice.id, []) from None
+        except OSError:  # another disk, or no hard links there
+            try:
+                shutil.copyfile(self.audio_path(voice), path)
+            except FileNotFoundError:
+                raise VoiceNotFound(voice.id, []) from None
+            os.chmod(path, 0o600)
+        return path

@@ -16,7 +16,7 @@ import soundfile
 
 from conftest import http_server
 from cosyvoice_lb.admission import TimedOut
-from cosyvoice_lb.fanout import SEGMENT_HEADER, Balancer, FanOut, SegmentFailed
+from cosyvoice_lb.fanout import SEGMENT_HEADER, Balancer, FanOut, SegmentFailed, blocking
 
 
 def wav(value: float, samples: int) -> bytes:
@@ -61,7 +61,10 @@ class Balancer503(BaseHTTPRequestHandler):
                 self.send_header("x-should-retry", "false")
         self.send_header("content-length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.wfile.write(data)
+        except BrokenPipeError:  # the coordinator went away (cancelled)
+            pass
 
 
 @pytest.fixture
@@ -130,3 +133,48 @@ def test_no_balancer_answering_is_a_bad_gateway_after_retries():
     with pytest.raises(SegmentFailed, match="did not answer") as failed:
         run("http://127.0.0.1:9", ["a."])
     assert failed.value.status == 502
+
+
+def test_a_retry_keeps_its_place_before_later_segments(balancer):
+    Balancer503.failures = {0: [503]}
+    run(balancer, ["a.", "b.", "c."], parallel=1)
+    assert [s["index"] for s in Balancer503.seen] == [0, 0, 1, 2]
+
+
+@pytest.mark.parametrize("status", [504, 500, 422, 413])
+def test_what_a_retry_cannot_change_is_sent_once(balancer, status):
+    # (504: the segment's synthesis ran out of time; it may hang any model it is sent to)
+    Balancer503.failures = {0: [status]}
+    with pytest.raises(SegmentFailed, match=f"scripted {status}"):
+        run(balancer, ["a.", "b."], parallel=1)
+    assert [s["index"] for s in Balancer503.seen] == [0]
+
+
+def test_segments_run_only_a_few_ahead_of_the_reader(balancer):
+    fanout = FanOut(Balancer(balancer, 1, 100), time.monotonic, backoff=0.01)
+
+    async def go():
+        source = fanout.audio([f"s{i}." for i in range(8)], {}, None, {}, None)
+        first = await source.__anext__()
+        await asyncio.sleep(0.3)  # a slow reader: only 2 x parallel segments may be done meanwhile
+        started = len(Balancer503.seen)
+        await source.aclose()
+        return first, started
+
+    first, started = asyncio.run(go())
+    assert first.size and started == 3  # the one taken, and two ahead
+
+
+def test_a_long_text_driven_from_a_thread_is_closed_from_a_running_loop(balancer):
+    # Gradio closes a handler's generator from its own event loop's thread
+    Balancer503.delay = 0.05
+    fanout = FanOut(Balancer(balancer, 1, 100), time.monotonic, backoff=0.01)
+    pieces = blocking(lambda: fanout.audio([f"s{i}." for i in range(6)], {}, None, {}, None))
+    assert next(pieces).size
+
+    async def close_from_a_loop():
+        pieces.close()
+
+    asyncio.run(close_from_a_loop())
+    time.sleep(0.3)
+    assert len(Balancer503.seen) <= 4  # the rest were never sent: the source was closed

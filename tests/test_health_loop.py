@@ -148,11 +148,11 @@ class Rig:
         return protocol.report_tracks(self.layout)[name]
 
     def down(self) -> set[str]:
-        """The instances upstreams.conf marks down (in both upstreams alike)."""
+        """The instances upstreams.conf marks down (in every upstream alike: API, UI, segments)."""
         found = re.findall(r"server \S+ max_fails=0( down)?;\s+# (\S+)", self.layout.upstreams_conf.read_text())
-        assert len(found) == 2 * len(SLOTS)
-        api, ui = found[:len(SLOTS)], found[len(SLOTS):]
-        assert api == ui
+        assert len(found) == 3 * len(SLOTS)
+        api, ui, segments = found[:len(SLOTS)], found[len(SLOTS):2 * len(SLOTS)], found[2 * len(SLOTS):]
+        assert api == ui == segments
         return {name for mark, name in api if mark}
 
     def restarted(self, name: str, pid: int, state: str = "RUNNING") -> None:

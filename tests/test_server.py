@@ -17,7 +17,8 @@ from conftest import free_port_block
 from fastapi.testclient import TestClient
 
 from cosyvoice_lb.admission import Admission, Overloaded
-from cosyvoice_lb.engines import SynthesisRequest
+from cosyvoice_lb.audio import Outputs
+from cosyvoice_lb.engines import EngineError, SynthesisRequest
 from cosyvoice_lb.engines.espeak import EspeakEngine
 from cosyvoice_lb.pipeline import Job, Pipeline
 from cosyvoice_lb.server import build_app
@@ -573,3 +574,36 @@ def test_a_prompt_that_cannot_be_written_is_a_507(loaded, small_disk):
     from cosyvoice_lb.pipeline import describe
 
     assert describe(caught.value).status == 507
+
+
+class FailsMidway:
+    """Two chunks, then the engine fails (a CUDA error half-way through a text)."""
+
+    name, sample_rate, modes = "midway", 24000, ("sft",)
+
+    def speakers(self):
+        return []
+
+    def synthesize(self, request):
+        yield np.full(2400, 0.1, dtype=np.float32)
+        yield np.full(2400, 0.1, dtype=np.float32)
+        raise EngineError("device-side assert")
+
+
+def test_a_stream_that_breaks_off_is_cut_not_ended_and_not_kept(tmp_path):
+    p = pipeline(FailsMidway(), port=7876, max_queue=2, request_timeout=60)
+    p.outputs = Outputs(str(tmp_path), 7876, 3600, 2**30)
+    session = requests.Session()
+    session.trust_env = False
+    with serving(p) as url:
+        stream = session.post(url + "/v1/tts", json={"text": "xx", "stream": True}, stream=True, timeout=30)
+        assert stream.status_code == 200
+        with pytest.raises(requests.exceptions.ChunkedEncodingError):  # the client sees it cut off
+            b"".join(stream.iter_content(None))
+        sse = session.post(url + "/v1/audio/speech", stream=True, timeout=30,
+                           json={"input": "xx", "response_format": "pcm", "stream_format": "sse"})
+        events = [json.loads(line[6:]) for line in sse.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "error" and "device-side assert" in events[-1]["error"]["message"]
+    assert "speech.audio.done" not in [e["type"] for e in events]
+    assert list(tmp_path.iterdir()) == []  # a broken-off result is not kept as if whole
+    assert snap(p).failed == 2

@@ -15,6 +15,11 @@ from cosyvoice_lb.voices import MAX_VOICES, Registry, VoiceNotFound
 TONE = (0.3 * np.sin(np.linspace(0, 2000, 48000))).astype(np.float32)
 
 
+def leftovers(root) -> list[str]:
+    """Files under root but the (empty) dir of name claims."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name != ".names")
+
+
 def test_a_voice_round_trips_and_every_reader_sees_it(tmp_path):
     one, other = Registry(tmp_path / "voices", clock=lambda: 1700000000.5), Registry(tmp_path / "voices")
     voice = one.create("narrator", TONE, 16000, "the transcript", consent="yes")
@@ -41,7 +46,7 @@ def test_delete_makes_it_unknown_everywhere(tmp_path):
     assert other.delete("narrator") == voice
     with pytest.raises(VoiceNotFound, match="none saved yet"):
         one.require(voice.id)
-    assert os.listdir(tmp_path) == []  # nothing left behind
+    assert leftovers(tmp_path) == []  # nothing left behind, the name free again
 
 
 def test_names_are_unique_checked_and_ids_are_not_names(tmp_path):
@@ -66,7 +71,9 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr("cosyvoice_lb.voices.write_wav", disk_full)
     with pytest.raises(OSError, match="No space"):
         registry.create("narrator", TONE, 16000, "text")
-    assert registry.all() == [] and os.listdir(tmp_path) == []
+    assert registry.all() == [] and leftovers(tmp_path) == []
+    monkeypatch.undo()
+    assert registry.create("narrator", TONE, 16000, "text").name == "narrator"  # the name was released
 
 
 def test_the_registry_is_bounded(tmp_path, monkeypatch):
@@ -77,3 +84,40 @@ def test_the_registry_is_bounded(tmp_path, monkeypatch):
     with pytest.raises(BadRequest, match="holds 2 voices") as full:
         registry.create("c", TONE, 16000, "text")
     assert full.value.status == 409 and MAX_VOICES == 1000
+
+
+def test_one_name_saved_at_once_from_many_instances_gives_one_voice(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def save(_):
+        try:
+            return Registry(tmp_path).create("narrator", TONE, 16000, "text").id  # each its own reader
+        except BadRequest as exc:
+            return exc.status
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(save, range(8)))
+    assert sorted(map(str, results))[:7] == ["409"] * 7 and len(Registry(tmp_path).all()) == 1
+
+
+def test_an_abandoned_claim_is_taken_over(tmp_path):
+    now = [1000.0]
+    registry = Registry(tmp_path, clock=lambda: now[0])
+    claim = registry.claim("narrator")  # an instance died while saving
+    os.utime(claim, (1000.0, 1000.0))
+    with pytest.raises(BadRequest, match="being saved right now"):
+        registry.create("narrator", TONE, 16000, "text")
+    now[0] += 61
+    assert registry.create("narrator", TONE, 16000, "text").name == "narrator"
+
+
+def test_a_borrowed_prompt_outlives_the_voice(tmp_path):
+    registry = Registry(tmp_path / "voices")
+    voice = registry.create("narrator", TONE, 16000, "text")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    path = registry.borrow(voice, str(scratch))
+    registry.delete(voice.id)
+    assert soundfile.read(path)[0].size == TONE.size  # a request using it still has its audio
+    with pytest.raises(VoiceNotFound):
+        registry.borrow(voice, str(scratch))

@@ -92,8 +92,8 @@ class CosyVoiceEngine:
             self.version = 0  # load() says why
         self.sample_rate = 24000 if self.version != 1 else 22050
         self.modes: tuple[str, ...] = self._modes([])
-        # Saved voices in upstream's speaker cache (add_zero_shot_spk): id -> its prompt.
-        self.cached: dict[str, tuple[str, str]] = {}
+        # Saved voices in upstream's speaker cache (add_zero_shot_spk): id -> its transcript.
+        self.cached: dict[str, str] = {}
         self.cache_lock = threading.Lock()
 
     def _modes(self, speakers: list[str]) -> tuple[str, ...]:
@@ -205,10 +205,11 @@ class CosyVoiceEngine:
 
     def cache_voice(self, voice_id: str, prompt_wav: str, prompt_text: str) -> None:
         """Put a saved voice (its prompt audio and transcript) in upstream's speaker cache,
-        once per voice, and again if its prompt changed. The transcript is cached in the
-        model's zero-shot prompt form (v3: with the system prompt and <|endofprompt|>, which
-        upstream's LLM asserts on every later call); cross-lingual drops it upstream."""
-        key = (prompt_wav, prompt_text)
+        once per voice (a voice never changes; a new one gets a new id; ``prompt_wav`` is
+        this request's copy of its audio). The transcript is cached in the model's zero-shot
+        prompt form (v3: with the system prompt and <|endofprompt|>, which upstream's LLM
+        asserts on every later call); cross-lingual drops it upstream."""
+        key = prompt_text
         with self.cache_lock:
             if self.cached.get(voice_id) == key:
                 return

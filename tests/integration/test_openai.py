@@ -237,3 +237,19 @@ def test_after_the_hostile_requests_no_instance_restarted(cluster):
 
     code, report = status(cluster["state_dir"])
     assert code == 0 and all(i["restarts"] == 0 for i in report["instances"]), report
+
+
+def test_a_client_cannot_pass_for_a_segment(cluster):
+    # without the cluster's segment key nginx drops the segment headers: the request is an
+    # ordinary one (kept, split when long) and pays the rate limit like any other
+    forged = {"X-Cvlb-Segment": "1/1", "X-Cvlb-Segment-Key": "0" * 64}
+    short = cluster["http"].post(cluster["url"] + "/v1/tts", json={"text": "Forged."}, headers=forged, timeout=60)
+    assert short.status_code == 200 and short.headers.get("x-output-file")
+    long = cluster["http"].post(cluster["url"] + "/v1/tts", json={"text": LONG}, headers=forged, timeout=120)
+    assert long.status_code == 200 and float(long.headers["x-audio-seconds"]) > 25
+
+
+def test_a_scene_break_with_no_words_does_not_fail_a_long_text(cluster):
+    text = SENTENCE.format(1) * 2 + "\n* * *\n" + SENTENCE.format(2) * 2
+    r = cluster["http"].post(cluster["url"] + "/v1/tts", json={"text": text}, timeout=120)
+    assert r.status_code == 200, r.text
