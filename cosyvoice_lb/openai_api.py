@@ -64,23 +64,24 @@ def speech_request(body: Any, voice_map: dict[str, str], speakers: list[str]) ->
         )
     model = body.get("model", "")
     if not isinstance(model, str):
-        raise BadRequest('"model" must be a string (any model name works, see GET /v1/models)')
+        raise BadRequest('"model" must be a string (any model name works, see GET /v1/models)', param="model")
     text = body.get("input")
     if isinstance(text, str) and len(text) > MAX_INPUT:  # (OpenAI answers 400, not 413)
         raise BadRequest(
             f'"input" has {len(text)} characters, more than the {MAX_INPUT} this API takes: send it in parts, '
-            'or POST it to /v1/tts as {"text": ...} (up to --max-long-chars)'
+            'or POST it to /v1/tts as {"text": ...} (up to --max-long-chars)',
+            param="input",
         )
     text = check_text(text, MAX_INPUT, "input")
     fmt = body.get("response_format") or "mp3"
     if fmt not in FORMATS:
-        raise BadRequest(f'"response_format" {safe(fmt)!r} is not one of {", ".join(FORMATS)}')
+        raise BadRequest(f'"response_format" {safe(fmt)!r} is not one of {", ".join(FORMATS)}', param="response_format")
     problem = available(fmt)
     if problem:
-        raise BadRequest(problem)
+        raise BadRequest(problem, param="response_format")
     stream_format = body.get("stream_format") or "audio"
     if stream_format not in ("audio", "sse"):
-        raise BadRequest(f'"stream_format" {safe(stream_format)!r} is not audio or sse')
+        raise BadRequest(f'"stream_format" {safe(stream_format)!r} is not audio or sse', param="stream_format")
     speed = body.get("speed", 1.0)
     payload: dict[str, Any] = {k: body[k] for k in EXTRA_FIELDS if body.get(k) not in (None, "")}
     payload.update(text=text, speed=speed)
@@ -106,7 +107,9 @@ def voice_target(voice: Any, voice_map: dict[str, str]) -> str:
     if isinstance(voice, dict) and set(voice) == {"id"} and isinstance(voice["id"], str):
         voice = voice["id"]
     if not isinstance(voice, str):
-        raise BadRequest('"voice" must be a voice name (e.g. "alloy"), a saved voice id, or {"id": "voice_..."}')
+        raise BadRequest(
+            '"voice" must be a voice name (e.g. "alloy"), a saved voice id, or {"id": "voice_..."}', param="voice"
+        )
     if voice in voice_map:
         return voice_map[voice]
     if voice.lower() in VOICES:

@@ -63,11 +63,12 @@ class Failure:
     message: str
     headers: dict[str, str] = field(default_factory=dict)
     level: int = logging.DEBUG  # how loudly the instance logs it
+    param: str | None = None  # the request field at fault, if one is
 
 
 # The one table from exceptions to answers; the first matching row wins.
 ERRORS: tuple[tuple[type[BaseException], Callable[[Any], Failure]], ...] = (
-    (BadRequest, lambda e: Failure(e.status, str(e))),
+    (BadRequest, lambda e: Failure(e.status, str(e), param=e.param)),
     (PromptError, lambda e: Failure(400, str(e))),
     (NotReady, lambda e: Failure(503, str(e), {"Retry-After": "2"})),
     (Overloaded, lambda e: Failure(503, str(e), {"Retry-After": "1"})),
@@ -80,7 +81,7 @@ ERRORS: tuple[tuple[type[BaseException], Callable[[Any], Failure]], ...] = (
     (Cancelled, lambda e: Failure(499, "the client went away", level=logging.INFO)),
     # (a retry cannot help: clients that honour x-should-retry stop here)
     (Poisoned, lambda e: Failure(422, str(e), {"x-should-retry": "false"}, level=logging.WARNING)),
-    (VoiceNotFound, lambda e: Failure(404, str(e))),
+    (VoiceNotFound, lambda e: Failure(404, str(e), param="voice")),
     # a long text's segment: its answer is the whole request's
     (SegmentFailed, lambda e: Failure(e.status, str(e), e.headers, level=logging.WARNING)),
 )

@@ -168,7 +168,7 @@ def build_app(
             return error_response(500, f"internal error ({type(exc).__name__}): the instance is still up; retry")
         if failure.level >= logging.WARNING:
             log.log(failure.level, "%s: %s", failure.status, failure.message)
-        return error_response(failure.status, failure.message, failure.headers or None)
+        return error_response(failure.status, failure.message, failure.headers or None, failure.param)
 
     for kind, _ in ERRORS:  # the one table, registered once
         app.add_exception_handler(kind, answer)  # type: ignore[arg-type]

@@ -43,9 +43,10 @@ def request_schema(max_chars: int, modes: tuple[str, ...] = MODES) -> dict[str, 
 class BadRequest(ValueError):
     """Client input that cannot be served; the message tells the client what to change."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
         self.status = status
+        self.param = param  # the field at fault (OpenAI's error "param")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,15 @@ def safe(value: Any, limit: int = 60) -> str:
 
 
 def check_text(text: Any, max_chars: int, name: str = "text", required: bool = True) -> str:
+    """The text field ``name``, checked (BadRequest naming the field otherwise)."""
+    try:
+        return _text(text, max_chars, name, required)
+    except BadRequest as exc:
+        exc.param = name
+        raise
+
+
+def _text(text: Any, max_chars: int, name: str, required: bool) -> str:
     if text is None or (text == "" and not required):
         if required:
             raise BadRequest(f'"{name}" is missing: send the text to speak, e.g. {{"{name}": "Hello"}}')
@@ -104,6 +114,14 @@ def check_text(text: Any, max_chars: int, name: str = "text", required: bool = T
 
 
 def check_speed(speed: Any, low: float = MIN_SPEED, high: float = MAX_SPEED) -> float:
+    try:
+        return _speed(speed, low, high)
+    except BadRequest as exc:
+        exc.param = "speed"
+        raise
+
+
+def _speed(speed: Any, low: float, high: float) -> float:
     if isinstance(speed, bool) or not isinstance(speed, (int, float)):
         raise BadRequest(f'"speed" must be a number between {low} and {high}, not {speed!r}')
     try:

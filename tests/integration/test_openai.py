@@ -146,10 +146,12 @@ def test_errors_raise_the_right_exception_and_say_a_retry_cannot_help(cluster):
     assert bad.value.response.headers["x-should-retry"] == "false"
     body = bad.value.body
     assert set(body) >= {"message", "type", "param", "code"} and body["type"] == "invalid_request_error"
+    assert body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError, match="4096"):
         client.audio.speech.create(model="tts-1", voice="alloy", input="x" * 4097)
-    with pytest.raises(openai.BadRequestError, match="speed"):
+    with pytest.raises(openai.BadRequestError, match="speed") as slow:
         client.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", speed=5.0)
+    assert slow.value.body["param"] == "speed"
     # a saved voice on an engine that cannot clone: said, and not retried
     with pytest.raises(openai.BadRequestError, match="cannot speak saved voices"):
         client.audio.speech.create(model="tts-1", voice={"id": "voice_0123456789abcdef01234567"}, input="Hi.")
