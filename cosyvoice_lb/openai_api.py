@@ -26,9 +26,10 @@ from fastapi.responses import JSONResponse
 
 from .fanout import FanOut
 from .formats import CONTENT_TYPES, FORMATS, Encoder, available
+from .forms import read_form
 from .pipeline import Pipeline
 from .streams import AudioStream, Framing, audio_source, first_of, streaming_headers
-from .validation import OPENAI_SPEEDS, BadRequest, check_text, multipart_problem, safe
+from .validation import OPENAI_SPEEDS, BadRequest, check_text, safe
 
 VOICES = (
     "alloy",
@@ -124,32 +125,11 @@ async def read_voice_form(request: Request, max_bytes: int) -> dict[str, Any]:
             "send multipart/form-data with name, audio_sample (the file) and prompt_text (its transcript), "
             "e.g. curl -F name=narrator -F audio_sample=@voice.wav -F prompt_text='...'"
         )
-    problem = multipart_problem(request.headers["content-type"], await request.body())
-    if problem:
-        raise BadRequest(f"the form could not be read ({problem}): send the whole multipart/form-data body")
-    try:
-        form = await request.form(max_files=1, max_fields=len(VOICE_FORM))
-    except Exception as exc:  # malformed multipart, too many parts
-        raise BadRequest(f"the form could not be read ({exc}): send multipart/form-data") from None
-    unknown = sorted(set(form) - set(VOICE_FORM))
+    fields, data = await read_form(request, "audio_sample", len(VOICE_FORM) - 1, max_bytes)
+    unknown = sorted(set(fields) - set(VOICE_FORM))
     if unknown:
         raise BadRequest(f"unknown field(s) {', '.join(safe(n) for n in unknown)}: send {', '.join(VOICE_FORM)}")
-    fields: dict[str, Any] = {}
-    for key, value in form.items():
-        if key == "audio_sample":
-            if isinstance(value, str):
-                raise BadRequest("audio_sample must be a file upload, not a text field")
-            data = await value.read(max_bytes + 1)
-            if len(data) > max_bytes:
-                raise BadRequest(
-                    f"audio_sample is larger than {max_bytes // 2**20} MiB: send 3-15 s of speech", status=413
-                )
-            fields[key] = data
-        elif not isinstance(value, str):
-            raise BadRequest(f"{key} must be a text field, not a file")
-        else:
-            fields[key] = value
-    return fields
+    return {**fields, "audio_sample": data}
 
 
 def add_openai_routes(

@@ -50,6 +50,7 @@ INSTANCE_MODULES = (
     "ledger.py",
     "audio.py",
     "problems.py",
+    "forms.py",
     "voices.py",
     "fanout.py",
     "streams.py",

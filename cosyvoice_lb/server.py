@@ -39,6 +39,7 @@ from .audio import Outputs, pcm16, streaming_wav_header
 from .auth import PolicyFile
 from .engines import create_engine
 from .fanout import SEGMENT_HEADER, Balancer, FanOut
+from .forms import read_form
 from .gate import Gate
 from .ledger import Ledger
 from .openai_api import add_openai_routes
@@ -56,7 +57,6 @@ from .validation import (
     BadRequest,
     Limits,
     form_payload,
-    multipart_problem,
     request_schema,
     safe,
 )
@@ -101,29 +101,8 @@ async def read_request(request: Request, limits: Limits) -> tuple[dict, bytes | 
     if kind == "application/x-www-form-urlencoded" and (await request.body()).lstrip()[:1] in (b"{", b"["):
         kind = "application/json"
     if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        if kind == "multipart/form-data":
-            problem = multipart_problem(request.headers["content-type"], await request.body())
-            if problem:
-                raise BadRequest(f"the form could not be read ({problem}): send the whole multipart/form-data body")
-        try:
-            form = await request.form(max_files=1, max_fields=len(FIELDS) + 1)
-        except Exception as exc:  # malformed multipart, too many parts
-            raise BadRequest(f"the form could not be read ({exc}): send multipart/form-data") from None
-        upload = form.get("prompt_audio")
-        fields = {k: v for k, v in form.items() if k != "prompt_audio"}
-        if any(not isinstance(v, str) for v in fields.values()):
-            raise BadRequest("only prompt_audio may be a file; the other fields are text")
-        data = None
-        if upload is not None and not isinstance(upload, str):
-            data = await upload.read(limits.max_upload_bytes + 1)
-            if len(data) > limits.max_upload_bytes:
-                raise BadRequest(
-                    f"prompt_audio is larger than {limits.max_upload_bytes // 2**20} MiB: send 3-15 s of speech",
-                    status=413,
-                )
-        elif isinstance(upload, str) and upload:
-            raise BadRequest("prompt_audio must be a file upload, not a text field")
-        return form_payload({k: str(v) for k, v in fields.items()}), data
+        fields, data = await read_form(request, "prompt_audio", len(FIELDS), limits.max_upload_bytes)
+        return form_payload(fields), data
     body = await request.body()
     if not body.strip():
         raise BadRequest(
@@ -237,7 +216,7 @@ def build_app(
 
             return AudioStream(pipeline, first, source, encode, bytes, "audio/wav", streaming_headers(headers))
         # (a long text is stopped when its client goes; one synthesis here runs to its end)
-        audio = await collect(source, request if len(job.request.text) > pipeline.limits.max_chars else None)
+        audio = await collect(source, request if pipeline.limits.long(job.request.text) else None)
         data = await pipeline.run(None, pipeline.encode_wav, audio)
         headers["X-Audio-Seconds"] = f"{audio.size / engine.sample_rate:.3f}"
         if not segment:

@@ -52,10 +52,10 @@ def audio_source(
     which every segment repeats). A streamed long text has no overall deadline: each
     segment is bounded as a request of its own, as a stream's first chunk is."""
     text = job.request.text
-    if len(text) <= pipeline.limits.max_chars:
+    if not pipeline.limits.long(text):
         return local_audio(pipeline, job, deadline, stream=job.request.stream)
     pipeline.finish(job)  # the coordinator synthesizes nothing itself
-    if fanout is None or SEGMENT_HEADER.lower() in {k.lower() for k in headers.keys()}:
+    if fanout is None or SEGMENT_HEADER.lower() in headers:  # (headers: lower-case keys, or any case)
         raise BadRequest(
             f"the text has {len(text)} characters, more than --max-chars {pipeline.limits.max_chars}, and this "
             "instance cannot split it (no balancer to send segments to): send shorter texts",

@@ -80,7 +80,7 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = No
             job = pipeline.prepare(payload, upload)
             for notice in job.notices:
                 gr.Info(notice)
-            if len(job.request.text) > limits.max_chars:  # a long text: segments across the cluster
+            if limits.long(job.request.text):  # segments across the cluster
                 headers = dict(request.headers) if request is not None else {}
                 long_job, job = job, None
                 pieces = blocking(lambda: audio_source(pipeline, fanout, long_job, payload, upload, headers, None))

@@ -59,6 +59,10 @@ class Limits:
         """The longest text a request may send."""
         return max(self.max_chars, self.max_long_chars)
 
+    def long(self, text: str) -> bool:
+        """A text one synthesis does not take: split, and its segments sent across the cluster."""
+        return len(text) > self.max_chars
+
     max_prompt_seconds: float = 15.0
     max_upload_bytes: int = 10 * 1024 * 1024
 

@@ -33,6 +33,7 @@ VOICE_ID = re.compile(r"voice_[0-9a-f]{24}")
 MAX_NAME = 64
 MAX_VOICES = 1000
 META, AUDIO = "voice.json", "prompt.wav"
+CLAIM_ID = "id"  # in a name's claim: the id of the voice that has the name
 CLAIM_SECONDS = 60.0  # a name claimed this long ago with no voice behind it was abandoned
 
 
@@ -111,10 +112,18 @@ class Registry:
         return sorted(found, key=lambda v: (v.created_at, v.id))
 
     def find(self, key: str) -> Voice | None:
-        """A voice by id, or by its name (names are unique)."""
+        """A voice by id, or by its name (names are unique): one file read either way (a
+        name's claim holds its voice's id), not a scan of every voice."""
         if VOICE_ID.fullmatch(key):
             return self.get(key)
-        return next((v for v in self.all() if v.name == key), None)
+        try:
+            voice = self.get((self.claim_path(key) / CLAIM_ID).read_text(encoding="utf-8").strip())
+        except OSError:
+            return None
+        return voice if voice is not None and voice.name == key else None
+
+    def claim_path(self, name: str) -> Path:
+        return self.root / ".names" / hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
 
     def require(self, key: str) -> Voice:
         voice = self.find(key)
@@ -131,9 +140,8 @@ class Registry:
         """Take ``name`` for a new voice, atomically across instances (and hosts sharing the
         dir): a directory per name, which only one mkdir can create. A claim whose voice
         never appeared (its instance died while saving) is taken over after CLAIM_SECONDS."""
-        names = self.root / ".names"
-        names.mkdir(parents=True, exist_ok=True, mode=0o700)
-        claim = names / hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
+        claim = self.claim_path(name)
+        claim.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         for _ in range(2):
             try:
                 claim.mkdir(mode=0o700)
@@ -172,6 +180,8 @@ class Registry:
         claim = self.claim(name)
         building = self.root / f".new-{voice.id}"
         try:
+            # the name's way to its id, written first: it finds the voice once the rename below makes it whole
+            (claim / CLAIM_ID).write_text(voice.id, encoding="utf-8")
             building.mkdir(mode=0o700)
             write_wav(building / AUDIO, audio, rate)
             meta = building / f".{META}.part"
@@ -194,7 +204,7 @@ class Registry:
             raise VoiceNotFound(key, []) from None
         shutil.rmtree(gone, ignore_errors=True)
         # the name is free again
-        shutil.rmtree(self.root / ".names" / hashlib.sha256(voice.name.encode("utf-8")).hexdigest()[:32], True)
+        shutil.rmtree(self.claim_path(voice.name), ignore_errors=True)
         return voice
 
     def borrow(self, voice: Voice, directory: str) -> str:
