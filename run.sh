@@ -18,11 +18,41 @@ PYTHON="${PYTHON:-python3}"
 
 say() { printf '%s\n' "$*" >&2; }
 
+POLICY_RC=/usr/sbin/policy-rc.d
+
+# Debian's prometheus package is a server too: its install starts a Prometheus listening on
+# every address (:9090), and enables it at boot. We need promtool, not a server: a
+# policy-rc.d that refuses every start (exit 101) stands for the install (unless the box
+# has its own), the service is disabled afterwards, and recommends (node-exporter, another
+# server) are left out.
+install_promtool() {
+    local ours=""
+    if [ ! -e "$POLICY_RC" ]; then
+        trap 'rm -f "$POLICY_RC"' EXIT  # removed even when apt-get fails
+        printf '#!/bin/sh\n# cosyvoice-lb ./run.sh: no service starts while it installs packages\nexit 101\n' >"$POLICY_RC"
+        chmod 755 "$POLICY_RC"
+        ours=1
+    fi
+    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    if command -v deb-systemd-helper >/dev/null 2>&1; then
+        deb-systemd-helper disable prometheus.service >/dev/null 2>&1 || true
+    fi
+    if command -v update-rc.d >/dev/null 2>&1; then
+        update-rc.d prometheus disable >/dev/null 2>&1 || true
+    fi
+    if [ -n "$ours" ]; then
+        rm -f "$POLICY_RC"
+        trap - EXIT
+    fi
+}
+
 system_packages() {
     local missing=()
-    # The tests drive the UI in a real headless browser.
+    # The tests drive the UI in a real headless browser, and check the rendered Prometheus
+    # config and alert rules with promtool (Debian ships it in the prometheus package).
     if [ "${1:-}" = test ]; then
         command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+        command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
     fi
     command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx)
     command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)
@@ -35,10 +65,19 @@ system_packages() {
         say "installing ${missing[*]} with apt-get"
         export DEBIAN_FRONTEND=noninteractive
         apt-get update -qq
-        apt-get install -y -qq "${missing[@]}" >/dev/null
+        local pkg plain=()
+        for pkg in "${missing[@]}"; do
+            [ "$pkg" = prometheus ] || plain+=("$pkg")
+        done
+        [ ${#plain[@]} -eq 0 ] || apt-get install -y -qq "${plain[@]}" >/dev/null
+        [ ${#plain[@]} -eq ${#missing[@]} ] || install_promtool
     else
         say "cosyvoice-lb needs: ${missing[*]}. Install them with:"
         say "  sudo apt-get update && sudo apt-get install -y ${missing[*]}"
+        if [[ " ${missing[*]} " == *" prometheus "* ]]; then
+            say "  (the tests need only its promtool: stop the server it starts with"
+            say "   sudo systemctl disable --now prometheus)"
+        fi
         exit 1
     fi
 }

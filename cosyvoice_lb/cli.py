@@ -14,22 +14,25 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from . import __version__, calibration, footprint, lifecycle
 from .configs import render_only
-from .credentials import access_of, open_warning
+from .credentials import access_of, admin_token_path, open_warning
 from .errors import ClusterError
 from .layout import Layout, layout_for
 from .planner import PlanError, format_size
 from .render import RenderError
 from .render import warnings as render_warnings
 from .settings import CLUSTER_OPTIONS, PLAN_OPTIONS, Settings, absolute, envvar, flag
-from .status import SERVICES, status
+from .status import SERVICES, ClusterStatus, status
 from .supervision import SupervisionError, read_tail
 
 # Wide tables and unwrapped messages when piped (rich assumes 80 columns off a terminal).
@@ -190,6 +193,10 @@ def up_command(**kwargs: Any) -> None:
     click.echo(f"  reachable: {reach(settings.listen_host, settings.port)}")
     for line in access_lines(settings, layout, current.url):
         click.echo(line)
+    click.echo(
+        f"  control panel: {current.url}/admin   (admin token in {admin_token_path(settings, layout)}; "
+        f"Prometheus: {layout.prometheus_yml})"
+    )
     prog = invoked_as()
     click.echo(f"  state: {layout.root}   stop with: {prog} down --state-dir {shlex.quote(str(layout.root))}")
     if failed:
@@ -282,25 +289,58 @@ def state_dir_option(command):
 @click.option(
     "--json", "as_json", is_flag=True, envvar="COSYVOICE_LB_JSON", show_envvar=True, help="Print the status as JSON."
 )
-def status_command(state_dir: str, as_json: bool) -> None:
+@click.option(
+    "-w",
+    "--watch",
+    is_flag=True,
+    envvar="COSYVOICE_LB_WATCH",
+    show_envvar=True,
+    help="Refresh the status in place every --interval seconds until Ctrl-C (one block per refresh when piped).",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    envvar="COSYVOICE_LB_INTERVAL",
+    show_envvar=True,
+    metavar="SECONDS",
+    help="Seconds between two refreshes of --watch.",
+)
+def status_command(state_dir: str, as_json: bool, watch: bool, interval: float) -> None:
     """Exit 0 when all is up and ready, 1 when something falls short, 3 when not running."""
-    current = status(layout_for(state_dir))
+    layout = layout_for(state_dir)
+    if watch and as_json:
+        raise click.UsageError(
+            "--watch redraws a table and cannot be combined with --json (or COSYVOICE_LB_JSON): "
+            "poll 'status --json' instead"
+        )
+    if watch:
+        watch_status(layout, interval)
+        return
+    current = status(layout)
     if as_json:
         click.echo(json.dumps(current.as_dict(), indent=2))
         sys.exit(current.exit_code)
-    if current.unanswered:  # there, but not answering: say what was asked and how it failed
-        click.echo("\n".join(current.problems))
-        sys.exit(current.exit_code)
+    print_status(current, layout.root)
+    sys.exit(current.exit_code)
+
+
+NONE = "—"  # a reading the card does not offer (or a CPU instance's GPU memory)
+
+
+def status_tables(current: ClusterStatus) -> list[Table]:
+    """The instance table, and the GPU table when there are GPUs; none when it is not running."""
     if not current.running:
-        click.echo(f"not running ({layout_for(state_dir).root})")
-        for problem in current.problems[1:]:
-            click.echo(problem)
-        sys.exit(current.exit_code)
+        return []
+    with_gpus = bool(current.gpus)
     table = Table(title=f"cosyvoice-lb at {current.url}")
-    for column in ("name", "port", "device", "pid", "state", "ready", "in rotation", "restarts", "uptime", "note"):
+    columns = ["name", "port", "device", "pid", "state", "ready", "in rotation", "restarts", "uptime"]
+    columns += ["GPU memory"] if with_gpus else []  # no empty GPU column on a box without one
+    for column in [*columns, "note"]:
         table.add_column(column)
     for i in current.instances:
-        table.add_row(
+        row = [
             i.name,
             str(i.port),
             "cpu" if i.gpu is None else f"gpu{i.gpu}",
@@ -310,25 +350,104 @@ def status_command(state_dir: str, as_json: bool) -> None:
             "yes" if i.in_rotation else "no",
             str(i.restarts),
             f"{i.uptime:.0f}s",
-            i.reason,
-        )
+        ]
+        row += [format_size(i.gpu_memory) if i.gpu_memory else NONE] if with_gpus else []
+        table.add_row(*row, i.reason)
     for name in SERVICES:
         info = getattr(current, name)
-        table.add_row(name, str(info.get("port", "")), "", str(info["pid"]), info["state"], "", "", "", "", "")
-    out.print(table)
+        row = [name, str(info.get("port", "")), "", str(info["pid"]), info["state"]]
+        table.add_row(*row, *[""] * (len(columns) + 1 - len(row)))
+    if not with_gpus:
+        return [table]
+    return [table, gpu_table(current)]
+
+
+def gpu_table(current: ClusterStatus) -> Table:
+    """One row per visible GPU: model, memory, utilisation, temperature, power, instances on it."""
+    table = Table(title="GPUs")
+    for column in ("device", "model", "memory used", "utilization", "temperature", "power", "instances"):
+        table.add_column(column)
+    for g in current.gpus:
+        share = f" ({g.memory_used / g.memory_total:.0%})" if g.memory_total else ""
+        table.add_row(
+            f"gpu{g.index}",
+            g.name,
+            f"{format_size(g.memory_used)} / {format_size(g.memory_total)}{share}",
+            NONE if g.utilization is None else f"{g.utilization:.0%}",
+            NONE if g.temperature is None else f"{g.temperature:.0f} °C",
+            NONE if g.power is None else f"{g.power:.0f} W",
+            str(sum(1 for i in current.instances if i.gpu == g.index)),
+        )
+    return table
+
+
+def status_lines(current: ClusterStatus, root: Path) -> list[str]:
+    """What ``status`` says in words: below the tables, or instead of them when it is not running."""
+    if current.unanswered:  # there, but not answering: say what was asked and how it failed
+        return list(current.problems)
+    if not current.running:
+        return [f"not running ({root})", *current.problems[1:]]
+    lines = []
     if current.access:
         access = current.access
         who = "other machines too" if access["public"] else "this box only"
-        click.echo(
+        lines.append(
             f"access: nginx on {access['listen']} ({who}); credentials "
             + ("required" if access["credentials"] else "not required")
         )
-    for line in current.warnings:
+        if access.get("admin"):
+            lines.append(
+                f"control panel: {access['admin']} (and the cluster's /metrics), admin token in "
+                f"{access['admin_token_file']}"
+            )
+    lines += current.warnings + current.report
+    lines.append("ok" if current.exit_code == 0 else "problems: " + "; ".join(current.problems))
+    return lines
+
+
+def print_status(current: ClusterStatus, root: Path) -> None:
+    """The status once: tables through rich, the words unwrapped (they land in logs and greps)."""
+    for table in status_tables(current):
+        out.print(table)
+    for line in status_lines(current, root):
         click.echo(line)
-    for line in current.report:
-        click.echo(line)
-    click.echo("ok" if current.exit_code == 0 else "problems: " + "; ".join(current.problems))
-    sys.exit(current.exit_code)
+
+
+def status_view(current: ClusterStatus, root: Path, footer: str = "") -> Group:
+    """The whole status as one renderable, for :class:`rich.live.Live` to redraw."""
+    lines = status_lines(current, root) + ([footer] if footer else [])
+    return Group(*status_tables(current), *(Text(line) for line in lines))
+
+
+def watch_status(layout: Layout, interval: float) -> None:
+    """``status --watch``: re-read the status every ``interval`` seconds until Ctrl-C.
+
+    On a terminal the same region is redrawn; piped, one plain block per refresh, each
+    followed by a blank line. A cluster that is not running is said so, and watched on
+    (it may come up).
+    """
+
+    def read() -> ClusterStatus:
+        try:
+            return status(layout)
+        except USER_ERRORS as exc:  # one failed read (supervisord swapping, say) must not end the watch
+            return ClusterStatus(running=False, problems=[f"status failed: {exc}"], unanswered=True)
+
+    try:
+        if out.is_terminal:
+            footer = f"every {interval:g}s, Ctrl-C to stop; last read %H:%M:%S"
+            with Live(console=out, screen=False, auto_refresh=False) as live:
+                while True:
+                    live.update(status_view(read(), layout.root, time.strftime(footer)), refresh=True)
+                    time.sleep(interval)
+        else:
+            while True:
+                print_status(read(), layout.root)
+                click.echo("")
+                sys.stdout.flush()  # a pipe is block-buffered: let the reader see each block now
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        return  # Ctrl-C is how a watch ends: quietly, exit 0
 
 
 @main.command("down")
@@ -366,6 +485,27 @@ def restart_command(state_dir: str, names: tuple[str, ...], restart_all: bool, r
         layout, None if restart_all else list(names), line_reporter(time.monotonic()), rolling=rolling
     ):
         click.echo(f"restarted {name}")
+
+
+@main.command("drain")
+@state_dir_option
+@click.argument("names", nargs=-1, required=True)
+def drain_command(state_dir: str, names: tuple[str, ...]) -> None:
+    """Take instances out of rotation and keep them out (processes kept, requests in flight
+    finish) until 'undrain': to look at one, or to free its GPU for a while."""
+    changed = lifecycle.set_drained(layout_for(state_dir), list(names), True)
+    for name in names:
+        click.echo(f"{name}: {'drained' if name in changed else 'was drained already'} (out of rotation)")
+
+
+@main.command("undrain")
+@state_dir_option
+@click.argument("names", nargs=-1, required=True)
+def undrain_command(state_dir: str, names: tuple[str, ...]) -> None:
+    """Put instances drained by hand back in rotation (at the health loop's next good probes)."""
+    changed = lifecycle.set_drained(layout_for(state_dir), list(names), False)
+    for name in names:
+        click.echo(f"{name}: {'back in rotation shortly' if name in changed else 'was not drained'}")
 
 
 @main.command("logs")

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .credentials import write_policy, write_segment_key
+from .credentials import write_admin_access, write_policy, write_segment_key
 from .errors import ClusterError
 from .files import write_atomic
 from .footprint import make_plan
@@ -85,6 +85,7 @@ def render_to_disk(
         check_nginx(settings, trial)
     make_dirs(layout)
     write_policy(settings, layout)  # before the instances that read it (re)start
+    write_admin_access(settings, layout)
     write_segment_key(layout)
     changed = []
     staged = {layout.relative(layout.instance_lib / name): text for name, text in instance_files().items()}

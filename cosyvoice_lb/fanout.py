@@ -39,7 +39,9 @@ SEGMENT_HEADER = "X-Cvlb-Segment"  # "i/n": a segment of a long text (never spli
 KEY_HEADER = "X-Cvlb-Segment-Key"  # proves to nginx that an instance sent it (credentials.write_segment_key)
 RETRIES = 2
 RETRY_STATUSES = frozenset({502, 503})
-FORWARDED = ("authorization", "cookie")  # the client's credentials: the segments are its work
+# The client's credentials (the segments are its work) and nginx's id of its request (a
+# segment's id is the request's with its number: one grep finds a long text's every line).
+FORWARDED = ("authorization", "cookie", "x-request-id")
 
 
 class SegmentFailed(Exception):
@@ -142,6 +144,8 @@ class FanOut:
         import httpx
 
         sent = {**headers, SEGMENT_HEADER: f"{index + 1}/{count}", KEY_HEADER: self.balancer.key}
+        if headers.get("x-request-id"):
+            sent["x-request-id"] = f"{headers['x-request-id'][:100]}-{index + 1}"
         timed_out = TimedOut(
             f"segment {index + 1} of {count} had not finished within the request timeout: "
             "send a shorter text, stream it, or raise --request-timeout"

@@ -25,7 +25,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .auth import SESSION_COOKIE, SESSION_SECONDS, PolicyFile
 from .problems import error_body, error_headers
 
-OPEN = frozenset({"/ping", "/ping/brief", "/login", "/logout"})
+# (/metrics: the instance's own, on loopback; it refuses what came through nginx)
+OPEN = frozenset({"/ping", "/ping/brief", "/metrics", "/login", "/logout"})
 MAX_LOGIN_BODY = 8192
 REALM = 'Bearer realm="cosyvoice-lb"'
 
@@ -57,24 +58,31 @@ async def _send(send: Send, status: int, body: bytes, headers: list[tuple[str, s
     await send({"type": "http.response.body", "body": body})
 
 
-def login_page(next_path: str, message: str = "") -> bytes:
-    note = f'<p class="err">{html.escape(message)}</p>' if message else ""
+def form_page(title: str, heading: str, action: str, fields: str, message: str = "") -> str:
+    """A small page with one form (the UI's login, the control panel's): ``fields`` is its
+    inputs' HTML, ``message`` an error said above it."""
+    note = f'<p class="err" role="alert">{html.escape(message)}</p>' if message else ""
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>cosyvoice-lb: log in</title>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<style>body{{font-family:system-ui,sans-serif;max-width:22rem;margin:4rem auto;padding:0 1rem}}
+<style>body{{font-family:system-ui,sans-serif;max-width:24rem;margin:4rem auto;padding:0 1rem}}
 label,input,button{{display:block;width:100%;box-sizing:border-box;margin:.4rem 0}}
 input{{padding:.5rem}}button{{padding:.6rem;margin-top:1rem}}.err{{color:#b00}}</style></head>
-<body><h1>Log in</h1>{note}
-<form method="post" action="/login">
-<input type="hidden" name="next" value="{html.escape(next_path)}">
+<body><h1>{html.escape(heading)}</h1>{note}
+<form method="post" action="{html.escape(action)}">
+{fields}<button type="submit">Log in</button>
+</form></body></html>
+"""
+
+
+def login_page(next_path: str, message: str = "") -> bytes:
+    fields = f"""<input type="hidden" name="next" value="{html.escape(next_path)}">
 <label for="user">User (leave empty to log in with an API token)</label>
 <input id="user" name="user" autocomplete="username">
 <label for="password">Password or API token</label>
 <input id="password" name="password" type="password" autocomplete="current-password" required>
-<button type="submit">Log in</button>
-</form></body></html>
-""".encode()
+"""
+    return form_page("cosyvoice-lb: log in", "Log in", "/login", fields, message).encode()
 
 
 class Gate:

@@ -7,6 +7,9 @@ friends) and the inventory simply has no GPUs; the planner then plans CPU slots.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import psutil
 
@@ -57,6 +60,92 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _load(nvml: Any) -> Any:
+    """``nvml`` as given (a test's fake), else the pynvml module; None when it is not installed."""
+    if nvml is not None:
+        return nvml
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
+def _shutdown(nvml: Any) -> None:
+    """``nvmlShutdown`` after a successful init; its own error is not worth failing a read for."""
+    try:
+        nvml.nvmlShutdown()
+    except nvml.NVMLError:
+        pass
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One card's telemetry now: memory in bytes, utilisation 0..1, Celsius, watts.
+
+    A reading the card does not offer (``NVMLError_NotSupported``: some cards, MIG) is None.
+    """
+
+    index: int  # NVML's, as :class:`~cosyvoice_lb.planner.Gpu` and the slots use it
+    name: str
+    uuid: str
+    memory_used: int
+    memory_total: int
+    utilization: float | None = None
+    temperature: float | None = None
+    power: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The reading as plain JSON-able values."""
+        return asdict(self)
+
+
+def _optional(nvml: Any, read: Callable[[], float]) -> float | None:
+    """``read()``, or None when NVML refuses it: one unsupported reading must not lose the others."""
+    try:
+        return float(read())
+    except nvml.NVMLError:
+        return None
+
+
+def _reading(nvml: Any, index: int, handle: Any, uuid: str) -> GpuReading:
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    return GpuReading(
+        index=index,
+        name=_text(nvml.nvmlDeviceGetName(handle)),
+        uuid=uuid,
+        memory_used=int(memory.used),
+        memory_total=int(memory.total),
+        utilization=_optional(nvml, lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100),
+        temperature=_optional(nvml, lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
+        power=_optional(nvml, lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),  # NVML says milliwatts
+    )
+
+
+def gpu_readings(nvml: Any = None) -> tuple[GpuReading, ...]:
+    """Every GPU CUDA_VISIBLE_DEVICES lets this process see, read now; () without NVML.
+
+    No pynvml, no driver, or an NVML error while listing the cards: no readings, never an
+    exception (``status`` must work on any box). ``nvml`` stands in for pynvml in tests.
+    """
+    nvml = _load(nvml)
+    if nvml is None:
+        return ()
+    try:
+        nvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound and friends, or a library that does not load at all
+        return ()
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in handles]
+        visible = visible_indexes(uuids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return tuple(_reading(nvml, index, handles[index], uuids[index]) for index in visible)
+    except nvml.NVMLError:
+        return ()
+    finally:
+        _shutdown(nvml)
+
+
 def nvml_gpus() -> tuple[tuple[Gpu, ...], str]:
     """(GPUs as NVML sees them now, a word on where they came from)."""
     try:
@@ -105,27 +194,28 @@ def device_used(index: int) -> int:
         pynvml.nvmlShutdown()
 
 
-def process_gpu_memory(pids: set[int]) -> dict[int, int]:
+def process_gpu_memory(pids: set[int], nvml: Any = None) -> dict[int, int]:
     """GPU memory (bytes) each of ``pids`` holds, summed over all GPUs; {} without NVML.
 
     Inside a container NVML may report host pids, which match nothing here: callers fall
-    back to :func:`device_used`.
+    back to :func:`device_used`. ``nvml`` stands in for pynvml in tests.
     """
+    nvml = _load(nvml)
+    if nvml is None:
+        return {}
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
+        nvml.nvmlInit()
     except Exception:
         return {}
     try:
         used: dict[int, int] = {}
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if proc.pid in pids and proc.usedGpuMemory is not None:
                     used[proc.pid] = used.get(proc.pid, 0) + int(proc.usedGpuMemory)
         return used
-    except pynvml.NVMLError:
+    except nvml.NVMLError:
         return {}
     finally:
-        pynvml.nvmlShutdown()
+        _shutdown(nvml)

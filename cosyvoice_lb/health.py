@@ -9,7 +9,7 @@ instances and acts on the verdicts.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .planner import parse_size
 from .probe import Probe
@@ -18,6 +18,9 @@ from .settings import Settings
 from .supervision import ProcessInfo
 
 ALIVE = ("RUNNING", "STARTING")
+# Why an instance was restarted, as the metrics count it: the loop orders all but "crash"
+# (supervisord brought back a process that exited on its own; counted from the starts file).
+RESTART_REASONS = ("crash", "hang", "probe_failures", "not_ready", "recycle", "requested", "replaced")
 
 
 @dataclass(frozen=True)
@@ -40,12 +43,14 @@ class Track:
     ready_starts: int = 0  # the starts count when it was last ready: crash loops count from here
     failed: str = ""  # given up on (crash loop): why; it stays stopped until restarted by hand
     failed_at: float = 0.0  # when (epoch s)
+    ordered: dict[str, int] = field(default_factory=dict)  # restarts the loop ordered, by reason (RESTART_REASONS)
 
 
 @dataclass(frozen=True)
 class Verdict:
     track: Track
     restart: str = ""  # non-empty: restart now, for this reason
+    kind: str = ""  # the restart's reason as the metrics count it (RESTART_REASONS)
     drain: bool = False  # the restart may wait for syntheses still making progress
     give_up: str = ""  # non-empty: a crash loop; stop it and leave it stopped
 
@@ -122,7 +127,9 @@ def judge(
         # After a planned stop (restart, recycling, new settings) the start that follows is
         # not a failure, even of an instance that was still loading.
         since = max(track.ready_starts, starts - 1) if track.signalled_at else track.ready_starts
-        track = Track(pid=process.pid, restarts=track.restarts, reason="started", ready_starts=since)
+        track = Track(
+            pid=process.pid, restarts=track.restarts, reason="started", ready_starts=since, ordered=track.ordered
+        )
     if track.signalled_at:  # stopping after a planned stop: wait for it to go
         return Verdict(dataclasses.replace(track, in_rotation=False))
 
@@ -135,6 +142,7 @@ def judge(
                 track,
                 f"a synthesis has made no progress for {probe.stalled_seconds:.0f}s "
                 f"(hang timeout {policy.hang_timeout:.0f}s)",
+                "hang",
                 drain=True,
             )
         goods = track.goods + 1
@@ -165,10 +173,10 @@ def judge(
             if not track.ever_ready
             else "reports loading again"
         )
-        return _restart(track, detail, drain=True)
+        return _restart(track, detail, "not_ready", drain=True)
     fails = track.fails + 1
     if fails >= policy.fail_threshold:
-        return _restart(track, f"{fails} probes failed in a row: {probe.detail}")
+        return _restart(track, f"{fails} probes failed in a row: {probe.detail}", "probe_failures")
     return Verdict(dataclasses.replace(track, fails=fails, goods=0))
 
 
@@ -210,8 +218,11 @@ def drain_done(track: Track, probe: Probe, policy: Policy, now: float) -> bool:
     return probe.inflight == 0 and probe.waiting == 0
 
 
-def start_drain(track: Track, reason: str, action: DrainAction, now: float) -> Track:
-    """Out of rotation now; signalled by :func:`drain_done`'s say."""
+def start_drain(track: Track, reason: str, action: DrainAction, now: float, kind: str = "") -> Track:
+    """Out of rotation now; signalled by :func:`drain_done`'s say. ``kind``: the restart's
+    reason as the metrics count it (not counted again when it was draining already)."""
+    if kind and not track.draining_since:
+        track = count_restart(track, kind)
     return dataclasses.replace(
         track,
         in_rotation=False,
@@ -223,12 +234,28 @@ def start_drain(track: Track, reason: str, action: DrainAction, now: float) -> T
     )
 
 
-def _restart(track: Track, reason: str, drain: bool = False) -> Verdict:
+def _restart(track: Track, reason: str, kind: str, drain: bool = False) -> Verdict:
     return Verdict(
-        dataclasses.replace(track, in_rotation=False, fails=0, goods=0, reason=reason, restarts=track.restarts + 1),
+        dataclasses.replace(
+            count_restart(track, kind), in_rotation=False, fails=0, goods=0, reason=reason, restarts=track.restarts + 1
+        ),
         restart=reason,
+        kind=kind,
         drain=drain,
     )
+
+
+def count_restart(track: Track, kind: str) -> Track:
+    """The track with one more restart of this kind ordered."""
+    return dataclasses.replace(track, ordered={**track.ordered, kind: track.ordered.get(kind, 0) + 1})
+
+
+def restarts_by_reason(ordered: dict[str, int], starts: int) -> dict[str, int]:
+    """Every restart of an instance by reason: those the loop ordered, and as crashes the
+    starts no order explains (an instance's first start is no restart)."""
+    counts = {kind: int(ordered.get(kind, 0)) for kind in RESTART_REASONS}
+    counts["crash"] = max(0, starts - 1 - sum(v for k, v in counts.items() if k != "crash"))
+    return counts
 
 
 def _give_up(track: Track, why: str, now: float) -> Verdict:

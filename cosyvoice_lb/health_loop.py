@@ -33,6 +33,7 @@ from .health import (
     ALIVE,
     Policy,
     Track,
+    count_restart,
     drain_done,
     judge,
     pick_recycle,
@@ -122,6 +123,7 @@ class HealthLoop:
         self.published: frozenset[str] | None = None
         self.pids: dict[str, int] = {}
         self.taken: list[str] = []
+        self.probe_seconds: dict[str, float] = {}
         self.stopping = False
 
     def _load_tracks(self) -> dict[str, Track]:
@@ -136,12 +138,9 @@ class HealthLoop:
         processes = self.supervisor.processes()
         self.pids = {name: p.pid for name, p in processes.items() if p.pid}
         self.clear_orphan_nginx(processes.get("nginx"))
-        probes = dict(
-            zip(
-                [s.name for s in self.slots],
-                self.pool.map(lambda s: self.prober.probe(s.port, self.settings.probe_timeout), self.slots),
-            )
-        )
+        timed = dict(zip([s.name for s in self.slots], self.pool.map(self.timed_probe, self.slots)))
+        probes = {name: probe for name, (probe, _) in timed.items()}
+        self.probe_seconds = {name: seconds for name, (_, seconds) in timed.items()}
         now = self.clock()
         kills: list[str] = []
         self.taken = []  # drain requests handled this step (answered once saved)
@@ -152,12 +151,20 @@ class HealthLoop:
                 # Start it here: the snapshot above still says FATAL or STOPPED, and judging
                 # that would give it up again. Its crash count starts afresh.
                 log.info("%s: restarted by hand after it was given up on", name)
-                self.tracks[name] = Track(reason="restarted by hand", ready_starts=starts, restarts=before.restarts)
+                self.tracks[name] = Track(
+                    reason="restarted by hand",
+                    ready_starts=starts,
+                    restarts=before.restarts,
+                    ordered=count_restart(before, "requested").ordered,
+                )
                 self.taken.append(name)
                 self._call(name, "start", lambda: self.supervisor.start(name))
                 continue
             verdict = judge(before, processes.get(name), probes[name], self.policy, starts, now)
             track = verdict.track
+            # Drained by hand (the panel, `drain`): kept out while it would serve, process and all.
+            if track.in_rotation and protocol.drained_by_hand(self.layout, name):
+                track = dataclasses.replace(track, in_rotation=False, reason=protocol.DRAINED)
             if verdict.give_up:
                 if not before.failed:
                     log.error(
@@ -176,7 +183,11 @@ class HealthLoop:
                     verdict.restart,
                 )
                 track = start_drain(
-                    dataclasses.replace(track, restarts=before.restarts), verdict.restart, DrainAction.KILL, now
+                    dataclasses.replace(track, restarts=before.restarts, ordered=before.ordered),
+                    verdict.restart,
+                    DrainAction.KILL,
+                    now,
+                    verdict.kind,
                 )
             elif verdict.restart:
                 log.warning("%s: out of rotation and restarting: %s", name, verdict.restart)
@@ -216,7 +227,8 @@ class HealthLoop:
             if process and process.state in ALIVE and not track.draining_since and not track.signalled_at:
                 what = "replaced by the launcher" if action is DrainAction.HOLD else "stopped"
                 log.info("%s: restart requested: out of rotation, %s once idle", slot.name, what)
-                self.tracks[slot.name] = start_drain(track, "restart requested", action, now)
+                kind = "replaced" if action is DrainAction.HOLD else "requested"
+                self.tracks[slot.name] = start_drain(track, "restart requested", action, now, kind)
             self.taken.append(slot.name)  # not running, or already on its way: nothing more to do
 
     def recycle(self, processes: dict[str, ProcessInfo], probes: dict[str, Probe], now: float) -> None:
@@ -241,7 +253,7 @@ class HealthLoop:
         if picked:
             name, reason = picked
             log.info("%s: recycling (drained restart): %s", name, reason)
-            self.tracks[name] = start_drain(self.tracks[name], f"recycling: {reason}", DrainAction.TERM, now)
+            self.tracks[name] = start_drain(self.tracks[name], f"recycling: {reason}", DrainAction.TERM, now, "recycle")
 
     def finish_draining(self, probes: dict[str, Probe], now: float) -> None:
         """Act on instances whose planned stop may happen now. TERM: the instance drains
@@ -312,7 +324,18 @@ class HealthLoop:
         log.info("rotation: %s", ", ".join(s.name for s in self.slots if s.name not in out) or "none")
 
     def save(self, now: float) -> None:
-        protocol.write_report(self.layout, {name: track_to_dict(t) for name, t in self.tracks.items()}, now)
+        protocol.write_report(
+            self.layout,
+            {name: track_to_dict(t) for name, t in self.tracks.items()},
+            now,
+            probes={name: round(seconds, 6) for name, seconds in self.probe_seconds.items()},
+        )
+
+    def timed_probe(self, slot: Slot) -> tuple[Probe, float]:
+        """A probe of one instance and the seconds it took (the metrics' probe latency)."""
+        started = time.monotonic()
+        found = self.prober.probe(slot.port, self.settings.probe_timeout)
+        return found, time.monotonic() - started
 
     def run(self, sleep: Callable[[float], None] = time.sleep) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))

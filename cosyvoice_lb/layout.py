@@ -113,6 +113,57 @@ class Layout:
         return self.root / "api-token"
 
     @property
+    def admin_token(self) -> Path:
+        """The control panel's token `up` generates when no --admin-token-file is given (0600)."""
+        return self.root / "admin-token"
+
+    @property
+    def admin_policy(self) -> Path:
+        """The control panel's token digests and session secret (0600)."""
+        return self.run / "admin.json"
+
+    @property
+    def metrics_policy(self) -> Path:
+        """The digest of the scrape token, which reads the cluster's /metrics only (0600)."""
+        return self.run / "metrics.json"
+
+    @property
+    def admin_socket(self) -> Path:
+        """The control panel and the cluster's /metrics listen here; nginx is their only way in."""
+        return self.run / "admin.sock"
+
+    @property
+    def monitoring(self) -> Path:
+        """Prometheus scrape config, its file-SD targets, alert rules, the Grafana dashboard."""
+        return self.root / "monitoring"
+
+    @property
+    def prometheus_yml(self) -> Path:
+        return self.monitoring / "prometheus.yml"
+
+    @property
+    def scrape_targets(self) -> Path:
+        """File service discovery: the instances' /metrics, rewritten at every render."""
+        return self.monitoring / "targets.json"
+
+    @property
+    def alert_rules(self) -> Path:
+        return self.monitoring / "alerts.yml"
+
+    @property
+    def grafana_dashboard(self) -> Path:
+        return self.monitoring / "grafana-dashboard.json"
+
+    @property
+    def scrape_token(self) -> Path:
+        """The token Prometheus sends for the cluster's /metrics: it reads metrics, nothing else (0600)."""
+        return self.monitoring / "scrape-token"
+
+    def cordon(self, name: str) -> Path:
+        """An instance drained by hand: out of rotation, its process kept, until undrained."""
+        return self.run / f"{name}.drained"
+
+    @property
     def footprint_json(self) -> Path:
         return self.run / "footprint.json"
 

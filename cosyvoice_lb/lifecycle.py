@@ -24,11 +24,15 @@ from .protocol import (
     DrainAction,
     answer_drain,
     ask_drain,
+    clear_cordons,
     clear_drains,
     clear_starts,
+    drain_by_hand,
     drain_pending,
+    drained_by_hand,
     read_report,
     report_tracks,
+    undrain,
 )
 from .settings import Settings
 from .status import SERVICES, ClusterStatus, failure_report, last_lines, status
@@ -78,6 +82,7 @@ def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progre
     if layout.run.is_dir():  # restarts are counted from this up; old requests are void
         clear_starts(layout)
         clear_drains(layout)
+        clear_cordons(layout)
     layout.health_json.unlink(missing_ok=True)
     result, layout, _ = render_to_disk(settings, planned=result)
     try:
@@ -130,6 +135,7 @@ def _update(
         for name in removed:
             supervisor.remove_group(name)
             clear_starts(layout, name)
+            clear_cordons(layout, name)
         for name in added:
             supervisor.add_group(name)
         # Credentials turned on: the instances get them first, and only then does nginx take
@@ -200,12 +206,30 @@ def restart(
     return names
 
 
+def set_drained(layout: Layout, names: list[str], drained: bool) -> list[str]:
+    """Drain instances by hand (out of rotation, processes kept, requests in flight finish)
+    or return them; the health loop acts at its next step. Returns those whose state changed."""
+    known = instance_names(layout)
+    if not known:
+        raise ClusterError(f"no cluster runs in {layout.root}: start it with 'cosyvoice-lb up'")
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ClusterError(f"no instance named {', '.join(unknown) or '(none given)'}; instances: {', '.join(known)}")
+    changed = []
+    for name in names:
+        if drained_by_hand(layout, name) != drained:
+            (drain_by_hand if drained else undrain)(layout, name)
+            changed.append(name)
+    return changed
+
+
 def others_serving(layout: Layout, settings: Settings, name: str, on_progress: Report) -> None:
     """Before a drained stop of ``name``: wait until every other instance (but those given
     up on) serves, so the stop costs one instance of capacity and never the last one."""
     deadline = time.monotonic() + Timeouts(settings).others_serving
     while True:
-        others = [i for i in status(layout).instances if i.name != name and not i.failed]
+        # (drained by hand: out of rotation on purpose, nothing to wait for)
+        others = [i for i in status(layout).instances if i.name != name and not i.failed and not i.drained]
         short = [i.name for i in others if not i.serving]
         if not short:
             return
@@ -350,7 +374,7 @@ def wait_serving(
         for item in current.instances:
             if item.name not in names:
                 continue
-            if item.serving and item.pid != replacing.get(item.name):
+            if item.available and item.pid != replacing.get(item.name):
                 served.add(item.name)
             recorded = item.failed if item.failed_at >= since or item.state == "FATAL" else ""
             if item.name not in failed and item.name not in served and recorded:

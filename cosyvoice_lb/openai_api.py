@@ -160,7 +160,9 @@ def add_openai_routes(
         payload, fmt, sse = speech_request(decoded, voice_map, engine.speakers())
         encoder = Encoder(fmt, engine.sample_rate)  # (before any synthesis: it may refuse)
         loop = asyncio.get_running_loop()
-        job = await loop.run_in_executor(None, lambda: pipeline.prepare(payload, None, speeds=OPENAI_SPEEDS))
+        job = await loop.run_in_executor(
+            None, lambda: pipeline.prepare(payload, None, speeds=OPENAI_SPEEDS, route="openai")
+        )
         deadline = pipeline.deadline(request.headers.get("x-request-start"))
         source = audio_source(pipeline, fanout, job, payload, None, request.headers, deadline)
         first = await first_of(source)

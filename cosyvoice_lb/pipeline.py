@@ -31,6 +31,7 @@ from .audio import Outputs, PromptError, read_prompt, wav_bytes, write_wav
 from .engines import Engine, EngineError, SynthesisRequest, clones
 from .fanout import SegmentFailed
 from .ledger import Ledger, Poisoned, fingerprint
+from .metrics import Metrics
 from .timeouts import WORKER_GRACE
 from .validation import MAX_SPEED, MIN_SPEED, BadRequest, Limits, check_text, make_request, safe
 from .voices import Registry, Voice, VoiceNotFound
@@ -104,6 +105,8 @@ class Job:
     notices: list[str] = field(default_factory=list)
     prompt_path: str = ""
     fingerprint: str = ""  # the same request on any instance (see ``ledger``)
+    route: str = "api"  # where it came in (see ``metrics.ROUTES``)
+    arrived: float = 0.0  # on the admission clock: its first package is timed from here
 
 
 class Pipeline:
@@ -121,6 +124,7 @@ class Pipeline:
         wall: Clock = time.time,
         ledger: Ledger | None = None,
         registry: Registry | None = None,
+        metrics: Metrics | None = None,
     ):
         self.engine = engine
         self.admission = admission or Admission()
@@ -132,11 +136,25 @@ class Pipeline:
         self.wall = wall
         self.ledger = ledger  # poison requests: see ``ledger``
         self.registry = registry  # saved voices: see ``voices``
+        self.metrics = metrics or Metrics(engine.name)
+        self.metrics.watch(self.live)
         self.coordinating = 0  # long texts this instance is fanning out (a drain waits for them)
         self.coordinating_lock = threading.Lock()  # (from the event loop and the UI's threads)
         # API syntheses run here rather than in the server's shared pool: a request whose
         # time ran out is answered while a stuck engine call keeps only its own thread.
         self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="synthesis")
+
+    def live(self) -> dict[str, float]:
+        """What a scrape reads of this instance now (see ``metrics``)."""
+        snapshot = self.admission.snapshot()
+        return {
+            "ready": float(snapshot.ready),
+            "inflight": snapshot.inflight,
+            "waiting": snapshot.waiting,
+            "long_texts": self.coordinating,
+            "voice_cache_hits": getattr(self.engine, "voice_cache_hits", 0),
+            "voice_cache_misses": getattr(self.engine, "voice_cache_misses", 0),
+        }
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -171,8 +189,11 @@ class Pipeline:
         payload: dict,
         prompt_data: bytes | None = None,
         speeds: tuple[float, float] = (MIN_SPEED, MAX_SPEED),
+        route: str = "api",
     ) -> Job:
-        """Validate, refuse when not ready, write the prompt file, fill in the defaults."""
+        """Validate, refuse when not ready, write the prompt file, fill in the defaults.
+        ``route``: where the request came in, for its metrics."""
+        arrived = self.admission.clock()
         payload = dict(payload)
         voice = self.voice(payload.pop("voice", None))
         if voice is not None:
@@ -194,7 +215,9 @@ class Pipeline:
         self.admission.check_ready()
         # (the voice's file, not the per-request copy, so the same request has one fingerprint)
         voice_file = self.registry.audio_path(voice) if voice is not None and self.registry is not None else ""
-        job = Job(request, fingerprint=fingerprint(request, voice_file, prompt_data or b""))
+        job = Job(
+            request, fingerprint=fingerprint(request, voice_file, prompt_data or b""), route=route, arrived=arrived
+        )
         try:
             if voice is not None and self.registry is not None:
                 job.prompt_path = self.registry.borrow(voice, self.scratch)
@@ -303,11 +326,18 @@ class Pipeline:
         ``bounded``/``deadline``: see :meth:`Admission.admit`; with ``chunk_deadline`` the
         synthesis itself stops at the first chunk past the deadline. ``cancelled`` (an
         Event): set when the client went away; the synthesis stops at its next chunk and
-        frees the slot, counted neither served nor failed.
+        frees the slot, counted neither served nor failed. ``count``: False for the warm-up,
+        which is neither counted nor observed in the metrics.
         """
         ledger = self.ledger if job.fingerprint else None
         deaths = ledger.check(job.fingerprint) if ledger is not None else 0  # refused before it waits
+        clock, metrics = self.admission.clock, self.metrics if count else None
+        queued = clock()
         ticket = self.admission.admit(bounded=bounded, deadline=deadline)
+        admitted = clock()
+        if metrics is not None:
+            metrics.queued(job.route, admitted - queued)
+        samples = 0
         # Marked only while it holds the engine: a request queued behind a culprit is no suspect.
         try:
             mark = ledger.enter(job.fingerprint, deaths) if ledger is not None else ""
@@ -327,11 +357,17 @@ class Pipeline:
                         'it ("stream": true), or raise --request-timeout'
                     )
                 ticket.handed_out()  # the engine made a chunk; now it is the reader's turn
-                yield np.asarray(chunk, dtype=np.float32).reshape(-1)
+                audio = np.asarray(chunk, dtype=np.float32).reshape(-1)
+                if metrics is not None and samples == 0 and audio.size:
+                    metrics.first_chunk(job.route, clock() - (job.arrived or queued))
+                samples += audio.size
+                yield audio
                 if cancelled is not None and cancelled.is_set():  # gone while it had the chunk
                     return
                 ticket.working()  # back in the engine: the stall clock runs from here
             outcome = True
+            if metrics is not None:
+                metrics.completed(job.route, samples / self.engine.sample_rate, clock() - admitted)
         except GeneratorExit:
             raise
         except Exception:

@@ -6,6 +6,8 @@
   (so a launcher that sees the file gone can read the outcome there).
 - **The health report** (loop → launcher): ``run/health.json``, the loop's track of every
   instance (in rotation, why out, restarts, drains, given up), rewritten each step.
+- **Drained by hand** (launcher or panel → loop): ``run/NAME.drained`` keeps the instance
+  out of rotation, its process running, until the file goes.
 - **Starts** (instance → both): each instance appends a line to ``run/NAME.starts`` at
   every start; restarts and crash loops are counted from it.
 
@@ -72,13 +74,17 @@ def clear_drains(layout: Layout) -> None:
 # --- the health report ----------------------------------------------------------------------
 
 
-def write_report(layout: Layout, tracks: dict[str, dict[str, Any]], now: float | None = None) -> None:
+def write_report(
+    layout: Layout, tracks: dict[str, dict[str, Any]], now: float | None = None, probes: dict[str, float] | None = None
+) -> None:
+    """``probes``: seconds each instance's last probe took."""
     write_atomic(
         layout.health_json,
         json.dumps(
             {
                 "updated": time.time() if now is None else now,
                 "instances": tracks,
+                "probe_seconds": probes or {},
             },
             indent=2,
         )
@@ -104,6 +110,36 @@ def report_tracks(layout: Layout) -> dict[str, dict]:
 def out_of_rotation(layout: Layout) -> frozenset[str]:
     """Instances the running health loop has taken out."""
     return frozenset(name for name, track in report_tracks(layout).items() if not track.get("in_rotation"))
+
+
+# --- drained by hand -----------------------------------------------------------------------
+
+DRAINED = "drained by hand (undrain to return it)"
+
+
+def drain_by_hand(layout: Layout, name: str) -> None:
+    """Out of rotation until :func:`undrain`: requests in flight finish, the process stays
+    (to look at it, or to keep it warm). The health loop honours it at its next step."""
+    write_atomic(layout.cordon(name), f"{time.time():.3f}\n")
+
+
+def undrain(layout: Layout, name: str) -> bool:
+    """Back in rotation at the health loop's next good probes; False when it was not drained."""
+    try:
+        layout.cordon(name).unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def drained_by_hand(layout: Layout, name: str) -> bool:
+    return layout.cordon(name).exists()
+
+
+def clear_cordons(layout: Layout, name: str | None = None) -> None:
+    paths = [layout.cordon(name)] if name else list(layout.run.glob("*.drained"))
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 # --- starts -------------------------------------------------------------------------------

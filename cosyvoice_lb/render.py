@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import jinja2
 
 from .layout import Layout
+from .monitoring import monitoring_files
 from .planner import Plan, Slot, parse_size
 from .resources import templates_dir
 from .settings import Settings, instance_args, problems
@@ -57,7 +58,7 @@ def _supervisor_env(env: dict[str, str]) -> str:
     return ",".join(f"{k}={quote(v)}" for k, v in sorted(env.items()))
 
 
-def _environment() -> jinja2.Environment:
+def template_environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
         undefined=jinja2.StrictUndefined,
@@ -156,10 +157,18 @@ def listen_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def stub_status_allow(settings: Settings) -> str:
+    """An address besides loopback that may read nginx's stub_status: the one nginx listens
+    on, when it is one address of this box (the control panel reaches nginx there)."""
+    host = settings.listen_host.strip("[]")
+    # (127.0.0.2 too: a connection to it comes from 127.0.0.2)
+    return "" if host in ("0.0.0.0", "::", "*", "", "127.0.0.1", "::1", "localhost") else host
+
+
 def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = frozenset()) -> str:
     """upstreams.conf: every slot, those out of rotation marked ``down``."""
     return (
-        _environment()
+        template_environment()
         .get_template("upstreams.conf.j2")
         .render(
             slots=slots,
@@ -182,7 +191,7 @@ def render(
             f"public port {settings.port} collides with an instance port "
             f"({plan.slots[0].port}..{plan.slots[-1].port}): change --port or --base-port"
         )
-    env = _environment()
+    env = template_environment()
     timeouts = Timeouts(settings)
     context = dict(
         settings=settings,
@@ -200,6 +209,10 @@ def render(
         health_command=shlex.join(
             [programs.launcher_python, "-m", "cosyvoice_lb.health_loop", "--state-dir", str(layout.root)]
         ),
+        admin_command=shlex.join(
+            [programs.launcher_python, "-m", "cosyvoice_lb.admin", "--state-dir", str(layout.root)]
+        ),
+        stub_status_allow=stub_status_allow(settings),
         nginx_command=shlex.join([programs.nginx, *layout.nginx_args()]),
     )
     return {
@@ -207,6 +220,7 @@ def render(
         layout.relative(layout.nginx_conf): env.get_template("nginx.conf.j2").render(**context),
         layout.relative(layout.upstreams_conf): render_upstreams(plan.slots, out_of_rotation),
         layout.relative(layout.cluster_json): cluster_json(settings, plan),
+        **monitoring_files(settings, layout, plan.slots),
     }
 
 

@@ -57,6 +57,7 @@ INSTANCE_MODULES = (
     "segments.py",
     "formats.py",
     "openai_api.py",
+    "metrics.py",
     "settings.py",
     "planner.py",
     "timeouts.py",

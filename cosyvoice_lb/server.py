@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from . import __version__
 from .admission import Admission, Snapshot
 from .audio import Outputs, pcm16, streaming_wav_header
 from .auth import PolicyFile
@@ -42,6 +43,7 @@ from .fanout import SEGMENT_HEADER, Balancer, FanOut
 from .forms import read_form
 from .gate import Gate
 from .ledger import Ledger
+from .metrics import MISSING, Metrics, RequestMetrics
 from .openai_api import add_openai_routes
 from .pipeline import ERRORS, Pipeline, describe
 from .planner import parse_size
@@ -172,6 +174,18 @@ def build_app(
         ready = admission.snapshot().ready
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
+    # Prometheus on this box scrapes it here (the instance listens on loopback only). Through
+    # nginx (which stamps X-Request-Start) it is refused: from there the cluster's /metrics,
+    # behind the admin credentials, relays it.
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request):
+        if "x-request-start" in request.headers:
+            return error_response(404, "no /metrics here: ask nginx's /metrics with the admin token")
+        if not pipeline.metrics.enabled:
+            return error_response(503, MISSING)
+        body, content_type = pipeline.metrics.exposition(request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
+
     schema = request_schema(pipeline.limits.text_chars, pipeline.modes)
     form_schema = {
         "type": "object",
@@ -199,8 +213,9 @@ def build_app(
         # its coordinator keeps the whole, and its speed is the OpenAI route's if it came from there.
         segment = SEGMENT_HEADER.lower() in request.headers
         speeds = OPENAI_SPEEDS if segment else (MIN_SPEED, MAX_SPEED)
+        route = "segment" if segment else "api"
         job = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: pipeline.prepare(payload, prompt_data, speeds=speeds)
+            None, lambda: pipeline.prepare(payload, prompt_data, speeds=speeds, route=route)
         )
         headers = {"X-Instance-Port": str(port), "X-Sample-Rate": str(engine.sample_rate)}
         if job.notices:
@@ -250,6 +265,7 @@ def build_app(
     from .ui import mount_ui
 
     app = mount_ui(app, pipeline, port, fanout)
+    app.add_middleware(RequestMetrics, metrics=pipeline.metrics, segment_header=SEGMENT_HEADER)
     if policy is not None:
         app.add_middleware(Gate, policy=policy)
     return app
@@ -317,6 +333,9 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
     admission = Admission(settings.instance_concurrency, settings.max_queue)
     ledger = Ledger(ledger_dir) if ledger_dir else None
     registry = Registry(settings.voices_dir) if settings.voices_dir else None
+    metrics = Metrics(engine.name, __version__)
+    if not metrics.enabled:
+        log.warning("no metrics: %s", MISSING)
     return Pipeline(
         engine,
         admission,
@@ -327,6 +346,7 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
         request_timeout=settings.request_timeout,
         ledger=ledger,
         registry=registry,
+        metrics=metrics,
     )
 
 

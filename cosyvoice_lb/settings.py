@@ -269,6 +269,14 @@ class Settings:
         metavar="FILE",
         check=private_file,
     )
+    admin_token_file: str = setting(
+        "",
+        "Tokens of the control panel (/admin) and the cluster's /metrics, one per line: a bearer "
+        "token, or the password of the panel's login. Without it `up` generates one into the state "
+        "dir (0600) and `status` says where. Readable by its owner only.",
+        metavar="FILE",
+        check=private_file,
+    )
     rate_limit: str = setting(
         "",
         "Requests per client (per API token when one is sent) to what synthesizes, e.g. 10r/s "
@@ -468,7 +476,15 @@ class Settings:
 def absolute(settings: Settings) -> Settings:
     """Paths made absolute now: supervisord runs everything from the state dir."""
     paths: dict[str, Any] = {}
-    for name in ("model_dir", "cosyvoice_root", "outputs_dir", "voices_dir", "api_token_file", "ui_auth"):
+    for name in (
+        "model_dir",
+        "cosyvoice_root",
+        "outputs_dir",
+        "voices_dir",
+        "api_token_file",
+        "ui_auth",
+        "admin_token_file",
+    ):
         value = getattr(settings, name)
         if value:
             paths[name] = str(Path(value).expanduser().resolve())

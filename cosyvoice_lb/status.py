@@ -6,21 +6,23 @@ Read-only; ``lifecycle`` polls it while it waits for instances to serve.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import processes
 from .configs import recorded
-from .credentials import open_warning
+from .credentials import admin_token_path, open_warning
+from .gpu import GpuReading, gpu_readings, process_gpu_memory
 from .layout import Layout
 from .planner import Slot
 from .probe import Prober
-from .protocol import read_report, starts_count
+from .protocol import drained_by_hand, read_report, starts_count
 from .settings import Settings
 from .supervision import SupervisionError, Supervisor, read_tail
 from .timeouts import SUPERVISOR_POLL, Timeouts
 
-SERVICES = ("nginx", "health")
+SERVICES = ("nginx", "health", "admin")
 
 
 @dataclass
@@ -38,10 +40,17 @@ class InstanceStatus:
     inflight: int = 0
     failed: str = ""  # given up on after a crash loop: why (it stays stopped until restarted)
     failed_at: float = 0.0
+    gpu_memory: int = 0  # bytes NVML says this process holds; 0 without a GPU (or pids NVML cannot see)
+    drained: bool = False  # drained by hand: out of rotation on purpose until undrained
 
     @property
     def serving(self) -> bool:
         return self.state == "RUNNING" and self.ready and self.in_rotation
+
+    @property
+    def available(self) -> bool:
+        """Up and ready, and in rotation unless drained by hand (what a start waits for)."""
+        return self.state == "RUNNING" and self.ready and (self.in_rotation or self.drained)
 
 
 @dataclass
@@ -51,11 +60,13 @@ class ClusterStatus:
     instances: list[InstanceStatus] = field(default_factory=list)
     nginx: dict = field(default_factory=dict)
     health: dict = field(default_factory=dict)
+    admin: dict = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     report: list[str] = field(default_factory=list)  # per failed instance: why, and its log's last lines
     access: dict = field(default_factory=dict)  # who can reach it, whether credentials are needed
     warnings: list[str] = field(default_factory=list)  # works, but defeats a guarantee
     unanswered: bool = False  # supervisord's socket is there but it does not answer
+    gpus: list[GpuReading] = field(default_factory=list)  # the cards visible here, read now; none without NVML
 
     @property
     def exit_code(self) -> int:
@@ -79,7 +90,23 @@ class ClusterStatus:
             "problems": self.problems,
             "access": self.access,
             "warnings": self.warnings,
+            "gpus": [g.as_dict() for g in self.gpus],
         }
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """Where :func:`status` reads the GPUs from: NVML by default, a fake inventory in tests.
+
+    ``readings()`` gives the visible cards; ``process_memory(pids)`` the GPU bytes per pid.
+    """
+
+    readings: Callable[[], tuple[GpuReading, ...]] = gpu_readings
+    process_memory: Callable[[set[int]], dict[int, int]] = process_gpu_memory
+
+
+NVML = Telemetry()
+NO_TELEMETRY = Telemetry(readings=lambda: (), process_memory=lambda pids: {})  # for callers that only need states
 
 
 def public_url(settings: Settings) -> str:
@@ -102,12 +129,13 @@ def ask_all(prober: Prober, slots: list[Slot], timeout: float, url: str) -> tupl
         return bodies, nginx.result()
 
 
-def status(layout: Layout, prober: Prober | None = None) -> ClusterStatus:
+def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = NVML) -> ClusterStatus:
     """The cluster as supervisord, the health loop, the instances' /ping and nginx see it.
 
     The instances are asked in parallel (with nginx): an instance that does not answer
     costs one probe timeout, not one per instance. A supervisord that does not answer
-    makes a status with ``running`` False and that said in ``problems``."""
+    makes a status with ``running`` False and that said in ``problems``. A running
+    cluster's status has its GPUs and each instance's GPU memory, from ``telemetry``."""
     supervisor = Supervisor(layout, timeout=SUPERVISOR_POLL)
     record = recorded(layout)
     if record is not None and layout.socket.exists():
@@ -136,6 +164,8 @@ def status(layout: Layout, prober: Prober | None = None) -> ClusterStatus:
         "listen": f"{settings.listen_host}:{settings.port}",
         "public": settings.exposed,
         "credentials": settings.auth_required,
+        "admin": f"{result.url}/admin",
+        "admin_token_file": str(admin_token_path(settings, layout)),
     }
     result.warnings = [w for w in [open_warning(settings)] if w]
     running = [s for s in slots if s.name in programs and programs[s.name].state == "RUNNING"]
@@ -163,6 +193,7 @@ def status(layout: Layout, prober: Prober | None = None) -> ClusterStatus:
             inflight=int(body.get("inflight", 0)),
             failed=failed,
             failed_at=float(track.get("failed_at", 0.0)) if track.get("failed") else 0.0,
+            drained=drained_by_hand(layout, slot.name),
         )
         result.instances.append(item)
         if failed:
@@ -172,6 +203,10 @@ def status(layout: Layout, prober: Prober | None = None) -> ClusterStatus:
             )
         elif item.state != "RUNNING" or not ready:
             result.problems.append(f"{slot.name} is {item.state.lower()}{'' if ready else ', not ready'}")
+        elif item.drained:  # on purpose: said, not a problem
+            result.warnings.append(
+                f"{slot.name} is drained by hand (out of rotation): 'cosyvoice-lb undrain {slot.name}' puts it back"
+            )
         elif not in_rotation:
             result.problems.append(f"{slot.name} is ready but not in nginx's rotation yet")
     for name in SERVICES:
@@ -188,7 +223,19 @@ def status(layout: Layout, prober: Prober | None = None) -> ClusterStatus:
     if result.health["state"] == "RUNNING" and age > Timeouts(settings).health_stale:
         result.problems.append(f"the health loop has not reported for {age:.0f}s (hung?)")
     result.report = failure_report(layout, result)
+    read_gpus(result, telemetry)
     return result
+
+
+def read_gpus(result: ClusterStatus, telemetry: Telemetry) -> None:
+    """Fill in the cards and each instance's GPU memory (in place); nothing without a GPU."""
+    result.gpus = list(telemetry.readings())
+    pids = {i.pid for i in result.instances if i.pid}
+    if not result.gpus or not pids:
+        return  # no card, or nothing running: no second NVML session
+    used = telemetry.process_memory(pids)
+    for item in result.instances:
+        item.gpu_memory = used.get(item.pid, 0) if item.pid else 0
 
 
 def failure_report(layout: Layout, current: ClusterStatus, names: list[str] | None = None) -> list[str]:

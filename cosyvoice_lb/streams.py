@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from .admission import Cancelled
 from .fanout import SEGMENT_HEADER, FanOut, forwarded
+from .metrics import outcome_of
 from .pipeline import Job, NoAudio, Pipeline, StorageFailed, describe
 from .problems import error_body
 from .segments import Joiner, split_text
@@ -259,6 +260,8 @@ class AudioStream(Response):
                     log.log(failure.level if failure else logging.ERROR, "streaming synthesis failed: %s", exc)
                     # (not a result: nothing is kept; the client must not take it for the whole)
                     event = self.framing.error(failure.status if failure else 500, str(exc))
+                    outcome = outcome_of(failure.status if failure else 500)
+                    scope.setdefault("state", {})["cvlb_outcome"] = "failed" if outcome == "ok" else outcome
                     if event is not None:
                         await body(event, more=False)
                     return  # a raw stream ends without its last chunk: the client sees it cut off
@@ -272,6 +275,8 @@ class AudioStream(Response):
         finally:
             watcher.cancel()
             await self.rest.aclose()  # type: ignore[attr-defined]
+            if gone.is_set() and not complete:  # (its status said 200; the client left before the end)
+                scope.setdefault("state", {}).setdefault("cvlb_outcome", "cancelled")
             if complete:
                 await loop.run_in_executor(self.pipeline.workers, self.keep, chunks)
 

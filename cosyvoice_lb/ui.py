@@ -15,6 +15,7 @@ import numpy as np
 
 from .engines import clones
 from .fanout import FanOut, blocking
+from .metrics import outcome_of
 from .pipeline import Pipeline, describe
 from .streams import audio_source
 from .validation import MAX_SPEED, MIN_SPEED, BadRequest
@@ -75,9 +76,10 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = No
         if voice:
             payload.update(voice=voice, prompt_text="")
         job = None
+        outcome = "cancelled"  # (what stays when the browser leaves mid-stream)
         try:
             upload = None if voice else read_upload(prompt_audio)
-            job = pipeline.prepare(payload, upload)
+            job = pipeline.prepare(payload, upload, route="ui")
             for notice in job.notices:
                 gr.Info(notice)
             if limits.long(job.request.text):  # segments across the cluster
@@ -99,12 +101,15 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = No
                 pipeline.encode_wav(audio)  # refuses silence the same way as the API
                 pipeline.keep(audio)
                 yield engine.sample_rate, int16(audio)
+            outcome = "ok"
         except Exception as exc:
             failure = describe(exc)
+            outcome = outcome_of(failure.status if failure else 500)
             if failure is None:
                 raise
             raise gr.Error(failure.message[:1].upper() + failure.message[1:]) from None
         finally:
+            pipeline.metrics.request("ui", outcome)
             if job is not None:
                 pipeline.finish(job)
 

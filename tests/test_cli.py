@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from conftest import ROOT, cli, clean_env
+from conftest import ROOT, clean_env, cli
 
 
 def test_plan_without_gpu_plans_cpu_slots_and_says_so():
@@ -20,13 +20,23 @@ def test_plan_without_gpu_plans_cpu_slots_and_says_so():
 
 
 def test_plan_for_a_hypothetical_box():
-    done = cli("plan", "--gpus", "24GiB,24GiB", "--footprint", "5GiB", "--reserve", "1GiB", "--base-port", "9000",
-               "--json")
+    done = cli(
+        "plan", "--gpus", "24GiB,24GiB", "--footprint", "5GiB", "--reserve", "1GiB", "--base-port", "9000", "--json"
+    )
     plan = json.loads(done.stdout)
     assert [(s["gpu"], s["port"]) for s in plan["slots"]] == [
-        (0, 9000), (1, 9001), (0, 9002), (1, 9003), (0, 9004), (1, 9005), (0, 9006), (1, 9007)]
-    capped = json.loads(cli("plan", "--gpus", "24GiB,24GiB", "--footprint", "5GiB", "--max-instances", "3",
-                            "--json").stdout)
+        (0, 9000),
+        (1, 9001),
+        (0, 9002),
+        (1, 9003),
+        (0, 9004),
+        (1, 9005),
+        (0, 9006),
+        (1, 9007),
+    ]
+    capped = json.loads(
+        cli("plan", "--gpus", "24GiB,24GiB", "--footprint", "5GiB", "--max-instances", "3", "--json").stdout
+    )
     assert [s["gpu"] for s in capped["slots"]] == [0, 1, 0]
 
 
@@ -56,14 +66,25 @@ def test_sizes_and_counts_are_checked_with_a_clear_message():
 
 
 def test_render_writes_every_config_and_nginx_accepts_it(state_dir):
-    done = cli("render", "--state-dir", str(state_dir), "--instances", "2", "--port", "18999",
-               "--base-port", "18990")
+    done = cli("render", "--state-dir", str(state_dir), "--instances", "2", "--port", "18999", "--base-port", "18990")
     assert done.returncode == 0, done.stderr
     for relative in ("run/supervisord.conf", "nginx/nginx.conf", "nginx/upstreams.conf", "run/cluster.json"):
         assert (state_dir / relative).is_file()
     assert "nginx -t accepts" in done.stdout
-    test = subprocess.run(["nginx", "-t", "-p", str(state_dir / "nginx"), "-c", str(state_dir / "nginx/nginx.conf"),
-                           "-e", str(state_dir / "logs/nginx-error.log")], capture_output=True, text=True)
+    test = subprocess.run(
+        [
+            "nginx",
+            "-t",
+            "-p",
+            str(state_dir / "nginx"),
+            "-c",
+            str(state_dir / "nginx/nginx.conf"),
+            "-e",
+            str(state_dir / "logs/nginx-error.log"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert test.returncode == 0, test.stderr
     # Closed by default: loopback only, and no credentials to make or read.
     assert "listen 127.0.0.1:18999" in (state_dir / "nginx/nginx.conf").read_text()
@@ -92,6 +113,7 @@ def test_help_lists_the_commands_and_env_vars():
 
 def test_readme_settings_table_is_the_one_the_settings_print():
     from conftest import ROOT
+
     from cosyvoice_lb.settings import markdown_table
 
     readme = (ROOT / "README.md").read_text()
@@ -110,9 +132,24 @@ def test_logs_follow_keeps_going_across_a_rotation(state_dir):
     logs.mkdir()
     log = logs / "instance-0.log"
     log.write_text("old line\n")
-    follower = subprocess.Popen([sys.executable, "-m", "cosyvoice_lb.cli", "logs", "instance-0", "-f", "-n", "5",
-                                 "--state-dir", str(state_dir)], stdout=subprocess.PIPE, text=True,
-                                cwd=str(ROOT), env=clean_env())
+    follower = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cosyvoice_lb.cli",
+            "logs",
+            "instance-0",
+            "-f",
+            "-n",
+            "5",
+            "--state-dir",
+            str(state_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(ROOT),
+        env=clean_env(),
+    )
     try:
         time.sleep(1.5)
         with open(log, "a") as handle:
@@ -135,12 +172,18 @@ def test_status_and_plan_json_can_come_from_the_environment(state_dir):
 def test_plan_uses_a_calibrated_footprint_and_says_so(state_dir):
     model = str(ROOT / "tests" / "fake_models" / "Fun-CosyVoice3-0.5B")
     (state_dir / "run").mkdir()
-    (state_dir / "run" / "footprint.json").write_text(json.dumps(
-        {"cosyvoice3": {"gpu_bytes": 3 * 2**30, "peak_bytes": 2**30, "when": "2026-11-29 20:00"}}))
-    plan = json.loads(cli("plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--state-dir", str(state_dir)).stdout)
+    (state_dir / "run" / "footprint.json").write_text(
+        json.dumps({"cosyvoice3": {"gpu_bytes": 3 * 2**30, "peak_bytes": 2**30, "when": "2026-11-29 20:00"}})
+    )
+    plan = json.loads(
+        cli("plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--state-dir", str(state_dir)).stdout
+    )
     assert plan["footprint_source"].startswith("calibrated") and len(plan["slots"]) == 7  # 23 GiB // 3 GiB
-    flagged = json.loads(cli("plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--load-trt",
-                             "--state-dir", str(state_dir)).stdout)
+    flagged = json.loads(
+        cli(
+            "plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--load-trt", "--state-dir", str(state_dir)
+        ).stdout
+    )
     assert flagged["footprint_source"] == "default" and len(flagged["slots"]) == 2  # 23 // 9.5: other flags
 
 
@@ -165,3 +208,59 @@ def test_up_says_who_can_reach_the_service():
     assert "other machines" in reach("0.0.0.0", 8080) and "other machines" in reach("::", 8080)
     assert reach("127.0.0.1", 8080) == "from this box only (loopback)"
     assert reach("203.0.113.5", 8080) == "on 203.0.113.5:8080 only"
+
+
+def test_status_watch_refreshes_until_ctrl_c(state_dir):
+    """Piped, --watch prints one plain block per refresh; a dir without a cluster is watched on."""
+    import signal
+    import sys
+    import threading
+    import time
+
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "cosyvoice_lb.cli", "status", "--watch", "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(ROOT),
+        env=clean_env(COSYVOICE_LB_STATE_DIR=str(state_dir)),
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(watcher.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sum("not running" in line for line in list(lines)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        watcher.send_signal(signal.SIGINT)
+        _, errors = watcher.communicate(timeout=15)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait(timeout=10)
+    reader.join(timeout=10)
+    assert watcher.returncode == 0, errors
+    assert errors == ""  # quietly: no traceback, no "Aborted!"
+    text = "".join(lines)
+    assert "\x1b" not in text  # plain text when piped
+    blocks = [block for block in text.split("\n\n") if block.strip()]
+    assert len(blocks) >= 2
+    assert all(block.strip() == f"not running ({state_dir.resolve()})" for block in blocks)
+
+
+def test_status_watch_and_json_do_not_go_together(state_dir):
+    done = cli("status", "--watch", "--json", "--state-dir", str(state_dir), timeout=60)
+    assert done.returncode == 2 and "--watch" in done.stderr and "--json" in done.stderr
+    from_env = cli("status", "-w", "--state-dir", str(state_dir), env=clean_env(COSYVOICE_LB_JSON="1"), timeout=60)
+    assert from_env.returncode == 2 and "cannot be combined" in from_env.stderr
+    watch_env = cli(
+        "status", "--json", "--state-dir", str(state_dir), env=clean_env(COSYVOICE_LB_WATCH="1"), timeout=60
+    )
+    assert watch_env.returncode == 2 and "cannot be combined" in watch_env.stderr
+    interval = cli("status", "--watch", "--interval", "0", "--state-dir", str(state_dir), timeout=60)
+    assert interval.returncode == 2 and "--interval" in interval.stderr
+
+
+def test_status_help_names_the_watch_variables():
+    text = cli("status", "--help").stdout
+    assert "COSYVOICE_LB_WATCH" in text and "COSYVOICE_LB_INTERVAL" in text

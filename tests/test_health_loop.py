@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 
 from cosyvoice_lb import protocol
+from cosyvoice_lb.health import RESTART_REASONS, restarts_by_reason
 from cosyvoice_lb.health_loop import HealthLoop, Host
 from cosyvoice_lb.layout import Layout
 from cosyvoice_lb.planner import Slot
@@ -409,3 +410,71 @@ def test_a_drain_asked_in_the_step_that_restarts_it_anyway_counts_one_restart(ma
     assert rig.track(A).restarts == 1
     assert [c for c in rig.sup.calls if c[0] == "signal" and c[1] == A] == [("signal", A, "KILL")]
     assert not protocol.drain_pending(rig.layout, A)  # answered: it is being restarted
+
+
+def restarts(rig: Rig, name: str) -> dict[str, int]:
+    """Restarts by reason as the metrics read them: from health.json and the starts file."""
+    return {k: v for k, v in restarts_by_reason(rig.report(name)["ordered"], protocol.starts_count(rig.layout, name))
+            .items() if v}
+
+
+def test_restarts_are_counted_by_reason_across_the_new_process(make_rig):
+    rig = make_rig(max_requests=5)
+    rig.prober.set(A, Probe("ready", inflight=1, stalled=(15.0,)))  # hung
+    rig.step(2)
+    rig.restarted(A, pid=200)  # the KILL brought it back: not a crash
+    rig.prober.set(A, READY)
+    rig.step(2)
+    assert restarts(rig, A) == {"hang": 1}
+    rig.sup.set(A, "EXITED")  # it died on its own: supervisord brings it back
+    rig.prober.set(A, REFUSED)
+    rig.step()
+    rig.restarted(A, pid=201)
+    rig.prober.set(A, READY)
+    rig.step(2)
+    assert restarts(rig, A) == {"hang": 1, "crash": 1}
+    protocol.ask_drain(rig.layout, A, DrainAction.TERM)  # `cosyvoice-lb restart` / the panel
+    rig.step(3)
+    rig.restarted(A, pid=202)
+    rig.step(2)
+    rig.prober.set(B, Probe("ready", served=5))  # its share served: recycled
+    rig.step(3)
+    rig.restarted(B, pid=300)
+    rig.prober.set(B, READY)
+    rig.step(2)
+    assert restarts(rig, A) == {"hang": 1, "crash": 1, "requested": 1}
+    assert restarts(rig, B) == {"recycle": 1}
+    assert rig.track(A).restarts == 2 and rig.track(B).restarts == 1  # (the loop's own count: those it ordered)
+
+
+def test_every_reason_is_there_from_the_start():
+    assert restarts_by_reason({}, 1) == {reason: 0 for reason in RESTART_REASONS}
+    assert restarts_by_reason({"hang": 2}, 2)["crash"] == 0  # (a restart ordered, its start not seen yet)
+
+
+def test_an_instance_drained_by_hand_stays_out_with_its_process_until_undrained(make_rig):
+    rig = make_rig()
+    protocol.drain_by_hand(rig.layout, A)
+    rig.step()
+    assert rig.down() == {A} and rig.track(A).reason == protocol.DRAINED
+    rig.step(5)  # still ready, still out: nothing signalled, nothing restarted
+    assert rig.down() == {A} and rig.sup.calls == [HUP]
+    assert rig.track(A).restarts == 0 and rig.track(B).in_rotation
+    assert protocol.undrain(rig.layout, A) and not protocol.undrain(rig.layout, A)
+    rig.step()
+    assert rig.down() == set() and rig.track(A).in_rotation and rig.track(A).reason == ""
+
+
+def test_a_drained_instance_that_fails_is_restarted_like_any_other(make_rig):
+    rig = make_rig()
+    protocol.drain_by_hand(rig.layout, A)
+    rig.step()
+    rig.prober.set(A, REFUSED)
+    rig.step(2)
+    assert ("signal", A, "KILL") in rig.sup.calls and restarts(rig, A) == {"probe_failures": 1}
+
+
+def test_the_report_has_each_probes_latency(make_rig):
+    rig = make_rig()
+    seconds = protocol.read_report(rig.layout)["probe_seconds"]
+    assert set(seconds) == {A, B} and all(0 <= s < 1 for s in seconds.values())

@@ -39,7 +39,9 @@ from cosyvoice_lb.settings import Settings
 NGINX = shutil.which("nginx") or shutil.which("/usr/sbin/nginx")
 SHORT = Path("/tmp/cvlb-t")  # never created: pure renders only
 PROGRAMS = Programs(app="/x/app.py", launcher_python=sys.executable, nginx="/usr/sbin/nginx", run_as_user="")
-EXPECTED_FILES = {"run/supervisord.conf", "nginx/nginx.conf", "nginx/upstreams.conf", "run/cluster.json"}
+EXPECTED_FILES = {"run/supervisord.conf", "nginx/nginx.conf", "nginx/upstreams.conf", "run/cluster.json",
+                  "monitoring/prometheus.yml", "monitoring/targets.json", "monitoring/alerts.yml",
+                  "monitoring/grafana-dashboard.json"}
 NGINX_TEMPS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
 
 
@@ -148,7 +150,12 @@ def test_supervisord_conf_has_one_program_per_slot(kind):
     settings = Settings(python="/venv/bin/python", max_chars=321, drain_timeout=12.5, start_retries=7)
     conf = supervisor_sections(rendered(settings=settings, the_plan=the_plan)["run/supervisord.conf"])
     programs = sorted(s for s in conf.sections() if s.startswith("program:"))
-    assert programs == sorted([f"program:{s.name}" for s in the_plan.slots] + ["program:nginx", "program:health"])
+    assert programs == sorted([f"program:{s.name}" for s in the_plan.slots]
+                              + ["program:nginx", "program:health", "program:admin"])
+    admin = shlex.split(conf["program:admin"]["command"])
+    assert admin[1:] == ["-m", "cosyvoice_lb.admin", "--state-dir", str(SHORT)]
+    # (stopped before the instances: a panel action never restarts one while the cluster goes down)
+    assert int(conf["program:admin"]["priority"]) > int(conf[f"program:{the_plan.slots[0].name}"]["priority"])
     for slot in the_plan.slots:
         section = conf[f"program:{slot.name}"]
         argv = shlex.split(section["command"])
@@ -227,6 +234,7 @@ def state_dir(request):
 
 def write(root: Path, files: dict[str, str]) -> None:
     for relative, text in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
         (root / relative).write_text(text)
 
 
@@ -248,7 +256,7 @@ def test_supervisord_conf_loads_in_supervisor(state_dir):
     options = load_in_supervisor(Layout(state_dir).supervisord_conf)
     section = options.configroot.supervisord
     programs = {p.name: p for group in options.process_group_configs for p in group.process_configs}
-    assert set(programs) == {s.name for s in the_plan.slots} | {"nginx", "health"}
+    assert set(programs) == {s.name for s in the_plan.slots} | {"nginx", "health", "admin"}
     for slot in the_plan.slots:
         program = programs[slot.name]
         assert program.environment["CUDA_VISIBLE_DEVICES"] == str(slot.gpu)
@@ -584,7 +592,9 @@ def test_public_ping_gets_the_brief_answer_and_loopback_the_details():
 
 def test_no_rate_limit_unless_asked():
     http, server = nginx_server(Settings())
-    assert not http.all("limit_req_zone") and not server.one("location", "/v1/").values("limit_req")
+    # (only the logins' zone: password guessing at the panel's /admin/login)
+    assert http.values("limit_req_zone") == [["$binary_remote_addr", "zone=cvlb_login:1m", "rate=10r/m"]]
+    assert not server.one("location", "/v1/").values("limit_req")
 
 
 @pytest.mark.parametrize("auth", [False, True])
@@ -607,7 +617,7 @@ def test_rate_limit_on_what_synthesizes_with_json_429(auth):
     else:  # no tokens: a made-up Authorization header must not buy a fresh bucket
         assert not http.all("map", "$http_authorization")
         assert segments.values("default") == [["$binary_remote_addr"]]
-        assert http.values("limit_req_zone") == [["$cvlb_client", "zone=cvlb_rate:10m", "rate=10r/s"]]
+        assert ["$cvlb_client", "zone=cvlb_rate:10m", "rate=10r/s"] in http.values("limit_req_zone")
     assert http.values("limit_req_status") == [["429"]]
     gradio = server.one("location", "~", "^/gradio_api/(queue/join|call/|run/|api/)")
     for location in (server.one("location", "/v1/"), gradio):
@@ -645,3 +655,40 @@ def test_instances_get_the_policy_file_only_when_credentials_are_required():
     assert "--auth-file" not in command(Settings())
     args = command(Settings(public=True))
     assert args[args.index("--auth-file") + 1] == str(SHORT / "run/access.json")
+
+
+def test_every_answer_carries_a_request_id_that_reaches_the_instance_and_the_access_log():
+    http, server = nginx_server(Settings())
+    ids = http.one("map", "$http_x_request_id", "$cvlb_request_id")
+    pattern = ids.block[0].name  # (a map entry: the pattern, then its value)
+    assert pattern.startswith("~") and ids.values("default") == [["$request_id"]]
+    assert re.fullmatch(pattern[1:], "my-trace.0001:a") and not re.fullmatch(pattern[1:], "a b c d e f g h")
+    assert not re.fullmatch(pattern[1:], "short") and not re.fullmatch(pattern[1:], "x" * 129)
+    assert ["X-Request-Id", "$cvlb_request_id"] in server.values("proxy_set_header")
+    assert ["X-Request-Id", "$cvlb_request_id", "always"] in server.values("add_header")
+    (log_format,) = http.values("log_format")
+    assert "rid=$cvlb_request_id" in " ".join(log_format) and "upstream=$upstream_addr" in " ".join(log_format)
+    # a location with add_header of its own repeats it (nginx drops the server's there)
+    for location in server.all("location"):
+        if location.values("add_header"):
+            assert ["X-Request-Id", "$cvlb_request_id", "always"] in location.values("add_header"), location.args
+
+
+def test_the_panel_and_the_metrics_go_to_the_admin_socket_never_to_an_instance():
+    http, server = nginx_server(Settings())
+    (admin,) = http.all("upstream", "cvlb_admin")
+    assert admin.values("server") == [[f"unix:{SHORT}/run/admin.sock"]]
+    for args in (("=", "/admin"), ("^~", "/admin/"), ("=", "/admin/login"), ("=", "/metrics"), ("^~", "/metrics/")):
+        assert server.one("location", *args).values("proxy_pass") == [["http://cvlb_admin"]], args
+    assert server.one("location", "=", "/admin/login").values("limit_req") == [["zone=cvlb_login", "burst=10",
+                                                                                "nodelay"]]
+
+
+@pytest.mark.parametrize("host, extra", [("127.0.0.1", None), ("0.0.0.0", None), ("10.1.2.3", "10.1.2.3"),
+                                         ("127.0.0.2", "127.0.0.2"), ("::", None)])
+def test_stub_status_answers_this_box_only(host, extra):
+    _, server = nginx_server(Settings(host=host, no_auth=True))
+    status = server.one("location", "=", "/nginx_status")
+    assert status.values("stub_status") == [[]]
+    allowed = [a[0] for a in status.values("allow")]
+    assert allowed == ["127.0.0.1", "::1"] + ([extra] if extra else []) and status.values("deny") == [["all"]]

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import io
+import json
 import threading
 
+from rich.console import Console
+
+from cosyvoice_lb.gpu import GpuReading
+from cosyvoice_lb.layout import Layout
 from cosyvoice_lb.planner import Slot
 from cosyvoice_lb.settings import Settings
-from cosyvoice_lb.status import ClusterStatus, InstanceStatus, ask_all, public_url
+from cosyvoice_lb.status import ClusterStatus, InstanceStatus, Telemetry, ask_all, public_url, status
+from cosyvoice_lb.supervision import ProcessInfo
 
 
 class Gathering:
@@ -57,3 +64,154 @@ def test_exit_codes():
     assert ClusterStatus(running=True, instances=[serving]).exit_code == 0
     assert ClusterStatus(running=True, problems=["nginx is fatal"]).exit_code == 1
     assert ClusterStatus(running=False).exit_code == 3
+
+
+# --- GPUs in the status ---------------------------------------------------------------------
+
+H100 = GpuReading(0, "NVIDIA H100 80GB HBM3", "GPU-aaaa", 20 * 2**30, 80 * 2**30, 0.37, 54.0, 312.5)
+A10 = GpuReading(1, "NVIDIA A10", "GPU-bbbb", 2**30, 24 * 2**30, None, 41.0, None)  # no utilisation, no power
+
+
+class FakeSupervisor:
+    """supervisord as ``status`` asks it: two instances on gpu0 and gpu1, nginx, health."""
+
+    def __init__(self, layout, timeout: float = 0.0):
+        self.layout = layout
+
+    def processes(self) -> dict[str, ProcessInfo]:
+        pids = {"instance-0": 4242, "instance-1": 4343, "nginx": 50, "health": 51}
+        return {name: ProcessInfo(name, "RUNNING", pid, 1000.0, 1060.0, "", 0) for name, pid in pids.items()}
+
+    def tail(self, name: str, length: int = 4000) -> str:
+        return ""
+
+
+class Answering:
+    def ping(self, port: int, timeout: float) -> dict:
+        return {"ready": True}
+
+    def get_status(self, url: str, timeout: float) -> int:
+        return 200
+
+
+def running_cluster(monkeypatch, tmp_path) -> Layout:
+    """A state dir whose supervisord is a fake (no process is started)."""
+    from cosyvoice_lb import status as status_module
+
+    layout = Layout(tmp_path)
+    layout.socket.parent.mkdir(parents=True)
+    layout.socket.touch()
+    slots = (Slot(index=0, port=7860, gpu=0, memory=1), Slot(index=1, port=7861, gpu=1, memory=1))
+    monkeypatch.setattr(status_module, "recorded", lambda layout: (Settings(port=8080), slots))
+    monkeypatch.setattr(status_module, "Supervisor", FakeSupervisor)
+    return layout
+
+
+def test_status_reads_the_gpus_and_each_instances_gpu_memory_from_its_telemetry(monkeypatch, tmp_path):
+    layout = running_cluster(monkeypatch, tmp_path)
+    asked: list[set[int]] = []
+
+    def process_memory(pids: set[int]) -> dict[int, int]:
+        asked.append(pids)
+        return {4242: 4 * 2**30, 999: 2**30}  # 999: someone else's process
+
+    telemetry = Telemetry(readings=lambda: (H100, A10), process_memory=process_memory)
+    current = status(layout, Answering(), telemetry)  # type: ignore[arg-type]
+    assert current.running and current.gpus == [H100, A10]
+    assert asked == [{4242, 4343}]  # the instances' pids only
+    assert [(i.name, i.gpu_memory) for i in current.instances] == [("instance-0", 4 * 2**30), ("instance-1", 0)]
+    as_dict = current.as_dict()
+    assert as_dict["gpus"][1] == {
+        "index": 1,
+        "name": "NVIDIA A10",
+        "uuid": "GPU-bbbb",
+        "memory_used": 2**30,
+        "memory_total": 24 * 2**30,
+        "utilization": None,
+        "temperature": 41.0,
+        "power": None,
+    }
+    assert as_dict["instances"][0]["gpu_memory"] == 4 * 2**30
+    json.dumps(as_dict)  # still JSON
+
+
+def test_without_a_gpu_the_status_is_as_before(monkeypatch, tmp_path):
+    layout = running_cluster(monkeypatch, tmp_path)
+    asked: list[set[int]] = []
+    telemetry = Telemetry(readings=lambda: (), process_memory=lambda pids: asked.append(pids) or {})
+    current = status(layout, Answering(), telemetry)  # type: ignore[arg-type]
+    assert current.gpus == [] and [i.gpu_memory for i in current.instances] == [0, 0]
+    assert asked == []  # no card: no second NVML session
+    assert current.as_dict()["gpus"] == []
+    # and the default, the real NVML on this box without a GPU, says the same
+    assert status(layout, Answering()).gpus == []  # type: ignore[arg-type]
+
+
+def test_a_dir_without_a_cluster_has_no_gpus(tmp_path):
+    def never() -> tuple[GpuReading, ...]:
+        raise AssertionError("not running: nothing to read")
+
+    current = status(Layout(tmp_path), telemetry=Telemetry(readings=never))
+    assert not current.running and current.gpus == []
+
+
+def render(current: ClusterStatus) -> str:
+    """What the tables look like, as plain text."""
+    from cosyvoice_lb.cli import status_tables
+
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    for table in status_tables(current):
+        console.print(table)
+    return console.file.getvalue()  # type: ignore[attr-defined]
+
+
+def fake_status(gpus: list[GpuReading]) -> ClusterStatus:
+    instances = [
+        InstanceStatus("instance-0", 7860, 0, 4242, "RUNNING", True, True, 0, 61.0, gpu_memory=4_617_089_843),
+        InstanceStatus("instance-1", 7861, 1, 4343, "RUNNING", True, True, 2, 5.0),
+    ]
+    return ClusterStatus(
+        running=True,
+        url="http://127.0.0.1:8080",
+        instances=instances,
+        nginx={"state": "RUNNING", "pid": 50, "port": 8080},
+        health={"state": "RUNNING", "pid": 51},
+        admin={"state": "RUNNING", "pid": 52},
+        gpus=gpus,
+    )
+
+
+def test_the_status_tables_show_the_gpus():
+    text = render(fake_status([H100, A10]))
+    assert "GPU memory" in text and "4.3 GiB" in text  # instance-0's
+    row = next(line for line in text.splitlines() if "instance-1" in line)
+    assert "—" in row  # NVML knows no memory of it
+    assert "GPUs" in text
+    h100 = next(line for line in text.splitlines() if "H100" in line)
+    for value in ("gpu0", "20.0 GiB / 80.0 GiB (25%)", "37%", "54 °C", "312 W"):
+        assert value in h100
+    a10 = next(line for line in text.splitlines() if "NVIDIA A10" in line)
+    assert "1.0 GiB / 24.0 GiB (4%)" in a10 and "41 °C" in a10 and a10.count("—") == 2
+
+
+def test_without_gpus_the_status_table_has_no_gpu_columns():
+    text = render(fake_status([]))
+    assert "instance-0" in text and "nginx" in text
+    assert "GPU" not in text and "—" not in text
+    from cosyvoice_lb.cli import status_tables
+
+    assert len(status_tables(fake_status([]))) == 1 and len(status_tables(fake_status([H100]))) == 2
+    assert status_tables(ClusterStatus(running=False)) == []
+
+
+def test_the_watch_view_is_the_tables_and_the_words(tmp_path):
+    from cosyvoice_lb.cli import status_view
+
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(status_view(fake_status([H100]), tmp_path, "every 2s"))
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "GPU memory" in text and "H100" in text and "problems:" not in text
+    assert text.rstrip().splitlines()[-2:] == ["ok", "every 2s"]
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(status_view(ClusterStatus(running=False, problems=["no cluster runs"]), tmp_path))
+    assert console.file.getvalue() == f"not running ({tmp_path})\n"  # type: ignore[attr-defined]

@@ -95,6 +95,8 @@ class CosyVoiceEngine:
         # Saved voices in upstream's speaker cache (add_zero_shot_spk): id -> its transcript.
         self.cached: dict[str, str] = {}
         self.cache_lock = threading.Lock()
+        self.voice_cache_hits = 0  # saved voices spoken from the cache / put in it (metrics)
+        self.voice_cache_misses = 0
 
     def _modes(self, speakers: list[str]) -> tuple[str, ...]:
         modes = ["zero_shot", "cross_lingual"]
@@ -212,7 +214,9 @@ class CosyVoiceEngine:
         key = prompt_text
         with self.cache_lock:
             if self.cached.get(voice_id) == key:
+                self.voice_cache_hits += 1
                 return
+            self.voice_cache_misses += 1
             assert self.model is not None
             if self.version == 3:
                 prompt_text = v3_prompt("zero_shot", "", prompt_text, "")[1]

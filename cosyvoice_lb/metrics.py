@@ -1,0 +1,224 @@
+"""The instance's Prometheus metrics: every synthesis observed once, every speech request
+counted once by route and outcome, and the live state read at each scrape.
+
+Routes: ``api`` (``/v1/tts``), ``openai`` (``/v1/audio/speech``), ``ui`` (Gradio) and
+``segment`` (a long text's segment, sent by the instance coordinating it). A long text
+counts once as its client's request and once per segment where the segment ran; its
+syntheses are the segments'. The warm-up synthesis and health probes are never counted.
+
+Each instance keeps its own registry (not prometheus_client's global one): tests build
+several pipelines in one process, and ``/metrics`` shows this instance only.
+
+Instance side: prometheus_client is the only package beyond the instance's usual ones,
+and it is optional there: without it the instance serves and ``/metrics`` says how to get
+it (a CosyVoice environment may not have it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("cosyvoice_lb.instance")
+
+ROUTES = ("api", "openai", "ui", "segment")
+OUTCOMES = ("ok", "invalid", "refused", "timeout", "cancelled", "failed")
+SPEECH_PATHS = {"/v1/tts": "api", "/v1/audio/speech": "openai"}
+MISSING = (
+    "this instance has no metrics: its Python lacks prometheus_client; install it into the instance's "
+    "environment (the --python of `up`): pip install prometheus_client, then cosyvoice-lb restart --all"
+)
+
+# Buckets sized for speech: a first package within tens of milliseconds (streaming on a GPU) up
+# to seconds (CPU, long queues); the alert's 1.5 s sits on a bucket boundary.
+FIRST_PACKAGE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
+AUDIO_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 90.0)
+SYNTHESIS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+def outcome_of(status: int) -> str:
+    """A request's outcome from the status it was answered with (0: no answer was sent)."""
+    if 0 < status < 400:
+        return "ok"
+    if status == 499:
+        return "cancelled"
+    if status in (408, 504):
+        return "timeout"
+    if status in (429, 503):
+        return "refused"  # overloaded, rate-limited, not ready: the cluster said "not now"
+    if 400 <= status < 500:
+        return "invalid"
+    return "failed"
+
+
+def available() -> bool:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Metrics:
+    """One instance's metrics. ``live`` is read at each scrape: a callable returning
+    {"ready", "inflight", "waiting", "long_texts", "voice_cache_hits", "voice_cache_misses"};
+    it is set by :meth:`watch` once the pipeline exists."""
+
+    def __init__(self, engine: str = "", version: str = ""):
+        self.enabled = available()
+        self.live: Callable[[], dict[str, float]] = dict
+        if not self.enabled:
+            return
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.process_collector import ProcessCollector
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
+
+        def histogram(name: str, what: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, what, ["route"], buckets=buckets, registry=self.registry)
+
+        self.first_package = histogram(
+            "cosyvoice_first_package_seconds",
+            "Seconds from a request's arrival at the instance to the engine's first audio chunk.",
+            FIRST_PACKAGE_BUCKETS,
+        )
+        self.audio = histogram(
+            "cosyvoice_audio_duration_seconds", "Seconds of audio one completed synthesis made.", AUDIO_BUCKETS
+        )
+        self.queue_wait = histogram(
+            "cosyvoice_queue_wait_seconds", "Seconds a synthesis waited for an engine slot.", WAIT_BUCKETS
+        )
+        self.synthesis = histogram(
+            "cosyvoice_synthesis_seconds",
+            "Seconds a completed synthesis held its engine slot (first to last chunk).",
+            SYNTHESIS_BUCKETS,
+        )
+        self.rtf = histogram(
+            "cosyvoice_real_time_factor",
+            "Engine seconds per second of audio of a completed synthesis (below 1: faster than real time).",
+            RTF_BUCKETS,
+        )
+        self.requests = Counter(
+            "cosyvoice_requests",
+            "Speech requests answered, by route and outcome.",
+            ["route", "outcome"],
+            registry=self.registry,
+        )
+        for route in ROUTES:  # every series from the start: rate() sees the first request
+            for outcome in OUTCOMES:
+                self.requests.labels(route, outcome)
+        labels = {"engine": engine, "version": version}
+        metrics = self
+
+        class Live:
+            def collect(self) -> Any:
+                state = metrics.live()
+                info = GaugeMetricFamily(
+                    "cosyvoice_instance_info", "The instance's engine and version.", labels=list(labels)
+                )
+                info.add_metric(list(labels.values()), 1)
+                yield info
+                for name, key, what in (
+                    ("cosyvoice_instance_ready", "ready", "1 when the instance takes requests."),
+                    ("cosyvoice_syntheses_in_flight", "inflight", "Syntheses holding an engine slot."),
+                    ("cosyvoice_queue_depth", "waiting", "Requests waiting for an engine slot."),
+                    ("cosyvoice_long_texts_in_flight", "long_texts", "Long texts this instance coordinates."),
+                ):
+                    yield GaugeMetricFamily(name, what, value=float(state.get(key, 0)))
+                for name, key, what in (
+                    ("cosyvoice_voice_cache_hits", "voice_cache_hits", "Saved voices spoken from the speaker cache."),
+                    (
+                        "cosyvoice_voice_cache_misses",
+                        "voice_cache_misses",
+                        "Saved voices whose prompt features were extracted (first use here).",
+                    ),
+                ):
+                    yield CounterMetricFamily(name, what, value=float(state.get(key, 0)))
+
+        self.registry.register(Live())
+
+    def watch(self, live: Callable[[], dict[str, float]]) -> None:
+        self.live = live
+
+    # --- what the pipeline and the routes report ------------------------------------------
+
+    def queued(self, route: str, seconds: float) -> None:
+        if self.enabled:
+            self.queue_wait.labels(route).observe(max(0.0, seconds))
+
+    def first_chunk(self, route: str, seconds: float) -> None:
+        if self.enabled:
+            self.first_package.labels(route).observe(max(0.0, seconds))
+
+    def completed(self, route: str, audio_seconds: float, engine_seconds: float) -> None:
+        if not self.enabled:
+            return
+        self.audio.labels(route).observe(audio_seconds)
+        self.synthesis.labels(route).observe(max(0.0, engine_seconds))
+        if audio_seconds > 0:
+            self.rtf.labels(route).observe(max(0.0, engine_seconds) / audio_seconds)
+
+    def request(self, route: str, outcome: str) -> None:
+        if self.enabled:
+            self.requests.labels(route, outcome).inc()
+
+    def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """The scrape's body and content type (OpenMetrics when the scraper asks for it)."""
+        from prometheus_client.exposition import choose_encoder
+
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
+
+
+class RequestMetrics:
+    """ASGI middleware: counts each speech request once, by route and outcome, and logs one
+    line for it with nginx's request id (the id in nginx's access log and the client's
+    ``X-Request-Id``). A stream whose status went out before it broke off says its outcome
+    in ``scope["state"]["cvlb_outcome"]``."""
+
+    def __init__(
+        self, app: ASGIApp, metrics: Metrics, segment_header: str, clock: Callable[[], float] = time.monotonic
+    ):
+        self.app, self.metrics, self.clock = app, metrics, clock
+        self.segment_header = segment_header.lower().encode("latin-1")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope.get("method") != "POST" or path not in SPEECH_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers", []))
+        route = "segment" if self.segment_header in headers else SPEECH_PATHS[path]
+        rid = headers.get(b"x-request-id", b"-").decode("latin-1")[:128]
+        state = scope.setdefault("state", {})
+        status = 0
+        started = self.clock()
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        raised = False
+        try:
+            await self.app(scope, receive, sending)
+        except BaseException:
+            raised = True
+            raise
+        finally:
+            # (raised: an error no handler answered, or a stream that broke after its status went out)
+            outcome = state.get("cvlb_outcome") or (
+                "failed" if raised else outcome_of(status) if status else "cancelled"
+            )
+            self.metrics.request(route, outcome)
+            log.info(
+                "request %s %s %s %s in %.3fs rid=%s", route, path, status or "-", outcome, self.clock() - started, rid
+            )
