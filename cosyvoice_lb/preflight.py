@@ -66,6 +66,8 @@ INSTANCE_NEEDS = {
     "uvicorn": "uvicorn",
     "gradio": "gradio",
     "multipart": "python-multipart",
+    # /metrics (an instance without it would serve, but Prometheus could not scrape it)
+    "prometheus_client": "prometheus_client",
 }
 ENGINE_NEEDS = {"espeak": {"pypinyin": "pypinyin"}, "cosyvoice3": {"torch": "torch"}, "simulated": {}}
 

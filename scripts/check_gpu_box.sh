@@ -8,8 +8,9 @@
 # PYTHON          the Python of the CosyVoice environment (default: python3)
 #
 # It prints what NVML sees, plans, starts 2 instances on 127.0.0.1, sends one request per
-# mode (and a streamed one), checks the answers are 24 kHz WAV, measures the footprint with
-# `calibrate`, and takes everything down. Exit status 0 only if every step passed.
+# mode (and a streamed one), checks the answers are 24 kHz WAV, reads the GPUs through
+# status and the cluster's /metrics, measures the footprint with `calibrate`, and takes
+# everything down. Exit status 0 only if every step passed.
 set -euo pipefail
 MODEL_DIR="$(realpath "${1:?model dir}")"
 ROOT="$(realpath "${2:?cosyvoice checkout}")"
@@ -56,6 +57,15 @@ curl -sf -o "$STATE/stream.wav" -w '  first audio %{time_starttransfer}s, total 
 [ "$(stat -c %s "$STATE/stream.wav")" -gt 48044 ] || { echo "streamed answer too short"; exit 1; }
 step "per-process GPU memory of the running instances (nvidia-smi)"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv || true
+step "GPU telemetry: status's GPU columns and the cluster's GPU metrics (NVML)"
+"${LB[@]}" status
+SCRAPE="$(cat "$STATE/monitoring/scrape-token")"
+curl -sf -H "Authorization: Bearer $SCRAPE" "http://127.0.0.1:$PORT/metrics" > "$STATE/cluster.metrics"
+grep -E '^cosyvoice_lb_(gpu_|instance_gpu_memory)' "$STATE/cluster.metrics"
+for name in cosyvoice_lb_gpu_memory_used_bytes cosyvoice_lb_gpu_memory_total_bytes cosyvoice_lb_instance_gpu_memory_bytes; do
+    grep -q "^$name" "$STATE/cluster.metrics" || { echo "no $name in the cluster's /metrics"; exit 1; }
+done
+curl -sf "http://127.0.0.1:$BASE/metrics" | grep -E '^cosyvoice_(first_package|real_time_factor)_.*_(sum|count)'
 "${LB[@]}" down
 step "calibrate"
 "${LB[@]}" calibrate

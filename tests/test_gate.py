@@ -68,6 +68,12 @@ def test_ping_and_the_login_form_stay_open(client):
     assert page.status_code == 200 and 'name="password"' in page.text and 'value="/somewhere"' in page.text
 
 
+def test_the_instances_own_metrics_stay_open_on_loopback_and_refuse_what_came_through_nginx(client):
+    # (Prometheus on this box scrapes the instance's loopback port; nginx stamps X-Request-Start)
+    assert client.get("/metrics").status_code == 200 and "cosyvoice_requests_total" in client.get("/metrics").text
+    assert client.get("/metrics", headers={"X-Request-Start": "1700000000.000"}).status_code == 404
+
+
 def test_the_token_opens_the_api_and_gradios_routes(client):
     r = client.post("/v1/tts", json=JSON_TEXT, headers=BEARER)
     assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"

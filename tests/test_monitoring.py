@@ -107,6 +107,7 @@ ALERTS = {  # name: (expr, for, severity)
         None,  # the 15-minute window is the duration
         "critical",
     ),
+    "CosyVoiceNoInstanceInRotation": ("sum(cosyvoice_lb_instance_in_rotation) == 0", "1m", "critical"),
     "CosyVoiceClusterMetricsDown": ('up{job="cosyvoice-lb"} == 0', "2m", "critical"),
     "CosyVoiceHealthLoopStale": ("cosyvoice_lb_health_report_age_seconds > 30", "1m", "critical"),
 }

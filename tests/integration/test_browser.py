@@ -106,6 +106,66 @@ def test_a_browser_logs_in_and_then_generates_speech(closed_cluster, user, passw
             browser.close()
 
 
+def test_the_control_panel_lists_the_instances_and_restarts_one_drained(cluster):
+    """The panel behind its login: the instances listed, a restart button restarts one
+    drained (out of rotation first): requests sent meanwhile all get their audio."""
+    import json
+    import threading
+
+    import requests
+
+    state = cluster["state_dir"]
+    token = (state / "admin-token").read_text().splitlines()[-1]
+
+    def pid() -> int:
+        done = cli("status", "--json", "--state-dir", str(state))
+        return next(i["pid"] for i in json.loads(done.stdout)["instances"] if i["name"] == "instance-0")
+
+    before, statuses, stop = pid(), [], threading.Event()
+
+    def load() -> None:  # bounded: at most 300 requests or 150 s
+        session, deadline = requests.Session(), time.monotonic() + 150
+        session.trust_env = False
+        while not stop.is_set() and len(statuses) < 300 and time.monotonic() < deadline:
+            statuses.append(session.post(cluster["url"] + "v1/tts", json={"text": "During the restart."},
+                                         timeout=60).status_code)
+
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        loader = threading.Thread(target=load)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 900})
+            page.goto(cluster["url"] + "admin", wait_until="networkidle")
+            assert page.url.endswith("/admin/login")  # never open without the token
+            page.get_by_label("Admin token").fill(token)
+            page.get_by_role("button", name="Log in").click()
+            page.wait_for_url("**/admin")
+            rows = page.locator("#instances tbody tr")
+            rows.nth(1).wait_for(timeout=10000)
+            assert rows.locator("td:first-child").all_inner_texts() == ["instance-0", "instance-1"]
+            assert page.locator("#instances").get_by_text("RUNNING").count() == 2
+            assert page.locator("#problems").inner_text() == "all instances serve"
+            page.on("dialog", lambda dialog: dialog.accept())  # "Restart instance-0?"
+            loader.start()
+            page.locator('tr[data-name="instance-0"] button[data-action="restart"]').click()
+            note = page.locator('tr[data-name="instance-0"] td.action')
+            note.filter(has_text="restart: done").wait_for(timeout=120000)
+            log = page.locator("#log")
+            page.locator("#log-name").select_option("health")
+            log.filter(has_text="restart requested").wait_for(timeout=10000)
+            if os.environ.get("CVLB_SCREENSHOT"):  # the README's picture
+                page.screenshot(path=os.environ["CVLB_SCREENSHOT"], full_page=True)
+        finally:
+            stop.set()
+            if loader.is_alive() or loader.ident:
+                loader.join(90)
+            browser.close()
+    assert pid() != before
+    ordered = json.loads((state / "run" / "health.json").read_text())["instances"]["instance-0"]["ordered"]
+    assert ordered == {"requested": 1}  # a drained restart, as `restart` does
+    assert statuses and set(statuses) == {200}, statuses
+
+
 def test_down_does_not_wait_for_an_open_browser_tab(cluster):
     # An open tab keeps Gradio's heartbeat stream open forever; a stop must not wait on it.
     with playwright.sync_playwright() as p:

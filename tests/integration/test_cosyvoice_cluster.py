@@ -224,7 +224,7 @@ def test_up_says_what_the_instances_python_lacks(state_dir, tmp_path):
     done = cli("up", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE), "--python", str(bare / "bin/python"),
                "--state-dir", str(state_dir), "--host", "127.0.0.1", "--port", str(free_port_block(1)), timeout=60)
     assert done.returncode != 0
-    assert "lacks numpy, soundfile, fastapi, uvicorn, gradio, multipart, torch" in done.stderr
+    assert "lacks numpy, soundfile, fastapi, uvicorn, gradio, multipart, prometheus_client, torch" in done.stderr
     assert f"{bare / 'bin/python'} -m pip install" in done.stderr and "torch" in done.stderr
     assert not (state_dir / "run" / "supervisor.sock").exists()
 

@@ -22,6 +22,8 @@ from conftest import ROOT, cli, free_port_block
 # what upstream's transformers==4.51.3 pin brings, gradio 5.4 needs its HfFolder)
 PINS = ["gradio==5.4.0", "fastapi==0.115.6", "uvicorn==0.30.0", "pydantic==2.7.0", "numpy==1.26.4",
         "soundfile==0.12.1", "huggingface_hub<0.27", "torch==2.13.0"]
+# what `up` asks the user to add to that environment: the instances' /metrics
+ADDED = ["prometheus_client"]
 FAKE = ROOT / "tests" / "fake_cosyvoice"
 V3 = ROOT / "tests" / "fake_models" / "Fun-CosyVoice3-0.5B"
 
@@ -43,9 +45,14 @@ def test_instances_run_in_upstreams_environment(upstream_python, state_dir):
                            capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
     assert probe.stdout.split() == ["5.4.0", "True"]  # gradio 5, and no cosyvoice-lb there
     port, base = free_port_block(1), free_port_block(1)
-    done = cli("up", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE), "--python", str(upstream_python),
-               "--instances", "1", "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base),
-               "--state-dir", str(state_dir), timeout=300)
+    args = ["--model-dir", str(V3), "--cosyvoice-root", str(FAKE), "--python", str(upstream_python), "--instances",
+            "1", "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir)]
+    refused = cli("up", *args, timeout=300)  # upstream's pins have no prometheus_client: said, with the fix
+    assert refused.returncode != 0 and "lacks prometheus_client" in refused.stderr
+    assert f"{upstream_python} -m pip install prometheus_client" in refused.stderr
+    subprocess.run([str(upstream_python), "-m", "pip", "install", "-q", *ADDED], check=True, timeout=300,
+                   capture_output=True)
+    done = cli("up", *args, timeout=300)
     try:
         assert done.returncode == 0, done.stderr
         url = f"http://127.0.0.1:{port}"
@@ -65,6 +72,9 @@ def test_instances_run_in_upstreams_environment(upstream_python, state_dir):
         assert bad.status_code == 400 and "empty" in bad.json()["error"]["message"]
         assert requests.get(url + "/", timeout=30).status_code == 200
         assert requests.get(url + "/gradio_api/info", timeout=30).status_code == 200
+        # the syntheses above, observed by this env's prometheus_client
+        metrics = requests.get(f"http://127.0.0.1:{base}/metrics", timeout=10).text
+        assert 'cosyvoice_first_package_seconds_count{route="api"} 2.0' in metrics
 
         from gradio_client import Client, handle_file
 
