@@ -66,22 +66,39 @@ def login_page(message: str = "") -> str:
 
 
 class Cached:
-    """A value computed at most once per ``seconds`` (a burst of scrapes and panel refreshes
-    asks supervisord and the instances once)."""
+    """A value computed at most once per ``seconds``: a burst of scrapes and panel refreshes
+    asks supervisord and the instances once. While one caller refreshes it, the others get
+    the value before (or, the first time, wait for it): a slow read (a hung NVML, a
+    supervisord that does not answer) holds one thread, not every request."""
 
     def __init__(
         self, make: Callable[[], ClusterView], seconds: float = 1.0, clock: Callable[[], float] = time.monotonic
     ):
         self.make, self.seconds, self.clock = make, seconds, clock
-        self.lock = threading.Lock()
+        self.changed = threading.Condition()
         self.value: ClusterView | None = None
         self.at = float("-inf")
+        self.refreshing = False
 
     def get(self) -> ClusterView:
-        with self.lock:
-            if self.value is None or self.clock() - self.at >= self.seconds:
-                self.value, self.at = self.make(), self.clock()
-            return self.value
+        with self.changed:
+            while True:
+                if self.value is not None and (self.refreshing or self.clock() - self.at < self.seconds):
+                    return self.value
+                if not self.refreshing:
+                    break
+                self.changed.wait()
+            self.refreshing = True
+        value = None
+        try:
+            value = self.make()
+            return value
+        finally:
+            with self.changed:
+                self.refreshing = False
+                if value is not None:
+                    self.value, self.at = value, self.clock()
+                self.changed.notify_all()
 
 
 def view_dict(view: ClusterView, actions: dict[str, dict]) -> dict[str, Any]:

@@ -492,7 +492,7 @@ def restart_command(state_dir: str, names: tuple[str, ...], restart_all: bool, r
 @click.argument("names", nargs=-1, required=True)
 def drain_command(state_dir: str, names: tuple[str, ...]) -> None:
     """Take instances out of rotation and keep them out (processes kept, requests in flight
-    finish) until 'undrain': to look at one, or to free its GPU for a while."""
+    finish) until 'undrain': to look at one, or to take its load off for a while."""
     changed = lifecycle.set_drained(layout_for(state_dir), list(names), True)
     for name in names:
         click.echo(f"{name}: {'drained' if name in changed else 'was drained already'} (out of rotation)")

@@ -54,7 +54,6 @@ class ClusterView:
     status: ClusterStatus
     planned: int = 0  # instances in the plan
     report: dict = field(default_factory=dict)  # health.json
-    starts: dict[str, int] = field(default_factory=dict)  # per instance, its starts file's count
     memory: dict[str, int] = field(default_factory=dict)  # per instance, RSS bytes
     nginx: NginxCounters | None = None
     now: float = 0.0
@@ -100,8 +99,7 @@ def families(view: ClusterView) -> list[Family]:
         uptime.add_metric(name, item.uptime)
         memory.add_metric(name, float(view.memory.get(item.name, 0)))
         track = tracks.get(item.name, {})
-        ordered = track.get("ordered", {}) if isinstance(track.get("ordered"), dict) else {}
-        for reason, count in restarts_by_reason(ordered, view.starts.get(item.name, 0)).items():
+        for reason, count in restarts_by_reason(track if isinstance(track, dict) else {}).items():
             restarts.add_metric([item.name, reason], count)
         if isinstance(probe_seconds.get(item.name), (int, float)):
             probe.add_metric(name, float(probe_seconds[item.name]))

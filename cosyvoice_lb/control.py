@@ -24,7 +24,7 @@ from .errors import ClusterError
 from .layout import Layout
 from .probe import loopback_session
 from .render import balancer_url
-from .status import ClusterStatus, status
+from .status import NO_TELEMETRY, ClusterStatus, status
 from .supervision import SupervisionError
 
 ACTIONS = ("restart", "drain", "undrain")
@@ -58,7 +58,6 @@ def gather(layout: Layout, read_status: Callable[[Layout], ClusterStatus] = stat
         status=current,
         planned=len(record[1]) if record else len(names),
         report=protocol.read_report(layout),
-        starts={name: protocol.starts_count(layout, name) for name in names},
         memory=rss({i.name: i.pid for i in current.instances if i.pid}),
         nginx=nginx_counters(balancer_url(record[0])) if record else None,
         now=time.time(),
@@ -78,12 +77,18 @@ class Action:
 
 
 class Actions:
-    """The operator's actions, at most one running per instance. ``restart`` is the
-    ``restart`` command's drained restart; ``drain`` keeps the instance out of rotation
-    (its requests finish, its process stays) until ``undrain``."""
+    """The operator's actions. ``restart`` is the ``restart`` command's drained restart;
+    ``drain`` keeps the instance out of rotation (its requests finish, its process stays)
+    until ``undrain``. One restart at a time, and neither a restart nor a drain of the last
+    instance serving: a click never takes the whole service down (the CLI still can, by name)."""
 
-    def __init__(self, layout: Layout, restart: Callable[..., Any] = lifecycle.restart):
-        self.layout, self._restart = layout, restart
+    def __init__(
+        self,
+        layout: Layout,
+        restart: Callable[..., Any] = lifecycle.restart,
+        read_status: Callable[[Layout], ClusterStatus] = lambda layout: status(layout, telemetry=NO_TELEMETRY),
+    ):
+        self.layout, self._restart, self.read_status = layout, restart, read_status
         self.lock = threading.Lock()
         self.latest: dict[str, Action] = {}
 
@@ -103,16 +108,37 @@ class Actions:
             running = self.latest.get(name)
             if running is not None and running.state == "running":
                 raise RuntimeError(f"{name} is busy: {running.action} is still running ({running.detail})")
+            restarting = [a.name for a in self.latest.values() if a.action == "restart" and a.state == "running"]
+            if action == "restart" and restarting:
+                raise RuntimeError(f"{restarting[0]} is restarting: one restart at a time from the panel")
+            if action in ("restart", "drain"):
+                self._keeps_one_serving(name, action)
             current = self.latest[name] = Action(name, action)
         if action == "restart":
             threading.Thread(target=self._run_restart, args=(current,), name=f"restart-{name}", daemon=True).start()
-        elif action == "drain":
-            changed = lifecycle.set_drained(self.layout, [name], True)
+            return current
+        try:
+            changed = lifecycle.set_drained(self.layout, [name], action == "drain")
+        except (ClusterError, OSError) as exc:  # (said on the row; the next action is not refused as busy)
+            self._end(current, "failed", str(exc))
+            return current
+        if action == "drain":
             self._end(current, "done", "out of rotation; its requests finish" if changed else "was drained already")
         else:
-            changed = lifecycle.set_drained(self.layout, [name], False)
             self._end(current, "done", "back in rotation after its next good probes" if changed else "was not drained")
         return current
+
+    def _keeps_one_serving(self, name: str, action: str) -> None:
+        """RuntimeError when ``name`` is the last instance serving (and it serves)."""
+        current = self.read_status(self.layout)
+        this = current.instance(name)
+        if this is None or not this.serving:
+            return  # taking out one that serves nothing costs nothing
+        if not any(i.serving for i in current.instances if i.name != name):
+            raise RuntimeError(
+                f"{name} is the only instance serving: a {action} now would leave none (every request would get "
+                f"503); wait for the others, or run 'cosyvoice-lb {action} {name}' if that is what you want"
+            )
 
     def _run_restart(self, current: Action) -> None:
         def progress(step: lifecycle.Progress) -> None:

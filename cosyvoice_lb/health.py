@@ -44,6 +44,7 @@ class Track:
     failed: str = ""  # given up on (crash loop): why; it stays stopped until restarted by hand
     failed_at: float = 0.0  # when (epoch s)
     ordered: dict[str, int] = field(default_factory=dict)  # restarts the loop ordered, by reason (RESTART_REASONS)
+    crashes: int = 0  # starts no order explains (see count_crashes): only ever grows
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,12 @@ def judge(
         # not a failure, even of an instance that was still loading.
         since = max(track.ready_starts, starts - 1) if track.signalled_at else track.ready_starts
         track = Track(
-            pid=process.pid, restarts=track.restarts, reason="started", ready_starts=since, ordered=track.ordered
+            pid=process.pid,
+            restarts=track.restarts,
+            reason="started",
+            ready_starts=since,
+            ordered=track.ordered,
+            crashes=track.crashes,
         )
     if track.signalled_at:  # stopping after a planned stop: wait for it to go
         return Verdict(dataclasses.replace(track, in_rotation=False))
@@ -193,18 +199,25 @@ def recycle_due(track: Track, probe: Probe, memory: int, policy: Policy) -> str:
 
 
 def pick_recycle(
-    candidates: dict[str, str], tracks: dict[str, Track], uptimes: dict[str, float]
+    candidates: dict[str, str],
+    tracks: dict[str, Track],
+    uptimes: dict[str, float],
+    drained: frozenset[str] = frozenset(),
 ) -> tuple[str, str] | None:
-    """At most one drained restart at a time, and only while every other instance serves;
-    of those due, the oldest process first (so a busy cluster recycles every instance in
-    turn, not the first names over and over)."""
+    """At most one drained restart at a time, and only while every other instance serves
+    (those ``drained`` by hand aside: out on purpose, they do not hold recycling up) and at
+    least one other does; of those due, the oldest process first (so a busy cluster
+    recycles every instance in turn, not the first names over and over)."""
     if any(t.draining_since or t.signalled_at for t in tracks.values()):
         return None
-    due = [
-        (name, reason)
-        for name, reason in candidates.items()
-        if reason and all(t.in_rotation for other, t in tracks.items() if other != name)
-    ]
+
+    def others_serve(name: str) -> bool:
+        others = {other: t for other, t in tracks.items() if other != name}
+        return all(t.in_rotation or other in drained for other, t in others.items()) and any(
+            t.in_rotation for t in others.values()
+        )
+
+    due = [(name, reason) for name, reason in candidates.items() if reason and others_serve(name)]
     return max(due, key=lambda item: (uptimes.get(item[0], 0.0), item[0]), default=None)
 
 
@@ -250,11 +263,21 @@ def count_restart(track: Track, kind: str) -> Track:
     return dataclasses.replace(track, ordered={**track.ordered, kind: track.ordered.get(kind, 0) + 1})
 
 
-def restarts_by_reason(ordered: dict[str, int], starts: int) -> dict[str, int]:
-    """Every restart of an instance by reason: those the loop ordered, and as crashes the
-    starts no order explains (an instance's first start is no restart)."""
+def count_crashes(track: Track, starts: int) -> Track:
+    """The track with its crashes brought up to date: the starts no order explains (an
+    instance's first start is no restart). An order is counted when it is given and its
+    start comes later: the count keeps its high mark meanwhile, so it never goes down (a
+    Prometheus counter that dips reads as a reset, and a reset as a burst of restarts)."""
+    explained = 1 + sum(track.ordered.values())
+    return dataclasses.replace(track, crashes=max(track.crashes, starts - explained))
+
+
+def restarts_by_reason(track: dict) -> dict[str, int]:
+    """Every restart of an instance by reason, from its track in health.json."""
+    ordered = track.get("ordered")
+    ordered = ordered if isinstance(ordered, dict) else {}
     counts = {kind: int(ordered.get(kind, 0)) for kind in RESTART_REASONS}
-    counts["crash"] = max(0, starts - 1 - sum(v for k, v in counts.items() if k != "crash"))
+    counts["crash"] = int(track.get("crashes", 0) or 0)
     return counts
 
 

@@ -33,6 +33,7 @@ from .health import (
     ALIVE,
     Policy,
     Track,
+    count_crashes,
     count_restart,
     drain_done,
     judge,
@@ -156,12 +157,13 @@ class HealthLoop:
                     ready_starts=starts,
                     restarts=before.restarts,
                     ordered=count_restart(before, "requested").ordered,
+                    crashes=before.crashes,
                 )
                 self.taken.append(name)
                 self._call(name, "start", lambda: self.supervisor.start(name))
                 continue
             verdict = judge(before, processes.get(name), probes[name], self.policy, starts, now)
-            track = verdict.track
+            track = count_crashes(verdict.track, starts)
             # Drained by hand (the panel, `drain`): kept out while it would serve, process and all.
             if track.in_rotation and protocol.drained_by_hand(self.layout, name):
                 track = dataclasses.replace(track, in_rotation=False, reason=protocol.DRAINED)
@@ -249,7 +251,8 @@ class HealthLoop:
                 track = self.tracks[slot.name] = dataclasses.replace(track, recycle_at=policy.max_requests + jitter)
             candidates[slot.name] = recycle_due(track, probes[slot.name], memory.get(slot.name, 0), policy)
         uptimes = {name: p.uptime for name, p in processes.items()}
-        picked = pick_recycle(candidates, self.tracks, uptimes)
+        drained = frozenset(s.name for s in self.slots if protocol.drained_by_hand(self.layout, s.name))
+        picked = pick_recycle(candidates, self.tracks, uptimes, drained)
         if picked:
             name, reason = picked
             log.info("%s: recycling (drained restart): %s", name, reason)

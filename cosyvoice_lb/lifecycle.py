@@ -35,7 +35,7 @@ from .protocol import (
     undrain,
 )
 from .settings import Settings
-from .status import SERVICES, ClusterStatus, failure_report, last_lines, status
+from .status import ESSENTIAL, NO_TELEMETRY, SERVICES, ClusterStatus, failure_report, last_lines, status
 from .supervision import SupervisionError, Supervisor
 from .timeouts import SUPERVISOR_SILENT, Timeouts
 
@@ -191,7 +191,7 @@ def restart(
         on_progress(Progress(0, 1, f"restarting {name}"))
         supervisor.stop(name)
         supervisor.start(name)
-    current = {i.name: i for i in status(layout).instances}
+    current = {i.name: i for i in status(layout, telemetry=NO_TELEMETRY).instances}
     # Those not serving first: restarting them costs no capacity.
     targets = sorted((n for n in names if n in instances), key=lambda n: current[n].serving)
     for group in [[n] for n in targets] if rolling else [targets] if targets else []:
@@ -225,11 +225,20 @@ def set_drained(layout: Layout, names: list[str], drained: bool) -> list[str]:
 
 def others_serving(layout: Layout, settings: Settings, name: str, on_progress: Report) -> None:
     """Before a drained stop of ``name``: wait until every other instance (but those given
-    up on) serves, so the stop costs one instance of capacity and never the last one."""
+    up on, or drained by hand) serves, so the stop costs one instance of capacity and never
+    the last one."""
     deadline = time.monotonic() + Timeouts(settings).others_serving
     while True:
-        # (drained by hand: out of rotation on purpose, nothing to wait for)
-        others = [i for i in status(layout).instances if i.name != name and not i.failed and not i.drained]
+        instances = [i for i in status(layout, telemetry=NO_TELEMETRY).instances if i.name != name and not i.failed]
+        # (drained by hand: out of rotation on purpose, nothing to wait for; but not the only ones left)
+        others = [i for i in instances if not i.drained]
+        drained = [i.name for i in instances if i.drained]
+        if drained and not others:
+            raise ClusterError(
+                f"{', '.join(drained)} {'is' if len(drained) == 1 else 'are'} drained by hand: stopping {name} too "
+                f"would leave no instance serving; 'cosyvoice-lb undrain {drained[0]}' first "
+                f"(restart {name} restarts it regardless)"
+            )
         short = [i.name for i in others if not i.serving]
         if not short:
             return
@@ -358,7 +367,7 @@ def wait_serving(
     served: set[str] = set()
     answered = time.monotonic()
     while True:
-        current = status(layout)
+        current = status(layout, telemetry=NO_TELEMETRY)  # (polled: no NVML each time)
         if current.unanswered or not current.running:
             # supervisord stopped answering (stopped, swapping, stuck) or went away: no
             # instance can be started or checked; bounded, then a clear error.
@@ -380,7 +389,7 @@ def wait_serving(
             if item.name not in failed and item.name not in served and recorded:
                 failed[item.name] = recorded
             item.failed = failed.get(item.name, "")
-        for service in SERVICES:
+        for service in ESSENTIAL:  # (the control panel is not: a cluster serves without it)
             state = getattr(current, service).get("state")
             if state in ("FATAL", "BACKOFF", "EXITED", "MISSING"):
                 raise ClusterError(

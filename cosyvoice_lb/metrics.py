@@ -9,9 +9,9 @@ syntheses are the segments'. The warm-up synthesis and health probes are never c
 Each instance keeps its own registry (not prometheus_client's global one): tests build
 several pipelines in one process, and ``/metrics`` shows this instance only.
 
-Instance side: prometheus_client is the only package beyond the instance's usual ones,
-and it is optional there: without it the instance serves and ``/metrics`` says how to get
-it (a CosyVoice environment may not have it).
+Instance side: prometheus_client is the only package beyond the instance's usual ones.
+`up` refuses an instance Python without it (with the pip line); an instance started some
+other way without it still serves, and its ``/metrics`` says how to get it.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class Metrics:
         )
         self.synthesis = histogram(
             "cosyvoice_synthesis_seconds",
-            "Seconds a completed synthesis held its engine slot (first to last chunk).",
+            "Seconds a completed synthesis spent in the engine (time with a slow reader left out).",
             SYNTHESIS_BUCKETS,
         )
         self.rtf = histogram(

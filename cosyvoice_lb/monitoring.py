@@ -20,6 +20,7 @@ expose (the metrics contract); the tests hold the two together.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -74,9 +75,13 @@ def prometheus_config(settings: Settings, layout: Layout) -> str:
     return _from_template("prometheus.yml.j2", layout=layout, balancer=balancer_target(settings))
 
 
-def alert_rules() -> str:
-    """alerts.yml: the cluster's alert rules (one group, ``cosyvoice-lb``)."""
-    return _from_template("alerts.yml.j2")
+def alert_rules(settings: Settings | None = None) -> str:
+    """alerts.yml: the cluster's alert rules (one group, ``cosyvoice-lb``). The health loop
+    counts as stale after 30 s, or after what `status` allows when its probes are slower."""
+    from .timeouts import Timeouts
+
+    stale = max(30, math.ceil(Timeouts(settings or Settings()).health_stale))
+    return _from_template("alerts.yml.j2", stale=stale)
 
 
 # --- the Grafana dashboard -------------------------------------------------------------------
@@ -419,6 +424,6 @@ def monitoring_files(settings: Settings, layout: Layout, slots: Iterable[Slot]) 
     return {
         layout.relative(layout.prometheus_yml): prometheus_config(settings, layout),
         layout.relative(layout.scrape_targets): scrape_targets(slots),
-        layout.relative(layout.alert_rules): alert_rules(),
+        layout.relative(layout.alert_rules): alert_rules(settings),
         layout.relative(layout.grafana_dashboard): grafana_dashboard(),
     }

@@ -337,7 +337,7 @@ class Pipeline:
         admitted = clock()
         if metrics is not None:
             metrics.queued(job.route, admitted - queued)
-        samples = 0
+        samples, working = 0, 0.0  # audio made; seconds spent in the engine (not with the reader)
         # Marked only while it holds the engine: a request queued behind a culprit is no suspect.
         try:
             mark = ledger.enter(job.fingerprint, deaths) if ledger is not None else ""
@@ -348,7 +348,9 @@ class Pipeline:
         made: Iterator[Any] | None = None
         try:
             made = iter(self.engine.synthesize(job.request))
+            resumed = clock()
             for chunk in made:
+                working += clock() - resumed
                 if cancelled is not None and cancelled.is_set():
                     return
                 if chunk_deadline and deadline is not None and self.admission.clock() > deadline:
@@ -365,9 +367,11 @@ class Pipeline:
                 if cancelled is not None and cancelled.is_set():  # gone while it had the chunk
                     return
                 ticket.working()  # back in the engine: the stall clock runs from here
+                resumed = clock()
+            working += clock() - resumed
             outcome = True
             if metrics is not None:
-                metrics.completed(job.route, samples / self.engine.sample_rate, clock() - admitted)
+                metrics.completed(job.route, samples / self.engine.sample_rate, working)
         except GeneratorExit:
             raise
         except Exception:

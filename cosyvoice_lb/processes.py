@@ -52,7 +52,8 @@ def is_cluster_program(args: list[str], layout: Layout) -> bool:
 
     Each program names its own file in the state dir: supervisord and nginx their config
     (``-c``), an instance its ``--starts-file``, the health loop ``cosyvoice_lb.health_loop
-    --state-dir``. Nothing else matches, not even a ``cosyvoice-lb logs -f`` on the dir.
+    --state-dir`` and the control panel ``cosyvoice_lb.admin --state-dir``. Nothing else
+    matches, not even a ``cosyvoice-lb logs -f`` on the dir.
     """
     pairs = list(zip(args, args[1:]))
     if ("-c", str(layout.supervisord_conf)) in pairs or ("-c", str(layout.nginx_conf)) in pairs:
@@ -60,8 +61,8 @@ def is_cluster_program(args: list[str], layout: Layout) -> bool:
     if any(flag == "--starts-file" and value.startswith(str(layout.run) + os.sep) for flag, value in pairs):
         return True
     # (cosyvoice_lb.health: the loop's module before it was split from the rules)
-    loop = "cosyvoice_lb.health_loop" in args or "cosyvoice_lb.health" in args
-    return loop and ("--state-dir", str(layout.root)) in pairs
+    modules = ("cosyvoice_lb.health_loop", "cosyvoice_lb.health", "cosyvoice_lb.admin")
+    return any(m in args for m in modules) and ("--state-dir", str(layout.root)) in pairs
 
 
 def _listens_on(proc: psutil.Process, port: int) -> bool:

@@ -6,6 +6,7 @@ writes the files (atomically). Templates live in the project's ``templates/`` fo
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -161,8 +162,12 @@ def stub_status_allow(settings: Settings) -> str:
     """An address besides loopback that may read nginx's stub_status: the one nginx listens
     on, when it is one address of this box (the control panel reaches nginx there)."""
     host = settings.listen_host.strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name: nginx's allow takes addresses only (the panel then reads 127.0.0.1)
+        return ""
     # (127.0.0.2 too: a connection to it comes from 127.0.0.2)
-    return "" if host in ("0.0.0.0", "::", "*", "", "127.0.0.1", "::1", "localhost") else host
+    return "" if address.is_unspecified or str(address) in ("127.0.0.1", "::1") else str(address)
 
 
 def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = frozenset()) -> str:

@@ -23,6 +23,7 @@ from .supervision import SupervisionError, Supervisor, read_tail
 from .timeouts import SUPERVISOR_POLL, Timeouts
 
 SERVICES = ("nginx", "health", "admin")
+ESSENTIAL = ("nginx", "health")  # the cluster does not serve (well) without them
 
 
 @dataclass

@@ -59,8 +59,9 @@ step "per-process GPU memory of the running instances (nvidia-smi)"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv || true
 step "GPU telemetry: status's GPU columns and the cluster's GPU metrics (NVML)"
 "${LB[@]}" status
-SCRAPE="$(cat "$STATE/monitoring/scrape-token")"
-curl -sf -H "Authorization: Bearer $SCRAPE" "http://127.0.0.1:$PORT/metrics" > "$STATE/cluster.metrics"
+# (the token from a 0600 file, never on a command line)
+(umask 077; printf 'Authorization: Bearer %s\n' "$(cat "$STATE/monitoring/scrape-token")" > "$STATE/scrape.header")
+curl -sf -H @"$STATE/scrape.header" "http://127.0.0.1:$PORT/metrics" > "$STATE/cluster.metrics"
 grep -E '^cosyvoice_lb_(gpu_|instance_gpu_memory)' "$STATE/cluster.metrics"
 for name in cosyvoice_lb_gpu_memory_used_bytes cosyvoice_lb_gpu_memory_total_bytes cosyvoice_lb_instance_gpu_memory_bytes; do
     grep -q "^$name" "$STATE/cluster.metrics" || { echo "no $name in the cluster's /metrics"; exit 1; }

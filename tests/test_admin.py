@@ -42,6 +42,12 @@ class SlowRestart:
         return names
 
 
+def serving(*names: str) -> ClusterStatus:
+    return ClusterStatus(running=True, instances=[
+        InstanceStatus(f"instance-{i}", 7860 + i, None, 42 + i, "RUNNING", True, f"instance-{i}" in names, 0, 1.0)
+        for i in range(2)])
+
+
 @pytest.fixture
 def panel(tmp_path):
     layout = Layout(tmp_path)
@@ -214,3 +220,60 @@ def test_the_page_is_the_panel(panel):
     page = client.get("/admin", headers=bearer(token(layout)))
     assert page.status_code == 200 and page.headers["cache-control"] == "no-store"
     assert (Path(__file__).parent.parent / "templates" / "admin.html").read_text() == page.text
+
+
+def test_the_panel_never_takes_the_last_instance_serving(panel, tmp_path):
+    _, layout, restart = panel
+    actions = Actions(layout, restart, read_status=lambda _: serving("instance-0"))
+    for action in ("restart", "drain"):
+        with pytest.raises(RuntimeError, match="only instance serving: a .* now would leave none"):
+            actions.start("instance-0", action)
+    assert actions.start("instance-1", "drain").state == "done"  # it serves nothing: free to go
+    assert restart.asked == [] and not protocol.drained_by_hand(layout, "instance-0")
+
+
+def test_one_restart_at_a_time(panel):
+    _, layout, restart = panel
+    actions = Actions(layout, restart, read_status=lambda _: serving("instance-0", "instance-1"))
+    assert actions.start("instance-0", "restart").state == "running"
+    with pytest.raises(RuntimeError, match="instance-0 is restarting: one restart at a time"):
+        actions.start("instance-1", "restart")
+    restart.release.set()
+
+
+def test_a_drain_that_cannot_be_written_fails_without_leaving_the_instance_busy(panel, monkeypatch):
+    _, layout, restart = panel
+    actions = Actions(layout, restart, read_status=lambda _: serving("instance-0", "instance-1"))
+
+    def full_disk(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("cosyvoice_lb.lifecycle.set_drained", full_disk)
+    failed = actions.start("instance-1", "drain")
+    assert failed.state == "failed" and "No space left" in failed.detail
+    monkeypatch.undo()
+    assert actions.start("instance-1", "drain").state == "done"
+
+
+def test_a_slow_view_holds_one_caller_and_the_others_get_the_last_one():
+    from cosyvoice_lb.admin import Cached
+
+    now, calls, gate = [0.0], [], threading.Event()
+
+    def make():
+        calls.append(1)
+        if len(calls) == 2:
+            gate.wait(10)  # the second read hangs
+        return ClusterView(status=ClusterStatus(running=True), now=len(calls))
+
+    cached = Cached(make, seconds=1.0, clock=lambda: now[0])
+    assert cached.get().now == 1 and cached.get().now == 1 and len(calls) == 1
+    now[0] = 5.0
+    slow = threading.Thread(target=cached.get)
+    slow.start()
+    while len(calls) < 2:
+        time.sleep(0.01)
+    assert cached.get().now == 1  # not held: the value before
+    gate.set()
+    slow.join(5)
+    assert cached.get().now == 2 and len(calls) == 2

@@ -30,14 +30,13 @@ def view(gpus=(), nginx: NginxCounters | None = None, drained: bool = False) -> 
     ]
     report = {
         "updated": 990.0,
-        "instances": {"instance-0": {"ordered": {"hang": 1}}, "instance-1": {"ordered": {}}},
+        "instances": {"instance-0": {"ordered": {"hang": 1}, "crashes": 1}, "instance-1": {"ordered": {}}},
         "probe_seconds": {"instance-0": 0.004},
     }
     return ClusterView(
         status=ClusterStatus(running=True, instances=instances, gpus=list(gpus)),
         planned=2,
         report=report,
-        starts={"instance-0": 3, "instance-1": 1},
         memory={"instance-0": 300 * 2**20},
         nginx=nginx,
         now=1000.0,
@@ -70,7 +69,7 @@ def test_instances_restarts_and_the_health_loop():
     assert found[("cosyvoice_lb_instance_up", (("name", "instance-1"),))] == 0
     assert found[("cosyvoice_lb_instance_ready", (("name", "instance-1"),))] == 0
     assert found[("cosyvoice_lb_instance_memory_bytes", (("name", "instance-0"),))] == 300 * 2**20
-    # 3 starts: 2 restarts, 1 of them the hang the loop ordered, so the other a crash
+    # the hang the loop ordered, and the crash it counted
     restarts = {dict(labels)["reason"]: value for (name, labels), value in found.items()
                 if name == "cosyvoice_lb_instance_restarts_total" and dict(labels)["name"] == "instance-0"}
     assert restarts == {**{r: 0 for r in RESTART_REASONS}, "hang": 1, "crash": 1}

@@ -220,3 +220,16 @@ def test_names_and_units_pass_promtools_lint(served):
     done = subprocess.run([PROMTOOL or "promtool", "check", "metrics"], input=client.get("/metrics").text,
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_slow_reader_is_not_engine_time():
+    """A client reading a stream at playback speed holds the slot; the engine's time (and the
+    real-time factor) counts only the time spent making audio."""
+    now = [100.0]
+    p = Pipeline(Tone(), Admission(clock=lambda: now[0]))
+    p.load()
+    chunks = p.chunks(p.prepare({"text": "hello"}, route="api"))
+    for _ in chunks:
+        now[0] += 10.0  # ten seconds with the reader for each chunk
+    assert value(p, "cosyvoice_synthesis_seconds_count", route="api") == 1
+    assert value(p, "cosyvoice_synthesis_seconds_sum", route="api") == 0.0  # the engine's own time: none here

@@ -86,7 +86,8 @@ NOT_CHARTED = {"cosyvoice_instance_info", "cosyvoice_lb_gpu_info", "cosyvoice_in
 
 ALERTS = {  # name: (expr, for, severity)
     "CosyVoiceFirstPackageSlow": (
-        "histogram_quantile(0.99, sum by (le) (rate(cosyvoice_first_package_seconds_bucket[5m]))) > 1.5",
+        'histogram_quantile(0.99, sum by (le) (rate(cosyvoice_first_package_seconds_bucket{route!="segment"}[5m]))) '
+        "> 1.5",
         "2m",
         "warning",
     ),
@@ -452,3 +453,9 @@ def test_promtool_parses_every_dashboard_query(promtool, tmp_path):
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": recorded}]}), encoding="utf-8")
     done = run_promtool(promtool, "check", "rules", str(path))
     assert f"{len(exprs)} rules found" in done.stdout + done.stderr
+
+
+def test_the_stale_health_loop_alert_follows_slow_probes():
+    assert "cosyvoice_lb_health_report_age_seconds > 30\n" in alert_rules(Settings())
+    slow = alert_rules(Settings(probe_interval=30.0, probe_timeout=5.0))  # status allows 5 x 30 + 2 x 5 s
+    assert "cosyvoice_lb_health_report_age_seconds > 160\n" in slow and "over 160 s" in slow

@@ -18,6 +18,7 @@ LAYOUT = Layout(Path("/srv/cvlb"))
     ["/usr/sbin/nginx", "-p", "/srv/cvlb/nginx", "-c", "/srv/cvlb/nginx/nginx.conf", "-e", "/srv/cvlb/logs/x.log"],
     ["/venv/bin/python", "/x/app.py", "--port", "7860", "--starts-file", "/srv/cvlb/run/instance-0.starts"],
     ["/venv/bin/python", "-m", "cosyvoice_lb.health_loop", "--state-dir", "/srv/cvlb"],
+    ["/venv/bin/python", "-m", "cosyvoice_lb.admin", "--state-dir", "/srv/cvlb"],
 ])
 def test_the_cluster_programs_are_recognised(args):
     assert is_cluster_program(args, LAYOUT)
@@ -28,6 +29,7 @@ def test_the_cluster_programs_are_recognised(args):
     ["python3", "-c", "import time; time.sleep(50)", "--state-dir", "/srv/cvlb"],
     ["tail", "-f", "/srv/cvlb/logs/instance-0.log"],
     ["/venv/bin/python", "-m", "cosyvoice_lb.health_loop", "--state-dir", "/srv/cvlb-other"],
+    ["/venv/bin/python", "-m", "cosyvoice_lb.admin", "--state-dir", "/srv/cvlb-other"],
     ["/usr/sbin/nginx", "-c", "/srv/cvlb-other/nginx/nginx.conf"],
     ["/venv/bin/python", "app.py", "--starts-file", "/srv/cvlb/runaway/instance-0.starts"],
     [],

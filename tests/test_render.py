@@ -593,7 +593,8 @@ def test_public_ping_gets_the_brief_answer_and_loopback_the_details():
 def test_no_rate_limit_unless_asked():
     http, server = nginx_server(Settings())
     # (only the logins' zone: password guessing at the panel's /admin/login)
-    assert http.values("limit_req_zone") == [["$binary_remote_addr", "zone=cvlb_login:1m", "rate=10r/m"]]
+    assert http.values("limit_req_zone") == [["$binary_remote_addr", "zone=cvlb_login:1m", "rate=10r/m"],
+                                             ["$binary_remote_addr", "zone=cvlb_admin:1m", "rate=20r/s"]]
     assert not server.one("location", "/v1/").values("limit_req")
 
 
@@ -682,10 +683,13 @@ def test_the_panel_and_the_metrics_go_to_the_admin_socket_never_to_an_instance()
         assert server.one("location", *args).values("proxy_pass") == [["http://cvlb_admin"]], args
     assert server.one("location", "=", "/admin/login").values("limit_req") == [["zone=cvlb_login", "burst=10",
                                                                                 "nodelay"]]
+    for args in (("=", "/admin"), ("^~", "/admin/"), ("=", "/metrics"), ("^~", "/metrics/")):
+        assert server.one("location", *args).values("limit_req") == [["zone=cvlb_admin", "burst=50", "nodelay"]]
 
 
 @pytest.mark.parametrize("host, extra", [("127.0.0.1", None), ("0.0.0.0", None), ("10.1.2.3", "10.1.2.3"),
-                                         ("127.0.0.2", "127.0.0.2"), ("::", None)])
+                                         ("127.0.0.2", "127.0.0.2"), ("::", None), ("fd00::5", "fd00::5"),
+                                         ("box.lan", None), ("localhost", None)])
 def test_stub_status_answers_this_box_only(host, extra):
     _, server = nginx_server(Settings(host=host, no_auth=True))
     status = server.one("location", "=", "/nginx_status")

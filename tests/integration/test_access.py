@@ -86,7 +86,10 @@ def test_status_says_credentials_are_required(cluster):
     done = cli("status", "--state-dir", str(cluster["state_dir"]))
     assert f"access: nginx on 127.0.0.1:{cluster['port']} (this box only); credentials required" in done.stdout
     assert status(cluster["state_dir"])[1]["access"] == {
-        "listen": f"127.0.0.1:{cluster['port']}", "public": False, "credentials": True}
+        "listen": f"127.0.0.1:{cluster['port']}", "public": False, "credentials": True,
+        "admin": f"http://127.0.0.1:{cluster['port']}/admin",
+        "admin_token_file": str(Path(cluster["state_dir"]).resolve() / "admin-token")}
+    assert f"control panel: http://127.0.0.1:{cluster['port']}/admin" in done.stdout
 
 
 def test_the_api_needs_a_token_and_says_so(cluster):

@@ -316,8 +316,10 @@ def test_status_notices_a_hung_health_loop(cluster):
 
 
 def test_logs_command_prints_an_instance_log(cluster):
-    done = cli("logs", "instance-0", "--state-dir", str(cluster["state_dir"]))
+    done = cli("logs", "instance-0", "--lines", "100000", "--state-dir", str(cluster["state_dir"]))
     assert done.returncode == 0 and "ready: engine espeak loaded" in done.stdout
+    last = cli("logs", "instance-0", "-n", "3", "--state-dir", str(cluster["state_dir"])).stdout.splitlines()
+    assert len(last) == 3 and last == done.stdout.splitlines()[-3:]
     health = cli("logs", "health", "--state-dir", str(cluster["state_dir"]))
     assert "out of rotation and restarting" in health.stdout
     missing = cli("logs", "nope", "--state-dir", str(cluster["state_dir"]))
