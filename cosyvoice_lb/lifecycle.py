@@ -328,6 +328,7 @@ def down(layout: Layout, timeout: float | None = None) -> list[int]:
         pids += [p.pid for p in strays]
         processes.stop(strays, timeout=10)
     layout.socket.unlink(missing_ok=True)
+    layout.admin_socket.unlink(missing_ok=True)
     return pids
 
 

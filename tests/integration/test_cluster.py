@@ -360,9 +360,10 @@ def test_down_stops_everything_and_frees_every_port(cluster):
 
     root = Supervisor(Layout(state_dir)).pid()
     tree = [root] + [p.pid for p in psutil.Process(root).children(recursive=True)]
-    assert len(tree) >= INSTANCES + 3  # supervisord, instances, health, nginx (+ workers)
+    assert len(tree) >= INSTANCES + 4  # supervisord, instances, health, admin, nginx (+ workers)
     done = cli("down", "--state-dir", str(state_dir), timeout=120)
     assert done.returncode == 0, done.stderr
+    assert not (state_dir / "run/supervisor.sock").exists() and not (state_dir / "run/admin.sock").exists()
     alive = [pid for pid in tree if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
     assert port_free(cluster["port"])
