@@ -88,6 +88,7 @@ class ClusterStatus:
             "instances": [i.__dict__ for i in self.instances],
             "nginx": self.nginx,
             "health": self.health,
+            "admin": self.admin,
             "problems": self.problems,
             "access": self.access,
             "warnings": self.warnings,

@@ -58,7 +58,7 @@ def test_status_reports_every_part(cluster):
     assert code == 0, body
     assert [i["name"] for i in body["instances"]] == [f"instance-{i}" for i in range(INSTANCES)]
     assert body["nginx"]["state"] == "RUNNING" and body["nginx"]["port"] == cluster["port"]
-    assert body["health"]["state"] == "RUNNING"
+    assert body["health"]["state"] == "RUNNING" and body["admin"]["state"] == "RUNNING"
     for i, inst in enumerate(body["instances"]):
         assert inst["port"] == cluster["base"] + i
         assert inst["ready"] and inst["in_rotation"] and inst["state"] == "RUNNING"

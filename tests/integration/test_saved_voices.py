@@ -78,7 +78,10 @@ def test_a_voice_registered_on_one_instance_is_spoken_by_every_instance(cluster)
             assert r.status_code == 200, r.text
         r = cluster["http"].post(url + "/v1/tts", json={"text": "你好。", "voice": voice["id"]}, timeout=60)
         assert r.status_code == 200, r.text
-    # each instance put the voice in upstream's speaker cache
+    # each instance put the voice in upstream's speaker cache once and spoke it from there after
+    for url in (first, second):
+        metrics = cluster["http"].get(url + "/metrics", timeout=10).text
+        assert "cosyvoice_voice_cache_misses_total 1.0" in metrics and "cosyvoice_voice_cache_hits_total 4.0" in metrics
     logs = "".join((cluster["state_dir"] / "logs" / f"instance-{i}.log").read_text() for i in (0, 1))
     assert not unexpected_tracebacks(logs)
 
