@@ -152,11 +152,35 @@ def render_command(**kwargs: Any) -> None:
 
 @main.command("up")
 @options(*CLUSTER_OPTIONS)
-def up_command(**kwargs: Any) -> None:
+@click.option(
+    "--foreground",
+    is_flag=True,
+    envvar="COSYVOICE_LB_FOREGROUND",
+    show_envvar=True,
+    help="Stay in the foreground once up (a container's main process): SIGTERM or SIGINT drains and stops "
+    "the cluster, then exit 0; exit 1 if supervisord goes away. The programs still log to the state dir's "
+    "logs/ ('cosyvoice-lb logs NAME' reads them).",
+)
+def up_command(foreground: bool, **kwargs: Any) -> None:
     """Start the cluster and wait until every instance is ready (safe to run again)."""
+    settings = settings_from(kwargs)
+    if not foreground:
+        start_cluster(settings)
+        return
+    layout = layout_for(settings)
+    signals = lifecycle.StopSignals().install()
+    with signals.while_starting(layout):
+        start_cluster(settings, stop_on_failure=True)
+    stopped = lifecycle.foreground(layout, settings, signals.event, say=click.echo)
+    if stopped.code:
+        fail(stopped.reason, code=stopped.code)
+
+
+def start_cluster(settings: Settings, stop_on_failure: bool = False) -> None:
+    """`up` itself: start (or update) the cluster, say where it serves. Instances that failed
+    while others serve: exit 1, the rest left serving, or (``stop_on_failure``) stopped."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    settings = settings_from(kwargs)
     for warning in render_warnings(settings):
         err.print(f"[bold yellow]warning:[/] {warning}", markup=True, highlight=False)
     started = time.monotonic()
@@ -202,6 +226,9 @@ def up_command(**kwargs: Any) -> None:
     if failed:
         for line in current.report:
             click.echo(line, err=True)
+        if stop_on_failure:
+            pids = lifecycle.down(layout)
+            fail(f"{len(failed)} instance(s) failed to start: stopped the cluster ({len(pids)} process(es))", code=1)
         fail(
             f"{len(failed)} instance(s) failed to start and stay stopped while the rest serve: fix the cause, "
             f"then 'cosyvoice-lb restart {' '.join(i.name for i in failed)} --state-dir {layout.root}'",
@@ -560,6 +587,73 @@ def follow_file(path) -> None:
         return
     finally:
         handle.close()
+
+
+@main.group("k8s")
+def k8s_group() -> None:
+    """Kubernetes: a pod per GPU, each running the launcher (`up --foreground`)."""
+
+
+@k8s_group.command("render")
+@options(*CLUSTER_OPTIONS)
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Where the manifests go.")
+@click.option("--name", "k8s_name", default="cosyvoice-lb", show_default=True, help="The Deployment's name.")
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--image", default="cosyvoice-lb:latest", show_default=True, help="The image (see Dockerfile).")
+@click.option("--replicas", default=2, show_default=True, type=click.IntRange(min=1), help="Pods at least.")
+@click.option("--max-replicas", default=8, show_default=True, type=click.IntRange(min=1), help="Pods at most (HPA).")
+@click.option("--gpu-memory", default="24GiB", show_default=True, help="One pod's GPU: instances are planned on it.")
+@click.option("--ingress-host", default="", help="The Ingress host (default: any).")
+@click.option("--storage-class", default="", help="For the ReadWriteMany volumes (default: the cluster's).")
+@click.option("--voices-size", default="10Gi", show_default=True)
+@click.option("--outputs-size", default="50Gi", show_default=True)
+@click.option(
+    "--target-queue",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Requests waiting per pod the HPA aims at.",
+)
+@click.option("--model-volume", default="", help="A PVC with the CosyVoice model, mounted at --model-dir.")
+def k8s_render_command(
+    out_dir: str,
+    k8s_name: str,
+    namespace: str,
+    image: str,
+    replicas: int,
+    max_replicas: int,
+    gpu_memory: str,
+    ingress_host: str,
+    storage_class: str,
+    voices_size: str,
+    outputs_size: str,
+    target_queue: float,
+    model_volume: str,
+    **kwargs: Any,
+) -> None:
+    """Write the Kubernetes manifests (and the tokens' Secret, 0600) for the settings `up` takes."""
+    from .k8s import Deployment, write_manifests
+
+    settings = Settings.from_mapping(kwargs)
+    if replicas > max_replicas:
+        fail(f"--replicas {replicas} is above --max-replicas {max_replicas}: raise --max-replicas")
+    deployment = Deployment(
+        name=k8s_name,
+        namespace=namespace,
+        image=image,
+        replicas=replicas,
+        max_replicas=max_replicas,
+        gpu_memory=gpu_memory,
+        host=ingress_host,
+        storage_class=storage_class,
+        voices_size=voices_size,
+        outputs_size=outputs_size,
+        target_queue=target_queue,
+        model_volume=model_volume,
+    )
+    for path in write_manifests(settings, deployment, out_dir):
+        click.echo(str(path))
+    click.echo(f"apply with: kubectl apply -f {shlex.quote(out_dir)}   (secret.yaml holds tokens: keep it private)")
 
 
 if __name__ == "__main__":

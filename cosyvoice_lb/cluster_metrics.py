@@ -86,6 +86,8 @@ def families(view: ClusterView) -> list[Family]:
         "recycle (--max-requests, --max-memory), requested (restart), replaced (new settings).",
         labels=["name", "reason"],
     )
+    inflight = _gauge("cosyvoice_lb_instance_in_flight", "Syntheses the instance runs now.", ["name"])
+    queue = _gauge("cosyvoice_lb_instance_queue_depth", "Requests waiting for the instance's engine.", ["name"])
     probe = _gauge("cosyvoice_lb_probe_duration_seconds", "Seconds the health loop's last probe took.", ["name"])
     gpu_memory = _gauge(
         "cosyvoice_lb_instance_gpu_memory_bytes", "GPU memory the instance's process holds.", ["name", "gpu"]
@@ -97,6 +99,8 @@ def families(view: ClusterView) -> list[Family]:
         rotation.add_metric(name, float(item.in_rotation))
         drained.add_metric(name, float(item.drained))
         uptime.add_metric(name, item.uptime)
+        inflight.add_metric(name, item.inflight)
+        queue.add_metric(name, item.waiting)
         memory.add_metric(name, float(view.memory.get(item.name, 0)))
         track = tracks.get(item.name, {})
         for reason, count in restarts_by_reason(track if isinstance(track, dict) else {}).items():
@@ -105,7 +109,7 @@ def families(view: ClusterView) -> list[Family]:
             probe.add_metric(name, float(probe_seconds[item.name]))
         if item.gpu is not None and current.gpus:
             gpu_memory.add_metric([item.name, str(item.gpu)], float(item.gpu_memory))
-    out += [up, ready, rotation, drained, uptime, memory, restarts, probe]
+    out += [up, ready, rotation, drained, uptime, inflight, queue, memory, restarts, probe]
     if current.gpus:
         out.append(gpu_memory)
         out += gpu_families(current)

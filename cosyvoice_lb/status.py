@@ -39,6 +39,7 @@ class InstanceStatus:
     uptime: float
     reason: str = ""
     inflight: int = 0
+    waiting: int = 0  # requests waiting for its engine
     failed: str = ""  # given up on after a crash loop: why (it stays stopped until restarted)
     failed_at: float = 0.0
     gpu_memory: int = 0  # bytes NVML says this process holds; 0 without a GPU (or pids NVML cannot see)
@@ -193,6 +194,7 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
             uptime=round(proc.uptime, 1) if proc else 0.0,
             reason="" if in_rotation else track.get("reason", ""),
             inflight=int(body.get("inflight", 0)),
+            waiting=int(body.get("waiting", 0)),
             failed=failed,
             failed_at=float(track.get("failed_at", 0.0)) if track.get("failed") else 0.0,
             drained=drained_by_hand(layout, slot.name),

@@ -25,7 +25,7 @@ MIG = GpuReading(1, "NVIDIA A100 MIG", "GPU-1111", 2**30, 40 * 2**30, None, 41.0
 def view(gpus=(), nginx: NginxCounters | None = None, drained: bool = False) -> ClusterView:
     instances = [
         InstanceStatus("instance-0", 7860, 0 if gpus else None, 4242, "RUNNING", True, True, 2, 61.0,
-                       gpu_memory=4 * 2**30 if gpus else 0),
+                       inflight=1, waiting=2, gpu_memory=4 * 2**30 if gpus else 0),
         InstanceStatus("instance-1", 7861, 1 if gpus else None, 0, "BACKOFF", False, False, 0, 0.0, drained=drained),
     ]
     report = {
@@ -69,6 +69,8 @@ def test_instances_restarts_and_the_health_loop():
     assert found[("cosyvoice_lb_instance_up", (("name", "instance-1"),))] == 0
     assert found[("cosyvoice_lb_instance_ready", (("name", "instance-1"),))] == 0
     assert found[("cosyvoice_lb_instance_memory_bytes", (("name", "instance-0"),))] == 300 * 2**20
+    assert found[("cosyvoice_lb_instance_in_flight", (("name", "instance-0"),))] == 1
+    assert found[("cosyvoice_lb_instance_queue_depth", (("name", "instance-0"),))] == 2  # (the HPA's, per pod)
     # the hang the loop ordered, and the crash it counted
     restarts = {dict(labels)["reason"]: value for (name, labels), value in found.items()
                 if name == "cosyvoice_lb_instance_restarts_total" and dict(labels)["name"] == "instance-0"}
