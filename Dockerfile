@@ -29,7 +29,7 @@ RUN python3 -m venv /opt/cosyvoice-lb \
 FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/cosyvoice-lb/bin:$PATH \
     COSYVOICE_LB_STATE_DIR=/var/lib/cosyvoice-lb COSYVOICE_LB_PUBLIC=1
-RUN apt-get update && apt-get install -y --no-install-recommends python3 nginx-light espeak-ng ffmpeg \
+RUN apt-get update && apt-get install -y --no-install-recommends python3 nginx espeak-ng ffmpeg \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 10001 cvlb && useradd --uid 10001 --gid 10001 --home-dir /var/lib/cosyvoice-lb --create-home cvlb
 COPY --from=build /opt/cosyvoice-lb /opt/cosyvoice-lb
