@@ -121,14 +121,19 @@ def test_one_request_id_in_the_answer_the_access_log_and_the_instance_log(cluste
     access = wait_for(lambda: [x for x in (state / "logs/nginx-access.log").read_text().splitlines()
                                if f"rid={rid}" in x], 5, 0.1)
     assert len(access) == 1 and f"upstream=127.0.0.1:{port}" in access[0] and " 200 " in access[0]
-    instance = [x for x in (state / f"logs/instance-{index}.log").read_text().splitlines() if f"rid={rid}" in x]
+    # (written after the answer went out, through supervisord's log: waited for, as the access log)
+    instance = wait_for(lambda: [x for x in (state / f"logs/instance-{index}.log").read_text().splitlines()
+                                 if f"rid={rid}" in x], 5, 0.1)
     assert len(instance) == 1 and "api /v1/tts 200 ok" in instance[0]
     # a caller's own id is kept; a long text's segments carry it with their number
     mine = http.post(url + "/v1/tts", json={"text": LONG}, headers={"X-Request-Id": "caller-trace-0001"}, timeout=120)
     assert mine.headers["X-Request-Id"] == "caller-trace-0001"
-    logged = wait_for(lambda: re.findall(r"rid=(caller-trace-0001\S*)", (state / "logs/nginx-access.log").read_text()),
-                      5, 0.1)
-    assert "caller-trace-0001" in logged and "caller-trace-0001-1" in logged and "caller-trace-0001-2" in logged
+    wanted = {"caller-trace-0001", "caller-trace-0001-1", "caller-trace-0001-2"}
+
+    def logged() -> set[str]:
+        return set(re.findall(r"rid=(caller-trace-0001\S*)", (state / "logs/nginx-access.log").read_text()))
+
+    assert wait_for(lambda: wanted <= logged(), 5, 0.1), logged()
     # errors and nginx's own answers carry it too
     bad = http.post(url + "/v1/tts", json={"text": ""}, timeout=30)
     assert bad.status_code == 400 and re.fullmatch(r"[0-9a-f]{32}", bad.headers["X-Request-Id"])
