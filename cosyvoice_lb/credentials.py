@@ -76,7 +76,7 @@ def write_policy(settings: Settings, layout: Layout) -> Access:
         layout.access_policy.unlink(missing_ok=True)
         return access_of(settings, layout)
     try:
-        tokens = _given_tokens(settings.api_token_file, "--api-token-file") or [generated_token(layout)]
+        tokens = given_tokens(settings.api_token_file, "--api-token-file") or [generated_token(layout)]
         users = read_htpasswd(_read(settings.ui_auth, "--ui-auth"), settings.ui_auth) if settings.ui_auth else {}
         if settings.ui_auth and not users:
             raise ValueError(f"--ui-auth {settings.ui_auth} names no user: add one with htpasswd -B")
@@ -91,7 +91,7 @@ def write_policy(settings: Settings, layout: Layout) -> Access:
     )
 
 
-def _given_tokens(path: str, flag: str) -> list[str]:
+def given_tokens(path: str, flag: str) -> list[str]:
     """The tokens of a token file given with ``flag`` ([] when none was given); ValueError
     when the file holds none."""
     if not path:
@@ -112,7 +112,7 @@ def write_admin_access(settings: Settings, layout: Layout) -> None:
     everything the panel does) and of the scrape token (it may read /metrics, nothing else),
     and the secret that signs the panel's sessions (kept across renders)."""
     try:
-        tokens = _given_tokens(settings.admin_token_file, "--admin-token-file") or [
+        tokens = given_tokens(settings.admin_token_file, "--admin-token-file") or [
             _own_token(layout.admin_token, "the generated admin token file", "control panel token (cosyvoice-lb up)")
         ]
     except ValueError as exc:

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from .auth import read_tokens
+from .credentials import given_tokens
 from .errors import ClusterError
 from .files import write_atomic
 from .footprint import budget_for, parse_instances
@@ -439,19 +439,11 @@ def write_manifests(settings: Settings, deployment: Deployment, out_dir: str) ->
     found = [p for p in problems(settings) if "--api-token-file" not in p and "--admin-token-file" not in p]
     if found:
         raise ClusterError(found[0])
-    try:
-        api = (
-            read_tokens(Path(settings.api_token_file).read_text(), settings.api_token_file)
-            if settings.api_token_file
-            else []
-        )
-        admin = (
-            read_tokens(Path(settings.admin_token_file).read_text(), settings.admin_token_file)
-            if settings.admin_token_file
-            else []
-        )
-    except (OSError, ValueError) as exc:
-        raise ClusterError(f"a token file cannot be read: {exc}") from None
+    try:  # (the same reading, and refusals, as `up`'s)
+        api = given_tokens(settings.api_token_file, "--api-token-file")
+        admin = given_tokens(settings.admin_token_file, "--admin-token-file")
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
     try:
         files = manifests(settings, dataclasses.replace(deployment, api_tokens=tuple(api), admin_tokens=tuple(admin)))
     except PlanError as exc:
