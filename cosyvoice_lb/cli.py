@@ -28,11 +28,11 @@ from .configs import render_only
 from .credentials import access_of, admin_token_path, open_warning
 from .errors import ClusterError
 from .layout import Layout, layout_for
-from .planner import PlanError, format_size
+from .planner import PlanError, Pool, format_size
 from .render import RenderError
 from .render import warnings as render_warnings
 from .settings import CLUSTER_OPTIONS, PLAN_OPTIONS, Settings, absolute, envvar, flag
-from .status import SERVICES, ClusterStatus, status
+from .status import SERVICES, ClusterStatus, pool_line, status
 from .supervision import SupervisionError, read_tail
 
 # Wide tables and unwrapped messages when piped (rich assumes 80 columns off a terminal).
@@ -113,11 +113,11 @@ def plan_command(as_json: bool, **kwargs: Any) -> None:
         click.echo(json.dumps(report.as_dict(settings.resolved_engine), indent=2))
         return
     table = Table(title=f"cosyvoice-lb plan: {len(result.slots)} instance(s), engine {settings.resolved_engine}")
-    for column in ("instance", "device", "memory", "port"):
+    for column in ("instance", "device", "memory", "port", "role"):
         table.add_column(column)
-    for slot in result.slots:
+    for slot, role in zip(result.slots, slot_roles(result.roles, len(result.slots))):
         table.add_row(
-            slot.name, "cpu" if slot.gpu is None else f"gpu{slot.gpu}", format_size(slot.memory), str(slot.port)
+            slot.name, "cpu" if slot.gpu is None else f"gpu{slot.gpu}", format_size(slot.memory), str(slot.port), role
         )
     out.print(table)
     fits = Table(title="what fits per device")
@@ -137,6 +137,19 @@ def plan_command(as_json: bool, **kwargs: Any) -> None:
     out.print(f"GPU inventory: {report.gpu_source}; footprint: {report.footprint_source}", highlight=False)
     for note in result.notes:
         out.print(f"note: {note}", highlight=False)
+
+
+def slot_roles(pool: Pool, count: int) -> list[str]:
+    """What each planned slot is at `up` (`up` starts the first ones): serving, a warm spare,
+    or parked: for elastic growth, or for roll-outs' surge. Roles move between slots later
+    (a spare takes an instance's place; a surge replacement an old one's)."""
+    floor = pool.min_serving if pool.elastic else pool.serving
+    return (
+        ["serving"] * floor
+        + ["warm spare"] * pool.spares
+        + ["parked (elastic)"] * (pool.serving - floor)
+        + ["parked (surge)"] * max(0, count - pool.serving - pool.spares)
+    )
 
 
 @main.command("render")
@@ -380,9 +393,10 @@ def status_tables(current: ClusterStatus) -> list[Table]:
         ]
         row += [format_size(i.gpu_memory) if i.gpu_memory else NONE] if with_gpus else []
         table.add_row(*row, i.reason)
-    for name in SERVICES:
-        info = getattr(current, name)
-        row = [name, str(info.get("port", "")), "", str(info["pid"]), info["state"]]
+    services = [(name, getattr(current, name)) for name in SERVICES] + sorted(current.daemons.items())
+    for name, info in services:
+        row = [name, str(info.get("port", "")), name[4:] if name.startswith("mps-") else "", str(info["pid"])]
+        row.append(info["state"])
         table.add_row(*row, *[""] * (len(columns) + 1 - len(row)))
     if not with_gpus:
         return [table]
@@ -427,6 +441,8 @@ def status_lines(current: ClusterStatus, root: Path) -> list[str]:
                 f"control panel: {access['admin']} (and the cluster's /metrics), admin token in "
                 f"{access['admin_token_file']}"
             )
+    if pool_line(current.pool):
+        lines.append(pool_line(current.pool))
     lines += current.warnings + current.report
     lines.append("ok" if current.exit_code == 0 else "problems: " + "; ".join(current.problems))
     return lines
@@ -502,16 +518,30 @@ def down_command(state_dir: str) -> None:
     "request lost); --no-rolling restarts them all at once (an outage while "
     "they load).",
 )
-def restart_command(state_dir: str, names: tuple[str, ...], restart_all: bool, rolling: bool) -> None:
+@click.option(
+    "--surge",
+    type=click.IntRange(min=0),
+    default=None,
+    envvar="COSYVOICE_LB_RESTART_SURGE",
+    show_envvar=True,
+    help="Rolling: start up to N replacements on spare ports first, put them in rotation, and only then "
+    "drain the old instances (capacity never drops); default: the cluster's --surge. Where memory has no "
+    "room for one, it says so and drains first.",
+)
+def restart_command(
+    state_dir: str, names: tuple[str, ...], restart_all: bool, rolling: bool, surge: int | None
+) -> None:
     """Restart instances (or nginx, health) by name, or --all instances. Each instance leaves
     nginx's rotation first and stops once its requests are done (a drained restart)."""
     layout = layout_for(state_dir)
     if bool(names) == restart_all:
         fail("name the instances to restart (e.g. instance-0) or pass --all, not both")
-    for name in lifecycle.restart(
-        layout, None if restart_all else list(names), line_reporter(time.monotonic()), rolling=rolling
+    if surge and not rolling:
+        fail("--surge is for rolling restarts: drop --no-rolling or --surge")
+    for line in lifecycle.restart(
+        layout, None if restart_all else list(names), line_reporter(time.monotonic()), rolling=rolling, surge=surge
     ):
-        click.echo(f"restarted {name}")
+        click.echo(line)
 
 
 @main.command("drain")

@@ -74,6 +74,22 @@ def families(view: ClusterView) -> list[Family]:
     planned.add_metric([], view.planned or len(current.instances))
     out.append(planned)
 
+    pool = current.pool or {}
+    if pool:
+        wanted = _gauge(
+            "cosyvoice_lb_instances_wanted",
+            "Instances wanted in rotation now: the plan's (elastic: the scaler's), plus a roll-out's surge.",
+        )
+        wanted.add_metric([], float(pool.get("wanted", 0)) + float(pool.get("surge", 0)))
+        roles = _gauge(
+            "cosyvoice_lb_instances_by_role",
+            "Instances in rotation, warm spares (ready, out of rotation), and parked slots (not started).",
+            ["role"],
+        )
+        for role, key in (("in_rotation", "in_rotation"), ("spare", "spares"), ("parked", "parked")):
+            roles.add_metric([role], float(pool.get(key, 0)))
+        out += [wanted, roles]
+
     up = _gauge("cosyvoice_lb_instance_up", "1 when supervisord runs the instance.", ["name"])
     ready = _gauge("cosyvoice_lb_instance_ready", "1 when the instance says it is ready.", ["name"])
     rotation = _gauge("cosyvoice_lb_instance_in_rotation", "1 when nginx sends it requests.", ["name"])
@@ -83,7 +99,8 @@ def families(view: ClusterView) -> list[Family]:
     restarts = CounterMetricFamily(
         "cosyvoice_lb_instance_restarts",
         "Restarts of the instance by reason: crash (exited on its own), hang, probe_failures, not_ready, "
-        "recycle (--max-requests, --max-memory), requested (restart), replaced (new settings).",
+        "recycle (--max-requests, --max-memory), requested (restart), replaced (new settings, surge roll-outs), "
+        "scaled_in (stopped by elastic scaling).",
         labels=["name", "reason"],
     )
     inflight = _gauge("cosyvoice_lb_instance_in_flight", "Syntheses the instance runs now.", ["name"])

@@ -17,10 +17,10 @@ from .errors import ClusterError
 from .files import write_atomic
 from .footprint import make_plan
 from .layout import Layout, layout_for
-from .planner import Plan, Slot
+from .planner import Plan, Pool, Slot
 from .preflight import check_model, check_settings, check_state_dir, find_nginx
 from .protocol import out_of_rotation
-from .render import Programs, read_cluster_json, render
+from .render import Programs, read_cluster_json, read_pool, render
 from .resources import instance_files
 from .settings import Settings
 from .supervision import Supervisor
@@ -32,6 +32,14 @@ def recorded(layout: Layout) -> tuple[Settings, tuple[Slot, ...]] | None:
         return read_cluster_json(layout.cluster_json.read_text())
     except (OSError, ValueError, KeyError):
         return None
+
+
+def recorded_pool(layout: Layout, slots: tuple[Slot, ...]) -> Pool:
+    """How the recorded slots are used (all serve when cluster.json does not say)."""
+    try:
+        return read_pool(layout.cluster_json.read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return Pool(serving=len(slots))
 
 
 def programs_for(settings: Settings) -> Programs:

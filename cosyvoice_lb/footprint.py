@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .gpu import inventory
 from .layout import Layout, layout_for
-from .planner import Budget, Plan, PlanError, Slot, parse_size, plan, with_own_slots
+from .planner import Budget, Plan, PlanError, Slot, parse_size, plan, startable, with_own_slots
 from .settings import ENGINE_FOOTPRINTS, TRT_EXTRA, VLLM_CARD_FRACTION, Settings
 
 
@@ -79,9 +79,23 @@ def make_plan(settings: Settings, own: tuple[Slot, ...] = ()) -> tuple[Plan, str
     budget, _ = budget_for(settings, layout_for(settings))
     box = with_own_slots(inventory(settings.gpus), own)
     result = plan(
-        box, budget, base_port=settings.base_port, instances=parse_instances(settings.instances), force=settings.force
+        box,
+        budget,
+        base_port=settings.base_port,
+        instances=parse_instances(settings.instances),
+        force=settings.force,
+        spares=settings.spares,
+        surge=settings.surge,
+        min_instances=settings.min_instances,
     )
     return result, box.source
+
+
+def room_to_start(settings: Settings, running: tuple[Slot, ...], parked: tuple[Slot, ...]) -> list[Slot]:
+    """Of the ``parked`` slots, those this box has memory for now beside the ``running``
+    ones (asked of NVML, or of the host's RAM, now: other work may have taken some)."""
+    budget, _ = budget_for(settings, layout_for(settings))
+    return startable(with_own_slots(inventory(settings.gpus), running), budget, running, parked)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .planner import parse_size
+from .pool import PARKED
 from .probe import Probe
 from .protocol import DrainAction
 from .settings import Settings
@@ -20,7 +21,9 @@ from .supervision import ProcessInfo
 ALIVE = ("RUNNING", "STARTING")
 # Why an instance was restarted, as the metrics count it: the loop orders all but "crash"
 # (supervisord brought back a process that exited on its own; counted from the starts file).
-RESTART_REASONS = ("crash", "hang", "probe_failures", "not_ready", "recycle", "requested", "replaced")
+# "replaced": new settings or a surge roll-out; "scaled_in": stopped by the elastic scaler
+# (either start that follows is explained by it, not a crash).
+RESTART_REASONS = ("crash", "hang", "probe_failures", "not_ready", "recycle", "requested", "replaced", "scaled_in")
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,8 @@ def judge(
                     f"it exited {crashes} times in a row without getting ready (--start-retries {policy.start_retries})"
                 )
             return _give_up(track, why, now)
-        return Verdict(dataclasses.replace(track, reason=f"process {state.lower()}"))
+        # (STOPPED: never started, or stopped on purpose: a parked slot)
+        return Verdict(dataclasses.replace(track, reason=PARKED if state == "STOPPED" else f"process {state.lower()}"))
     if track.failed:  # given up on, yet running (supervisord restarted it meanwhile): stop it again
         return Verdict(dataclasses.replace(track, in_rotation=False, pid=process.pid), give_up=track.failed)
     if process.pid != track.pid:  # a new process: earns its place like any newcomer
@@ -203,17 +207,20 @@ def pick_recycle(
     tracks: dict[str, Track],
     uptimes: dict[str, float],
     drained: frozenset[str] = frozenset(),
+    standing_by: frozenset[str] = frozenset(),
 ) -> tuple[str, str] | None:
     """At most one drained restart at a time, and only while every other instance serves
-    (those ``drained`` by hand aside: out on purpose, they do not hold recycling up) and at
-    least one other does; of those due, the oldest process first (so a busy cluster
-    recycles every instance in turn, not the first names over and over)."""
+    (those ``drained`` by hand, and the ``standing_by`` ones: warm spares and parked slots,
+    aside: out on purpose, they do not hold recycling up) and at least one other does; of
+    those due, the oldest process first (so a busy cluster recycles every instance in turn,
+    not the first names over and over)."""
     if any(t.draining_since or t.signalled_at for t in tracks.values()):
         return None
+    aside = drained | standing_by
 
     def others_serve(name: str) -> bool:
         others = {other: t for other, t in tracks.items() if other != name}
-        return all(t.in_rotation or other in drained for other, t in others.items()) and any(
+        return all(t.in_rotation or other in aside for other, t in others.items()) and any(
             t.in_rotation for t in others.values()
         )
 

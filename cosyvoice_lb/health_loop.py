@@ -28,6 +28,7 @@ import psutil
 
 from . import protocol
 from .files import write_atomic
+from .footprint import room_to_start
 from .gpu import process_gpu_memory
 from .health import (
     ALIVE,
@@ -44,11 +45,13 @@ from .health import (
     track_to_dict,
 )
 from .layout import Layout
-from .planner import Slot
+from .planner import Pool, Slot
+from .pool import PARKED, SPARE, rotation, spares_of
 from .probe import Probe, Prober
 from .processes import orphan_nginx
 from .protocol import DrainAction
-from .render import read_cluster_json, render_upstreams
+from .render import read_cluster_json, read_pool, render_upstreams
+from .scaling import Bounds, Load, Scale, decide
 from .settings import Settings
 from .supervision import ProcessInfo, SupervisionError, Supervisor
 from .timeouts import SUPERVISOR_POLL, Timeouts
@@ -64,6 +67,10 @@ class Supervision(Protocol):
     def stop(self, name: str, wait: bool = True) -> None: ...
     def signal(self, name: str, signal: str) -> None: ...
     def tail(self, name: str, length: int = 4000) -> str: ...
+
+
+# Of the parked slots, those with memory to start now beside the running ones.
+Room = Callable[[tuple[Slot, ...], tuple[Slot, ...]], list[Slot]]
 
 
 class Probing(Protocol):
@@ -113,15 +120,26 @@ class HealthLoop:
         host: Host | None = None,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        pool: Pool | None = None,
+        room: Room | None = None,
     ):
         self.layout, self.settings, self.slots = layout, settings, slots
+        self.roles = pool or Pool(serving=len(slots))
+        self.room: Room = room or (lambda running, parked: room_to_start(settings, running, parked))
+        self.bounds = Bounds.of(self.roles, settings) if self.roles.elastic else None
         self.policy = Policy.from_settings(settings)
         self.timeouts = Timeouts(settings)
         self.supervisor, self.prober, self.host = supervisor, prober, host or Host()
         self.clock, self.rng = clock, rng or random.Random()
         self.tracks = self._load_tracks()
+        saved_pool = protocol.report_pool(layout)
+        self.scale = Scale.from_dict(saved_pool.get("scale"), self.bounds) if self.bounds else None
+        self.wanted = self.roles.serving
+        self.surge = 0
+        self.short_of_room = False  # a scale-out found no memory (said once, until one starts)
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(slots)))
         self.published: frozenset[str] | None = None
+        self.serving_before = frozenset(name for name, t in self.tracks.items() if t.in_rotation)
         self.pids: dict[str, int] = {}
         self.taken: list[str] = []
         self.probe_seconds: dict[str, float] = {}
@@ -145,6 +163,7 @@ class HealthLoop:
         now = self.clock()
         kills: list[str] = []
         self.taken = []  # drain requests handled this step (answered once saved)
+        before_step = dict(self.tracks)
         for slot in self.slots:
             name, before = slot.name, self.tracks[slot.name]
             starts = protocol.starts_count(self.layout, name)
@@ -194,16 +213,11 @@ class HealthLoop:
             elif verdict.restart:
                 log.warning("%s: out of rotation and restarting: %s", name, verdict.restart)
                 kills.append(name)
-            elif before.in_rotation != track.in_rotation:
-                log.info(
-                    "%s: %s rotation%s",
-                    name,
-                    "back in" if track.in_rotation else "out of",
-                    f" ({track.reason})" if track.reason else "",
-                )
             self.tracks[name] = track
         self.take_requests(processes, now, killing=kills)
         self.recycle(processes, probes, now)
+        self.balance(processes, probes, now)
+        self.log_rotation(before_step)
         self.publish()  # out of nginx's rotation first, then stop
         for name in kills:
             self._signal(name, DrainAction.KILL)
@@ -252,11 +266,108 @@ class HealthLoop:
             candidates[slot.name] = recycle_due(track, probes[slot.name], memory.get(slot.name, 0), policy)
         uptimes = {name: p.uptime for name, p in processes.items()}
         drained = frozenset(s.name for s in self.slots if protocol.drained_by_hand(self.layout, s.name))
-        picked = pick_recycle(candidates, self.tracks, uptimes, drained)
+        standing_by = frozenset(
+            name
+            for name, t in self.tracks.items()
+            if t.reason in (SPARE, PARKED) or (processes.get(name) and processes[name].state == "STOPPED")
+        )
+        picked = pick_recycle(candidates, self.tracks, uptimes, drained, standing_by)
         if picked:
             name, reason = picked
             log.info("%s: recycling (drained restart): %s", name, reason)
             self.tracks[name] = start_drain(self.tracks[name], f"recycling: {reason}", DrainAction.TERM, now, "recycle")
+
+    def balance(self, processes: dict[str, ProcessInfo], probes: dict[str, Probe], now: float) -> None:
+        """How many serve: the plan's number (elastic: the scaler's), plus a surge roll-out's
+        extra ones; the other ready instances wait out of rotation as warm spares."""
+        self.surge = protocol.rollout_surge(self.layout)
+        if self.bounds is not None and self.scale is not None:
+            self.follow_load(processes, probes, now)
+            self.wanted = self.scale.target
+        else:
+            self.wanted = self.roles.serving
+        eligible = [s.name for s in self.slots if self.tracks[s.name].in_rotation]
+        # (in rotation at the end of the last step: self.published may lag a refused reload)
+        before = [name for name in eligible if name in self.serving_before]
+        chosen = rotation(eligible, before, self.wanted + self.surge)
+        for name in spares_of(eligible, chosen):
+            self.tracks[name] = dataclasses.replace(self.tracks[name], in_rotation=False, reason=SPARE)
+        self.serving_before = frozenset(chosen)
+
+    def follow_load(self, processes: dict[str, ProcessInfo], probes: dict[str, Probe], now: float) -> None:
+        """Elastic: the scaler's next target, then a parked slot started or one instance
+        drained and stopped to reach it (never during a roll-out)."""
+        assert self.bounds is not None and self.scale is not None
+        alive = {name for name, p in processes.items() if p.state in ALIVE}
+        running = [
+            s
+            for s in self.slots
+            if s.name in alive
+            and not self.tracks[s.name].failed
+            and self.tracks[s.name].drain_signal is not DrainAction.STOP
+        ]
+        loading = [s.name for s in running if not self.tracks[s.name].ever_ready]
+        stopping = [s.name for s in self.slots if self.tracks[s.name].draining_since]
+        hold = (
+            "a roll-out is under way"
+            if self.surge
+            else f"{', '.join(loading)} loading"
+            if loading
+            else f"{', '.join(stopping)} stopping"
+            if stopping
+            else ""
+        )
+        loads = [
+            Load(probes[s.name].inflight, probes[s.name].waiting) for s in running if self.tracks[s.name].in_rotation
+        ]
+        decided = decide(self.scale, loads, self.bounds, now, hold)
+        if decided.decisions != self.scale.decisions:
+            log.info("elastic: %s: %d wanted in rotation", decided.decisions[-1].reason, decided.target)
+        self.scale = decided
+        if hold:
+            return
+        desired = decided.target + self.roles.spares
+        if len(running) < desired:
+            parked = tuple(
+                s
+                for s in self.slots
+                if processes.get(s.name) and processes[s.name].state == "STOPPED" and not self.tracks[s.name].failed
+            )
+            startable = self.room(tuple(running), parked)[: desired - len(running)]
+            for slot in startable:
+                log.info("elastic: starting %s (%d wanted, %d running)", slot.name, desired, len(running))
+                self._start(slot.name)
+            short = desired - len(running) - len(startable)
+            if short:
+                # The target follows what can run: a scale-out without memory is taken back
+                # (and tried again after another busy period), said once until one starts.
+                self.scale = dataclasses.replace(decided, target=max(self.bounds.low, decided.target - short))
+                if not self.short_of_room:
+                    log.warning(
+                        "elastic: %d more instance(s) wanted, but no parked slot has memory for one now (%d parked)",
+                        short,
+                        len(parked),
+                    )
+            self.short_of_room = bool(short)
+        elif len(running) > desired:
+            # Out of rotation first (a spare, or one still loading), else the last in slot order:
+            # the one the smaller rotation leaves out anyway.
+            victim = max(running, key=lambda s: (not self.tracks[s.name].in_rotation, s.index))
+            log.info("elastic: draining and stopping %s (%d wanted, %d running)", victim.name, desired, len(running))
+            self.tracks[victim.name] = start_drain(
+                self.tracks[victim.name], "scaled in: stopping once idle", DrainAction.STOP, now, "scaled_in"
+            )
+
+    def log_rotation(self, before: dict[str, Track]) -> None:
+        for slot in self.slots:
+            was, now = before[slot.name], self.tracks[slot.name]
+            if was.in_rotation != now.in_rotation and (now.in_rotation or now.reason != SPARE or was.reason != SPARE):
+                log.info(
+                    "%s: %s rotation%s",
+                    slot.name,
+                    "back in" if now.in_rotation else "out of",
+                    f" ({now.reason})" if now.reason and not now.in_rotation else "",
+                )
 
     def finish_draining(self, probes: dict[str, Probe], now: float) -> None:
         """Act on instances whose planned stop may happen now. TERM: the instance drains
@@ -276,7 +387,9 @@ class HealthLoop:
                 and not track.signalled_at
                 and drain_done(track, probes[slot.name], self.policy, now)
             ):
-                if track.drain_signal is not DrainAction.HOLD:
+                if track.drain_signal is DrainAction.STOP:  # scaled in: supervisord leaves it stopped
+                    self._stop(slot.name)
+                elif track.drain_signal is not DrainAction.HOLD:
                     self._signal(slot.name, track.drain_signal or DrainAction.TERM)
                 self.tracks[slot.name] = dataclasses.replace(track, signalled_at=now)
 
@@ -305,6 +418,12 @@ class HealthLoop:
             return False
         return True
 
+    def _start(self, name: str) -> None:
+        self._call(name, "start", lambda: self.supervisor.start(name))
+
+    def _stop(self, name: str) -> None:
+        self._call(name, "stop", lambda: self.supervisor.stop(name, wait=False))
+
     def _signal(self, name: str, action: DrainAction) -> None:
         """Signal an instance through supervisord. A KILL takes its child processes along
         (they may run in their own sessions, e.g. a stuck espeak-ng or model workers holding
@@ -332,6 +451,14 @@ class HealthLoop:
             {name: track_to_dict(t) for name, t in self.tracks.items()},
             now,
             probes={name: round(seconds, 6) for name, seconds in self.probe_seconds.items()},
+            pool={
+                "wanted": self.wanted,
+                "serving": self.roles.serving,
+                "spares": self.roles.spares,
+                "min_serving": self.roles.min_serving,
+                "surge": self.surge,
+                **({"scale": self.scale.as_dict()} if self.scale is not None else {}),
+            },
         )
 
     def timed_probe(self, slot: Slot) -> tuple[Probe, float]:
@@ -367,8 +494,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s health %(levelname)s %(message)s")
     layout = Layout(Path(args.state_dir).resolve())
-    settings, slots = read_cluster_json(layout.cluster_json.read_text())
-    HealthLoop(layout, settings, slots, Supervisor(layout, timeout=SUPERVISOR_POLL), Prober(len(slots))).run()
+    text = layout.cluster_json.read_text()
+    settings, slots = read_cluster_json(text)
+    HealthLoop(
+        layout, settings, slots, Supervisor(layout, timeout=SUPERVISOR_POLL), Prober(len(slots)), pool=read_pool(text)
+    ).run()
 
 
 if __name__ == "__main__":

@@ -176,6 +176,19 @@ class Layout:
         (see ``protocol``)."""
         return self.run / f"{name}.restart"
 
+    @property
+    def rollout(self) -> Path:
+        """A surge roll-out under way (the launcher's): the health loop lets that many more
+        instances into rotation, and scales nothing meanwhile."""
+        return self.run / "rollout.json"
+
+    def mps_pipe(self, gpu: int | None) -> Path:
+        """The CUDA MPS pipe dir of one GPU: its control daemon and the instances on it meet here."""
+        return self.run / f"mps-gpu{gpu}"
+
+    def mps_log(self, gpu: int | None) -> Path:
+        return self.logs / f"mps-gpu{gpu}"
+
     def nginx_args(self) -> list[str]:
         """How nginx is pointed at this cluster's prefix, config and error log."""
         return ["-p", str(self.nginx_dir), "-c", str(self.nginx_conf), "-e", str(self.log("nginx-error"))]

@@ -7,6 +7,7 @@ of rotation and stops it once its requests are done.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -23,7 +24,7 @@ from .configs import recorded, render_to_disk
 from .errors import ClusterError
 from .footprint import make_plan
 from .layout import Layout, layout_for
-from .planner import Slot
+from .planner import Pool, Slot
 from .preflight import check_ports, check_tools
 from .protocol import (
     DrainAction,
@@ -39,6 +40,7 @@ from .protocol import (
     report_tracks,
     undrain,
 )
+from .rollout import Slots, surge_rollout, surge_room
 from .settings import Settings
 from .status import ESSENTIAL, NO_TELEMETRY, SERVICES, ClusterStatus, failure_report, last_lines, status
 from .supervision import SupervisionError, Supervisor
@@ -90,18 +92,21 @@ def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progre
         clear_cordons(layout)
     layout.health_json.unlink(missing_ok=True)
     result, layout, _ = render_to_disk(settings, planned=result)
+    # The first ones serve (and wait as spares); the slots past them stay parked for surges.
+    starting = result.slots[: result.roles.started]
     try:
         supervisor.start_daemon()
-        if settings.staggered:  # one model load at a time: each instance serves before the next starts
-            for slot in result.slots:
-                on_progress(Progress(slot.index, len(result.slots), f"starting {slot.name} (--stagger)"))
-                supervisor.start(slot.name)
+        for slot in starting:
+            if settings.staggered:  # one model load at a time: each instance serves before the next starts
+                on_progress(Progress(slot.index, len(starting), f"starting {slot.name} (--stagger)"))
+            supervisor.start(slot.name)
+            if settings.staggered:
                 try:
                     wait_serving(layout, settings, [slot.name], on_progress)
                 except ClusterError:  # this one failed: the others may still serve (checked below)
                     pass
         # Serving with some instances failed is still serving: they are reported, not fatal.
-        return wait_serving(layout, settings, [s.name for s in result.slots], on_progress)
+        return wait_serving(layout, settings, [s.name for s in starting], on_progress)
     except BaseException as exc:  # never a half-started cluster, whatever went wrong (Ctrl-C too)
         down(layout)
         what = (
@@ -121,10 +126,15 @@ def _update(
 ) -> ClusterStatus:
     """Apply new settings to a running cluster, one instance at a time."""
     old_settings, old_slots = previous
-    result, _ = make_plan(settings, own=old_slots)
+    if settings.mps != old_settings.mps:
+        raise ClusterError(
+            f"--mps {'on' if settings.mps else 'off'} changes how every instance reaches its GPU, which cannot "
+            f"happen one instance at a time: 'cosyvoice-lb down', then 'up' with the new settings"
+        )
+    own = Slots.read(layout, supervisor, old_slots).running  # (parked slots hold no memory)
+    result, _ = make_plan(settings, own=own)
     check_ports(settings, result.slots, held={old_settings.port, *(s.port for s in old_slots)})
-    result, layout, changed = render_to_disk(settings, own=old_slots, planned=result, live=True)
-    names = [s.name for s in result.slots]
+    result, layout, changed = render_to_disk(settings, own=own, planned=result, live=True)
     if changed:
         added, groups_changed, removed = supervisor.reload()
         # The health loop reads its slots at start; it re-publishes the rotation at once.
@@ -149,35 +159,90 @@ def _update(
         if not tightening:
             supervisor.signal("nginx", "HUP")
         # New instance code (staged in run/lib) means every instance is "changed".
+        slot_names = [s.name for s in result.slots]
         if any(layout.instance_lib in path.parents for path in changed):
-            groups_changed = sorted(set(groups_changed) | (set(names) - set(added)))
-        # Changed instances are replaced one after another, each serving before the next:
-        # out of rotation and idle first (the health loop's drain), then the new config.
-        for name in [n for n in groups_changed if n not in SERVICES]:
-            on_progress(Progress(0, len(names), f"replacing {name} with its new settings"))
-            others_serving(layout, settings, name, on_progress)
-            old = drain(layout, settings, supervisor, [name], DrainAction.HOLD, on_progress)
+            groups_changed = sorted(set(groups_changed) | (set(slot_names) - set(added)))
+        now = Slots.read(layout, supervisor, result.slots)
+        instances_changed = [n for n in groups_changed if n in slot_names]
+
+        def regroup(name: str) -> None:  # a stopped slot takes its new config (and stays stopped)
             supervisor.remove_group(name)
             supervisor.add_group(name)
+
+        for slot in now.parked:  # nothing runs there: the new config now
+            if slot.name in instances_changed:
+                regroup(slot.name)
+        running = [s.name for s in now.running if s.name in instances_changed]
+        free = surge_room(settings, Slots.read(layout, supervisor, result.slots), settings.surge, running)
+        if running and free:
+            on_progress(Progress(0, len(running), f"surge roll-out: {len(free)} at a time on parked slots"))
+            surge_rollout(layout, settings, supervisor, running, free, on_progress, refresh=regroup)
+            running = []
+        elif running and settings.surge:
+            on_progress(Progress(0, len(running), f"--surge {settings.surge}: {NO_SURGE}; draining first"))
+        # Otherwise changed instances are replaced one after another, each serving before the
+        # next: out of rotation and idle first (the health loop's drain), then the new config.
+        for name in running:
+            on_progress(Progress(0, len(running), f"replacing {name} with its new settings"))
+            others_serving(layout, settings, name, on_progress)
+            old = drain(layout, settings, supervisor, [name], DrainAction.HOLD, on_progress)
+            regroup(name)
+            supervisor.start(name)
             serving_or_fail(layout, settings, [name], on_progress, old)
+        settle_count(layout, settings, supervisor, result.slots, result.roles, on_progress)
         if tightening:
             supervisor.signal("nginx", "HUP")
         if "nginx" in groups_changed:
             supervisor.remove_group("nginx")
             supervisor.add_group("nginx")
+    names = [s.name for s in Slots.read(layout, supervisor, result.slots).running]
     return wait_serving(layout, settings, names, on_progress)
+
+
+NO_SURGE = "no parked slot has memory for a replacement now"
+
+
+def settle_count(
+    layout: Layout, settings: Settings, supervisor: Supervisor, slots: tuple[Slot, ...], pool: Pool, on_progress: Report
+) -> None:
+    """After new settings: as many instances running as they ask for (serving and spares;
+    elastic: at least the floor, the health loop does the rest). Parked slots start, or
+    the surplus is drained (out of rotation, idle) and stopped: spares and the last first."""
+    now = Slots.read(layout, supervisor, slots)
+    wanted = pool.started
+    if len(now.running) < wanted:
+        for slot in now.parked[: wanted - len(now.running)]:
+            on_progress(Progress(0, wanted, f"starting {slot.name}"))
+            supervisor.start(slot.name)
+        return
+    if pool.elastic or len(now.running) == wanted:
+        return
+    current = {i.name: i for i in status(layout, telemetry=NO_TELEMETRY).instances}
+    surplus = sorted(now.running, key=lambda s: (current[s.name].in_rotation, -s.index))[: len(now.running) - wanted]
+    names = [s.name for s in surplus]
+    on_progress(Progress(0, len(names), f"stopping {', '.join(names)} (fewer instances asked for)"))
+    drain(layout, settings, supervisor, names, DrainAction.HOLD, on_progress)
+    for name in names:
+        supervisor.stop(name)
 
 
 # --- restart, down, logs ---------------------------------------------------------------
 
 
 def restart(
-    layout: Layout, names: list[str] | None = None, on_progress: Report = lambda p: None, rolling: bool = True
+    layout: Layout,
+    names: list[str] | None = None,
+    on_progress: Report = lambda p: None,
+    rolling: bool = True,
+    surge: int | None = None,
 ) -> list[str]:
     """Restart the named programs (every instance when ``names`` is None). Instances get a
     drained restart: out of nginx's rotation first, stopped once their requests are done.
     ``rolling``: one at a time, each serving again before the next goes; otherwise all at
-    once (an outage while they load)."""
+    once (an outage while they load). ``surge`` (default: the cluster's --surge): rolling,
+    start up to that many replacements on parked slots first (see ``rollout``), the slots
+    planned now if the cluster has fewer and memory allows; else drain first, said so.
+    Returns what was done, a line each."""
     record = recorded(layout)
     supervisor = Supervisor(layout, wait_timeout=Timeouts(record[0] if record else Settings()).supervisor_wait)
     if not supervisor.running() or record is None:
@@ -187,18 +252,46 @@ def restart(
     # --all --rolling keeps capacity: each waits for the others to serve. Names given by
     # hand are restarted as asked.
     careful = names is None and rolling
-    names = instances if names is None else names
+    parked = {s.name for s in Slots.read(layout, supervisor, slots).parked}
+    names = [n for n in instances if n not in parked] if names is None else names
     known = supervisor.processes()
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ClusterError(f"no program named {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    idle = [n for n in names if n in parked]
+    if idle:
+        raise ClusterError(
+            f"{', '.join(idle)} {'is' if len(idle) == 1 else 'are'} parked (a slot kept stopped for surges, or "
+            "scaled in): nothing runs there to restart"
+        )
+    daemons = [n for n in names if n not in instances and n not in SERVICES]
+    if daemons:
+        raise ClusterError(
+            f"{', '.join(daemons)} serves every instance on its GPU: restarting it alone would break them; "
+            "'cosyvoice-lb down' then 'up' restarts the whole cluster"
+        )
     for name in [n for n in names if n in SERVICES]:
         on_progress(Progress(0, 1, f"restarting {name}"))
         supervisor.stop(name)
         supervisor.start(name)
+    done = [f"restarted {n}" for n in names if n in SERVICES]
+    targets = [n for n in names if n in instances]
+    surge = settings.surge if surge is None else surge
+    if targets and rolling and surge:
+        running = [n for n in targets if known[n].state in ("RUNNING", "STARTING")]
+        free = surge_room(settings, grown(layout, settings, supervisor, surge), surge, running)
+        if free and running:
+            on_progress(Progress(0, len(running), f"surge roll-out: {len(free)} at a time on parked slots"))
+            done += [
+                f"replaced {line}" for line in surge_rollout(layout, settings, supervisor, running, free, on_progress)
+            ]
+            targets = [n for n in targets if n not in running]  # (left: those not running, started below)
+        elif running:
+            on_progress(Progress(0, len(running), f"--surge {surge}: {NO_SURGE}; draining first"))
+            done.append(f"--surge {surge}: {NO_SURGE}; restarted draining first")
     current = {i.name: i for i in status(layout, telemetry=NO_TELEMETRY).instances}
     # Those not serving first: restarting them costs no capacity.
-    targets = sorted((n for n in names if n in instances), key=lambda n: current[n].serving)
+    targets = sorted(targets, key=lambda n: current[n].serving)
     for group in [[n] for n in targets] if rolling else [targets] if targets else []:
         on_progress(Progress(0, len(group), f"restarting {', '.join(group)}"))
         if careful and current[group[0]].serving:
@@ -208,7 +301,21 @@ def restart(
             if name not in old:  # stopped (given up on after a crash loop, or crashed): start it
                 supervisor.start(name)
         serving_or_fail(layout, settings, group, on_progress, old)
-    return names
+        done += [f"restarted {name}" for name in group]
+    return done
+
+
+def grown(layout: Layout, settings: Settings, supervisor: Supervisor, surge: int) -> Slots:
+    """The slots, with parked ones planned for a ``surge`` the cluster has fewer of (as
+    `up --surge N` would: the instances keep running, only supervisord's config grows)."""
+    record = recorded(layout)
+    slots = record[1] if record else ()
+    now = Slots.read(layout, supervisor, slots)
+    if len(now.parked) >= surge or settings.surge >= surge:
+        return now
+    up(dataclasses.replace(settings, surge=surge))
+    record = recorded(layout)
+    return Slots.read(layout, supervisor, record[1] if record else slots)
 
 
 def set_drained(layout: Layout, names: list[str], drained: bool) -> list[str]:
@@ -234,7 +341,11 @@ def others_serving(layout: Layout, settings: Settings, name: str, on_progress: R
     the last one."""
     deadline = time.monotonic() + Timeouts(settings).others_serving
     while True:
-        instances = [i for i in status(layout, telemetry=NO_TELEMETRY).instances if i.name != name and not i.failed]
+        instances = [
+            i
+            for i in status(layout, telemetry=NO_TELEMETRY).instances
+            if i.name != name and not i.failed and not i.parked
+        ]
         # (drained by hand: out of rotation on purpose, nothing to wait for; but not the only ones left)
         others = [i for i in instances if not i.drained]
         drained = [i.name for i in instances if i.drained]
@@ -244,7 +355,7 @@ def others_serving(layout: Layout, settings: Settings, name: str, on_progress: R
                 f"would leave no instance serving; 'cosyvoice-lb undrain {drained[0]}' first "
                 f"(restart {name} restarts it regardless)"
             )
-        short = [i.name for i in others if not i.serving]
+        short = [i.name for i in others if not (i.serving or i.spare)]
         if not short:
             return
         if time.monotonic() > deadline:

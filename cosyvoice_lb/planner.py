@@ -119,17 +119,52 @@ class DeviceFit:
 
 
 @dataclass(frozen=True)
+class Pool:
+    """How the planned slots are used: ``serving`` in rotation (elastic: between
+    ``min_serving`` and ``serving``), ``spares`` loaded out of rotation; the slots past
+    ``serving + spares`` are parked (planned, not started) for roll-outs' surge."""
+
+    serving: int
+    spares: int = 0
+    min_serving: int = 0  # 0: a fixed number (serving)
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_serving < self.serving
+
+    @property
+    def started(self) -> int:
+        """How many instances `up` starts: those that serve at first, and the spares."""
+        return (self.min_serving if self.elastic else self.serving) + self.spares
+
+    def as_dict(self) -> dict:
+        return {"serving": self.serving, "spares": self.spares, "min_serving": self.min_serving}
+
+
+@dataclass(frozen=True)
 class Plan:
     mode: str  # "gpu" or "cpu"
     slots: tuple[Slot, ...]
     fits: tuple[DeviceFit, ...]
     capacity: int  # how many fit on the box (before --instances)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    pool: Pool | None = None  # None: every slot serves
+
+    @property
+    def roles(self) -> Pool:
+        return self.pool or Pool(serving=len(self.slots))
+
+    @property
+    def surge(self) -> int:
+        """Parked slots planned for roll-outs."""
+        return len(self.slots) - self.roles.serving - self.roles.spares
 
     def as_dict(self) -> dict:
         return {
             "mode": self.mode,
             "capacity": self.capacity,
+            **self.roles.as_dict(),
+            "surge": self.surge,
             "slots": [
                 {
                     "name": s.name,
@@ -193,12 +228,19 @@ def plan(
     base_port: int = 7860,
     instances: int | None = None,
     force: bool = False,
+    spares: int = 0,
+    surge: int = 0,
+    min_instances: int = 0,
 ) -> Plan:
-    """Plan slots: as many as fit (``instances=None``), or exactly ``instances``.
+    """Plan slots: as many as fit (``instances=None``), or exactly ``instances``, to serve;
+    then ``spares`` (refused, as serving ones, past what fits), then up to ``surge`` parked
+    slots for roll-outs, as many as memory leaves room for (noted when fewer).
 
     GPUs are filled one instance per card in turn (0, 1, 0, 1, ...) so load and
     memory spread evenly. Asking for more than fits is refused unless ``force``.
     """
+    if spares < 0 or surge < 0 or min_instances < 0:
+        raise PlanError("--spares, --surge and --min-instances cannot be negative")
     if budget.gpu_footprint <= 0 or budget.host_footprint <= 0:
         raise PlanError("the footprint must be larger than 0 (e.g. --footprint 5GiB)")
     if budget.reserve < 0:
@@ -246,38 +288,80 @@ def plan(
     if budget.max_instances is not None:
         room = min(room, budget.max_instances)
 
+    spare_words = f" and {spares} spare{'s' if spares != 1 else ''}" if spares else ""
     if instances is None:
-        count = capacity
-        if count == 0:
+        count = capacity - spares
+        if capacity == 0:
             raise PlanError(
                 "no instance fits on this box: "
                 + "; ".join(notes or ["lower --footprint or --reserve"])
                 + ". Lower --footprint/--reserve, free memory, or use --instances N --force"
             )
+        if count < 1:
+            raise PlanError(
+                f"room for {capacity} instance(s) only: none would serve beside --spares {spares}. "
+                "Ask for fewer spares, lower --footprint, or give --instances N --force"
+            )
     else:
         count = instances
-        if count > room and not force:
+        if count + spares > room and not force:
             raise PlanError(
-                f"{count} instances requested but only {room} fit "
+                f"{count} instances{spare_words} requested but only {room} fit "
                 f"({', '.join(f'{f.device}: {min(f.by_total, f.by_free)}' for f in fits)}; "
                 f"{format_size(per_slot)} per instance). "
                 "Ask for fewer, lower --footprint, or pass --force to start them anyway"
             )
-        if count > room:
-            notes.append(f"--force: {count} instances where {room} fit")
-        elif count > capacity and mode == "cpu":
-            notes.append(f"{count} instances on {inventory.cpu_cores} cores: they share the CPU")
-
-    if base_port + count - 1 > 65535:  # before placing: a tiny footprint can "fit" billions
+        if count + spares > room:
+            notes.append(f"--force: {count + spares} instances where {room} fit")
+        elif count + spares > capacity and mode == "cpu":
+            notes.append(f"{count + spares} instances on {inventory.cpu_cores} cores: they share the CPU")
+    if min_instances > count:
         raise PlanError(
-            f"ports {base_port}..{base_port + count - 1} run past 65535: "
+            f"--min-instances {min_instances} is above the {count} instances planned to serve: "
+            "lower it, or raise --instances"
+        )
+    headroom = min(surge, max(0, room - count - spares))
+    if headroom < surge:
+        notes.append(
+            f"--surge {surge}: room for {headroom} parked slot(s) beside {count + spares} instances; "
+            "roll-outs surge with what there is, or drain first"
+        )
+    total = count + spares + headroom
+
+    if base_port + total - 1 > 65535:  # before placing: a tiny footprint can "fit" billions
+        raise PlanError(
+            f"ports {base_port}..{base_port + total - 1} run past 65535: "
             "lower --base-port, or check --footprint (plain numbers are bytes)"
         )
-    placement = _place(count, fits, devices)
+    placement = _place(total, fits, devices)
     slots = tuple(
         Slot(index=i, port=base_port + i, gpu=device, memory=per_device[device]) for i, device in enumerate(placement)
     )
-    return Plan(mode=mode, slots=slots, fits=tuple(fits), capacity=capacity, notes=tuple(notes))
+    pool = Pool(serving=count, spares=spares, min_serving=min_instances if 0 < min_instances < count else 0)
+    return Plan(mode=mode, slots=slots, fits=tuple(fits), capacity=capacity, notes=tuple(notes), pool=pool)
+
+
+def startable(
+    inventory: Inventory, budget: Budget, running: tuple[Slot, ...], candidates: tuple[Slot, ...]
+) -> list[Slot]:
+    """Of ``candidates`` (parked slots), those that can start now beside the ``running``
+    ones, in order: each device holds as many as fit in its memory (``inventory`` as
+    :func:`with_own_slots` makes it, the running slots' memory counted free again)."""
+    room: dict[int | None, int]
+    if inventory.gpus:
+        room = {g.index: _fit_gpu(g, budget).fits for g in inventory.gpus}
+    else:
+        fit = _fit_cpu(inventory, budget)
+        room = {None: min(fit.by_total, fit.by_free)}  # (cores share time: memory is the bound)
+    used: dict[int | None, int] = {}
+    for slot in running:
+        used[slot.gpu] = used.get(slot.gpu, 0) + 1
+    chosen = []
+    for slot in candidates:
+        if used.get(slot.gpu, 0) < room.get(slot.gpu, 0):
+            used[slot.gpu] = used.get(slot.gpu, 0) + 1
+            chosen.append(slot)
+    return chosen
 
 
 def _cap(fits: list[DeviceFit], limit: int) -> list[DeviceFit]:

@@ -152,6 +152,12 @@ def check_tools(settings: Settings) -> None:
         )
     if settings.resolved_engine == "cosyvoice3":
         check_model(settings)
+    if settings.mps:
+        from .mps import mps_problem
+
+        problem = mps_problem()
+        if problem:
+            raise ClusterError(problem)
     check_instance_env(settings)
 
 

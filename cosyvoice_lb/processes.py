@@ -58,7 +58,9 @@ def is_cluster_program(args: list[str], layout: Layout) -> bool:
     pairs = list(zip(args, args[1:]))
     if ("-c", str(layout.supervisord_conf)) in pairs or ("-c", str(layout.nginx_conf)) in pairs:
         return True
-    if any(flag == "--starts-file" and value.startswith(str(layout.run) + os.sep) for flag, value in pairs):
+    if any(
+        flag in ("--starts-file", "--pipe-dir") and value.startswith(str(layout.run) + os.sep) for flag, value in pairs
+    ):  # (an instance; a CUDA MPS daemon's wrapper)
         return True
     # (cosyvoice_lb.health: the loop's module before it was split from the rules)
     modules = ("cosyvoice_lb.health_loop", "cosyvoice_lb.health", "cosyvoice_lb.admin")

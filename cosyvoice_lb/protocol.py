@@ -30,7 +30,8 @@ class DrainAction(str, enum.Enum):
 
     TERM = "TERM"  # it drains itself too, exits, and supervisord starts it again
     KILL = "KILL"  # hung: nothing of it is still making progress; supervisord starts it again
-    HOLD = "HOLD"  # nothing: the launcher replaces it (its config changed)
+    HOLD = "HOLD"  # nothing: the launcher replaces it (its config changed, or a surge roll-out)
+    STOP = "STOP"  # stop it, and supervisord leaves it stopped (scaled in: its memory is freed)
 
 
 # --- drain requests -------------------------------------------------------------------------
@@ -75,9 +76,14 @@ def clear_drains(layout: Layout) -> None:
 
 
 def write_report(
-    layout: Layout, tracks: dict[str, dict[str, Any]], now: float | None = None, probes: dict[str, float] | None = None
+    layout: Layout,
+    tracks: dict[str, dict[str, Any]],
+    now: float | None = None,
+    probes: dict[str, float] | None = None,
+    pool: dict[str, Any] | None = None,
 ) -> None:
-    """``probes``: seconds each instance's last probe took."""
+    """``probes``: seconds each instance's last probe took; ``pool``: how many are wanted in
+    rotation, the spares, a roll-out's surge, the elastic scale and its decisions."""
     write_atomic(
         layout.health_json,
         json.dumps(
@@ -85,6 +91,7 @@ def write_report(
                 "updated": time.time() if now is None else now,
                 "instances": tracks,
                 "probe_seconds": probes or {},
+                "pool": pool or {},
             },
             indent=2,
         )
@@ -110,6 +117,31 @@ def report_tracks(layout: Layout) -> dict[str, dict]:
 def out_of_rotation(layout: Layout) -> frozenset[str]:
     """Instances the running health loop has taken out."""
     return frozenset(name for name, track in report_tracks(layout).items() if not track.get("in_rotation"))
+
+
+def report_pool(layout: Layout) -> dict[str, Any]:
+    pool = read_report(layout).get("pool", {})
+    return pool if isinstance(pool, dict) else {}
+
+
+# --- surge roll-outs ------------------------------------------------------------------------
+
+
+def start_rollout(layout: Layout, surge: int) -> None:
+    """A surge roll-out begins: ``surge`` more instances may serve until it ends."""
+    write_atomic(layout.rollout, json.dumps({"surge": surge, "since": time.time()}) + "\n")
+
+
+def rollout_surge(layout: Layout) -> int:
+    """The surge of the roll-out under way (0: none)."""
+    try:
+        return max(0, int(json.loads(layout.rollout.read_text())["surge"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def end_rollout(layout: Layout) -> None:
+    layout.rollout.unlink(missing_ok=True)
 
 
 # --- drained by hand -----------------------------------------------------------------------

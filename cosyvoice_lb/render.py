@@ -17,7 +17,8 @@ import jinja2
 
 from .layout import Layout
 from .monitoring import monitoring_files
-from .planner import Plan, Slot, parse_size
+from .mps import client_env
+from .planner import Plan, Pool, Slot, parse_size
 from .resources import templates_dir
 from .settings import Settings, instance_args, problems
 from .timeouts import Timeouts
@@ -109,13 +110,60 @@ def instance_command(settings: Settings, layout: Layout, programs: Programs, slo
     ]
 
 
-def instance_env(layout: Layout, slot: Slot) -> dict[str, str]:
+def instance_env(layout: Layout, slot: Slot, settings: Settings | None = None) -> dict[str, str]:
+    """``settings`` with --mps: the instance talks to its GPU's MPS control daemon."""
+    mps = (
+        client_env(str(layout.mps_pipe(slot.gpu)), str(layout.mps_log(slot.gpu)), settings.mps_thread_percentage)
+        if settings is not None and settings.mps and slot.gpu is not None
+        else {}
+    )
     return {
         **slot.env,
+        **mps,
         "PYTHONUNBUFFERED": "1",
         "GRADIO_ANALYTICS_ENABLED": "False",
         "GRADIO_TEMP_DIR": str(layout.gradio_tmp / slot.name),
     }
+
+
+@dataclass(frozen=True)
+class MpsDaemon:
+    """One CUDA MPS control daemon (a supervisord program) for the instances on one GPU."""
+
+    gpu: int
+    command: str
+
+    @property
+    def name(self) -> str:
+        return f"mps-gpu{self.gpu}"
+
+
+def mps_daemons(settings: Settings, plan: Plan, layout: Layout, programs: Programs) -> list[MpsDaemon]:
+    """With --mps, one daemon per GPU the plan puts instances on; refused without GPUs."""
+    if not settings.mps:
+        return []
+    gpus = sorted({slot.gpu for slot in plan.slots if slot.gpu is not None})
+    if not gpus:
+        raise RenderError("--mps shares NVIDIA GPUs between instances, and this plan has none (CPU slots): drop --mps")
+    return [
+        MpsDaemon(
+            gpu,
+            shlex.join(
+                [
+                    programs.launcher_python,
+                    "-m",
+                    "cosyvoice_lb.mps",
+                    "--gpu",
+                    str(gpu),
+                    "--pipe-dir",
+                    str(layout.mps_pipe(gpu)),
+                    "--log-dir",
+                    str(layout.mps_log(gpu)),
+                ]
+            ),
+        )
+        for gpu in gpus
+    ]
 
 
 def check(settings: Settings, layout: Layout) -> None:
@@ -208,9 +256,10 @@ def render(
         max_body=parse_size(settings.max_body),
         timeouts=timeouts,
         instance_command=lambda slot: shlex.join(
-            instance_command(settings, layout, programs, slot, peers=len(plan.slots))
+            instance_command(settings, layout, programs, slot, peers=plan.roles.serving)
         ),
-        instance_env=lambda slot: instance_env(layout, slot),
+        instance_env=lambda slot: instance_env(layout, slot, settings),
+        mps_daemons=mps_daemons(settings, plan, layout, programs),
         health_command=shlex.join(
             [programs.launcher_python, "-m", "cosyvoice_lb.health_loop", "--state-dir", str(layout.root)]
         ),
@@ -237,9 +286,24 @@ def cluster_json(settings: Settings, plan: Plan) -> str:
         for slot in plan.as_dict()["slots"]
     ]
     return (
-        json.dumps({"settings": json.loads(settings.to_json()), "plan": {"mode": plan.mode, "slots": slots}}, indent=2)
+        json.dumps(
+            {
+                "settings": json.loads(settings.to_json()),
+                "plan": {"mode": plan.mode, "slots": slots, "pool": plan.roles.as_dict()},
+            },
+            indent=2,
+        )
         + "\n"
     )
+
+
+def read_pool(text: str) -> Pool:
+    """How the slots of ``cluster.json`` are used (a cluster rendered before pools: all serve)."""
+    data = json.loads(text)["plan"]
+    pool = data.get("pool")
+    if not isinstance(pool, dict):
+        return Pool(serving=len(data["slots"]))
+    return Pool(serving=int(pool["serving"]), spares=int(pool["spares"]), min_serving=int(pool["min_serving"]))
 
 
 def read_cluster_json(text: str) -> tuple[Settings, tuple[Slot, ...]]:

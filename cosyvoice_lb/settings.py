@@ -209,13 +209,25 @@ class Settings:
         check=not_negative,
         instance="simulated",
     )
+    simulated_load_seconds: float = setting(
+        0.0,
+        "--engine simulated: seconds its model load takes (CosyVoice3 takes minutes), for roll-out benchmarks.",
+        type=float,
+        check=not_negative,
+        instance="simulated",
+    )
     simulated_faults: bool = setting(
         False,
         "--engine simulated: a text holding CRASH-NOW kills the instance, HANG-NOW hangs it (chaos runs).",
         is_flag=True,
         instance="simulated",
     )
-    instances: str = setting("auto", "How many instances: a number, or 'auto' for as many as fit.", metavar="N|auto")
+    instances: str = setting(
+        "auto",
+        "How many instances serve: a number, or 'auto' for as many as fit (less --spares); "
+        "with --min-instances, the most that serve.",
+        metavar="N|auto",
+    )
     gpus: str = setting(
         "",
         "Plan for these GPUs instead of asking NVML, e.g. 24GiB,24GiB (a card's total; free is taken as total).",
@@ -231,7 +243,39 @@ class Settings:
         "1GiB", "Memory kept free on every GPU (and in RAM on a CPU-only box).", metavar="SIZE", check=size
     )
     max_instances: int = setting(
-        0, "Never plan more than this many instances (0: no cap).", type=int, check=at_least(0)
+        0,
+        "Never plan more than this many instances, spares and surge slots included (0: no cap).",
+        type=int,
+        check=at_least(0),
+    )
+    min_instances: int = setting(
+        0,
+        "Elastic instances: serve with at least this many, adding one (up to --instances, or as many as fit) "
+        "when every instance "
+        "has had a queue for --scale-up-after, and stopping one (its memory freed) after --idle-release "
+        "without requests (0: a fixed number).",
+        type=int,
+        check=at_least(0),
+    )
+    scale_up_after: float = setting(
+        30.0, "Elastic: seconds every instance has had a queue before one more starts.", type=float, check=above_zero
+    )
+    idle_release: float = setting(
+        600.0, "Elastic: seconds without requests before one instance is stopped.", type=float, check=above_zero
+    )
+    spares: int = setting(
+        0,
+        "Warm spares: loaded instances kept out of rotation; one enters it within a probe interval when an "
+        "instance is taken out (hang, crash, recycle), and the replacement loads in the background.",
+        type=int,
+        check=at_least(0),
+    )
+    surge: int = setting(
+        0,
+        "Roll-outs (up with changed settings, restart --rolling) start up to N replacements on spare ports, "
+        "put them in rotation, and only then drain the old ones; the slots are planned where memory allows.",
+        type=int,
+        check=at_least(0),
     )
     force: bool = setting(False, "Start --instances N even when fewer fit.", is_flag=True)
     base_port: int = setting(
@@ -365,6 +409,18 @@ class Settings:
         metavar="SIZE",
         check=size,
         instance=True,
+    )
+    mps: bool = setting(
+        False,
+        "GPU boxes: one CUDA MPS control daemon per GPU, so the instances' kernels run concurrently "
+        "instead of time-slicing the card.",
+        is_flag=True,
+    )
+    mps_thread_percentage: int = setting(
+        0,
+        "With --mps: the share of a GPU's SMs one instance may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 0: all).",
+        type=int,
+        check=lambda flag, value: "" if 0 <= value <= 100 else f"{flag} must be 0..100 (percent), got {value}",
     )
     stagger: bool = setting(
         False,
@@ -523,6 +579,13 @@ def problems(settings: Settings) -> list[str]:
         found.append(f"--public and --host {settings.host} contradict each other: drop one")
     if settings.no_auth and (settings.api_token_file or settings.ui_auth):
         found.append("--no-auth with --api-token-file or --ui-auth: drop --no-auth to require the credentials")
+    if settings.mps_thread_percentage and not settings.mps:
+        found.append("--mps-thread-percentage needs --mps: add --mps, or drop the percentage")
+    if settings.min_instances and settings.max_instances and settings.min_instances > settings.max_instances:
+        found.append(
+            f"--min-instances {settings.min_instances} is above --max-instances {settings.max_instances}: "
+            "lower one of them"
+        )
     if settings.max_long_chars and settings.max_long_chars < settings.max_chars:
         found.append(
             f"--max-long-chars {settings.max_long_chars} is below --max-chars {settings.max_chars}: raise it, "
@@ -613,6 +676,9 @@ PLAN_OPTIONS = (
     "footprint",
     "reserve",
     "max_instances",
+    "min_instances",
+    "spares",
+    "surge",
     "force",
     "base_port",
     "state_dir",

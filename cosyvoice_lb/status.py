@@ -11,11 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import processes
-from .configs import recorded
+from .configs import recorded, recorded_pool
 from .credentials import admin_token_path, open_warning
 from .gpu import GpuReading, gpu_readings, process_gpu_memory
 from .layout import Layout
-from .planner import Slot
+from .planner import Pool, Slot
+from .pool import PARKED, SPARE
 from .probe import Prober
 from .protocol import drained_by_hand, read_report, starts_count
 from .settings import Settings
@@ -44,6 +45,8 @@ class InstanceStatus:
     failed_at: float = 0.0
     gpu_memory: int = 0  # bytes NVML says this process holds; 0 without a GPU (or pids NVML cannot see)
     drained: bool = False  # drained by hand: out of rotation on purpose until undrained
+    spare: bool = False  # a warm spare: ready, out of rotation until an instance is taken out
+    parked: bool = False  # a slot not started on purpose (for surges; scaled in)
 
     @property
     def serving(self) -> bool:
@@ -51,8 +54,9 @@ class InstanceStatus:
 
     @property
     def available(self) -> bool:
-        """Up and ready, and in rotation unless drained by hand (what a start waits for)."""
-        return self.state == "RUNNING" and self.ready and (self.in_rotation or self.drained)
+        """Up and ready, and in rotation unless drained by hand or a warm spare (what a
+        start waits for)."""
+        return self.state == "RUNNING" and self.ready and (self.in_rotation or self.drained or self.spare)
 
 
 @dataclass
@@ -69,6 +73,8 @@ class ClusterStatus:
     warnings: list[str] = field(default_factory=list)  # works, but defeats a guarantee
     unanswered: bool = False  # supervisord's socket is there but it does not answer
     gpus: list[GpuReading] = field(default_factory=list)  # the cards visible here, read now; none without NVML
+    pool: dict = field(default_factory=dict)  # wanted in rotation, spares, surge, elastic scale (health.json)
+    daemons: dict = field(default_factory=dict)  # CUDA MPS control daemons (--mps): name -> state, pid
 
     @property
     def exit_code(self) -> int:
@@ -94,6 +100,8 @@ class ClusterStatus:
             "access": self.access,
             "warnings": self.warnings,
             "gpus": [g.as_dict() for g in self.gpus],
+            "pool": self.pool,
+            "daemons": self.daemons,
         }
 
 
@@ -182,6 +190,7 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
         failed = track.get("failed", "") or (
             "failed: supervisord gave up starting it" if proc and proc.state == "FATAL" else ""
         )
+        parked = proc is not None and proc.state == "STOPPED" and not failed
         item = InstanceStatus(
             name=slot.name,
             port=slot.port,
@@ -198,13 +207,19 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
             failed=failed,
             failed_at=float(track.get("failed_at", 0.0)) if track.get("failed") else 0.0,
             drained=drained_by_hand(layout, slot.name),
+            spare=ready and not in_rotation and track.get("reason") == SPARE,
+            parked=parked,
         )
+        if parked:
+            item.reason = PARKED
         result.instances.append(item)
         if failed:
             result.problems.append(
                 f"{slot.name} {failed}; see 'cosyvoice-lb logs {slot.name}', fix the cause, "
                 f"then 'cosyvoice-lb restart {slot.name}'"
             )
+        elif parked or item.spare:  # on purpose: said in the pool line
+            pass
         elif item.state != "RUNNING" or not ready:
             result.problems.append(f"{slot.name} is {item.state.lower()}{'' if ready else ', not ready'}")
         elif item.drained:  # on purpose: said, not a problem
@@ -219,6 +234,12 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
         setattr(result, name, {"state": state, "pid": proc.pid if proc else 0})
         if state != "RUNNING":
             result.problems.append(f"{name} is {state.lower()}")
+    for name, proc in sorted(programs.items()):
+        if name.startswith("mps-gpu"):
+            result.daemons[name] = {"state": proc.state, "pid": proc.pid}
+            if proc.state != "RUNNING":
+                result.problems.append(f"{name} (CUDA MPS) is {proc.state.lower()}: see 'cosyvoice-lb logs {name}'")
+    result.pool = pool_summary(recorded_pool(layout, slots), health.get("pool", {}), result.instances)
     result.nginx.update(port=settings.port, url=result.url, answers=answer)
     if result.nginx["state"] == "RUNNING" and answer == 0:
         result.problems.append(f"nginx does not answer on {result.url}")
@@ -229,6 +250,41 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
     result.report = failure_report(layout, result)
     read_gpus(result, telemetry)
     return result
+
+
+def pool_summary(pool: Pool, reported: dict, instances: list[InstanceStatus]) -> dict:
+    """How many serve of how many wanted, the spares, the parked slots, a roll-out's surge and
+    the elastic scale with its latest decisions (from the health loop's report)."""
+    scale = reported.get("scale") if isinstance(reported.get("scale"), dict) else None
+    return {
+        "wanted": int(reported.get("wanted", pool.serving)),
+        "in_rotation": sum(1 for i in instances if i.serving),
+        "spares": sum(1 for i in instances if i.spare),
+        "spares_wanted": pool.spares,
+        "parked": sum(1 for i in instances if i.parked),
+        "surge": int(reported.get("surge", 0)),
+        "elastic": {"min": pool.min_serving, "max": pool.serving} if pool.elastic else None,
+        "decisions": scale.get("decisions", [])[-3:] if scale else [],
+    }
+
+
+def pool_line(pool: dict) -> str:
+    """The pool in words, for `status`."""
+    if not pool:
+        return ""
+    words = f"pool: {pool['in_rotation']} in rotation of {pool['wanted']} wanted"
+    if pool.get("elastic"):
+        words += f" (elastic {pool['elastic']['min']}..{pool['elastic']['max']})"
+    if pool.get("surge"):
+        words += f", +{pool['surge']} for a roll-out under way"
+    if pool.get("spares_wanted") or pool.get("spares"):
+        words += f"; {pool['spares']} of {pool['spares_wanted']} warm spare(s) ready"
+    if pool.get("parked"):
+        words += f"; {pool['parked']} parked slot(s)"
+    for decision in pool.get("decisions", []):
+        when = time.strftime("%H:%M:%S", time.localtime(float(decision.get("at", 0))))
+        words += f"\n  {when} {decision.get('reason', '')} -> {decision.get('target')}"
+    return words
 
 
 def read_gpus(result: ClusterStatus, telemetry: Telemetry) -> None:

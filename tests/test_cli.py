@@ -264,3 +264,33 @@ def test_status_watch_and_json_do_not_go_together(state_dir):
 def test_status_help_names_the_watch_variables():
     text = cli("status", "--help").stdout
     assert "COSYVOICE_LB_WATCH" in text and "COSYVOICE_LB_INTERVAL" in text
+
+
+def test_plan_shows_each_slots_role_at_up():
+    done = cli("plan", "--gpus", "24GiB", "--instances", "2", "--min-instances", "1", "--spares", "1",
+               "--surge", "2")
+    assert done.returncode == 0, done.stderr
+    roles = [line.split("│")[5].strip() for line in done.stdout.splitlines() if "instance-" in line]
+    # one 24 GiB card holds 4: the surge gets 1 of the 2 asked for, and the plan says so
+    assert roles == ["serving", "warm spare", "parked (elastic)", "parked (surge)"]
+    assert "--surge 2: room for 1 parked slot(s)" in done.stdout
+
+
+def test_pool_settings_that_contradict_are_refused_with_the_fix(state_dir):
+    done = cli("plan", "--gpus", "24GiB", "--instances", "4", "--spares", "1")
+    assert done.returncode != 0 and "4 instances and 1 spare requested but only 4 fit" in done.stderr
+    done = cli("plan", "--gpus", "24GiB", "--instances", "2", "--min-instances", "3")
+    assert done.returncode != 0 and "--min-instances 3 is above the 2 instances planned to serve" in done.stderr
+    done = cli("render", "--state-dir", str(state_dir), "--min-instances", "3", "--max-instances", "2")
+    assert done.returncode != 0 and "--min-instances 3 is above --max-instances 2" in done.stderr
+    done = cli("render", "--state-dir", str(state_dir), "--mps-thread-percentage", "50")
+    assert done.returncode != 0 and "--mps-thread-percentage needs --mps" in done.stderr
+    done = cli("render", "--state-dir", str(state_dir), "--mps")
+    assert done.returncode != 0 and "--mps shares NVIDIA GPUs between instances, and this plan has none" in done.stderr
+
+
+def test_up_with_mps_on_a_box_without_the_nvidia_driver_is_refused_before_anything_starts(state_dir):
+    done = cli("up", "--state-dir", str(state_dir), "--mps", "--gpus", "24GiB", "--port", "1")
+    assert done.returncode != 0
+    assert "--mps needs the NVIDIA driver: /proc/driver/nvidia/version is missing" in done.stderr
+    assert not (state_dir / "run" / "supervisord.conf").exists()

@@ -84,6 +84,17 @@ def test_a_drained_instance_says_so():
     assert samples(view(drained=True))[("cosyvoice_lb_instance_drained", (("name", "instance-1"),))] == 1
 
 
+def test_the_pool_says_how_many_are_wanted_and_each_role():
+    v = view()
+    v.status.pool = {"wanted": 3, "surge": 1, "in_rotation": 4, "spares": 1, "parked": 2}
+    found = samples(v)
+    assert found[("cosyvoice_lb_instances_wanted", ())] == 4  # a roll-out's surge included
+    roles = {dict(labels)["role"]: value for (name, labels), value in found.items()
+             if name == "cosyvoice_lb_instances_by_role"}
+    assert roles == {"in_rotation": 4, "spare": 1, "parked": 2}
+    assert "cosyvoice_lb_instances_wanted" not in scrape(view())  # (no pool read: nothing said)
+
+
 def test_without_a_gpu_the_gpu_families_are_absent_not_zero():
     text = scrape(view())
     assert "cosyvoice_lb_gpu" not in text and "gpu_memory" not in text

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from cosyvoice_lb.health import Policy, Track, judge
+from cosyvoice_lb.pool import PARKED
 from cosyvoice_lb.probe import Probe
 from cosyvoice_lb.protocol import DrainAction
 from cosyvoice_lb.settings import Settings
@@ -280,7 +281,8 @@ def test_a_process_that_is_not_running_is_out_of_rotation_without_a_restart(stat
     assert not verdict.track.in_rotation
     assert (verdict.track.fails, verdict.track.goods, verdict.track.pid, verdict.track.ever_ready) == (0, 0, 0, False)
     assert verdict.track.restarts == 4
-    assert verdict.track.reason == f"process {(state or 'missing').lower()}"
+    # (stopped on purpose, by the launcher or the elastic scaler: a parked slot)
+    assert verdict.track.reason == (PARKED if state == "STOPPED" else f"process {(state or 'missing').lower()}")
 
 
 def test_running_without_a_pid_counts_as_not_running():

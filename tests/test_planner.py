@@ -423,7 +423,7 @@ def test_as_dict_json_shape():
     p = plan(cards(24, 12), budget(max_instances=3))
     data = json.loads(json.dumps(p.as_dict()))  # survives JSON unchanged
     assert data == p.as_dict()
-    assert set(data) == {"slots", "mode", "capacity", "devices", "notes"}
+    assert set(data) == {"slots", "mode", "capacity", "devices", "notes", "serving", "spares", "min_serving", "surge"}
     assert data["mode"] == "gpu" and data["capacity"] == 3
     assert data["slots"] == [
         {"name": "instance-0", "index": 0, "port": 7860, "gpu": 0, "memory": 5 * GiB, "device": "gpu0"},

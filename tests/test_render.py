@@ -22,15 +22,16 @@ import pytest
 from supervisor.datatypes import RestartUnconditionally, dict_of_key_value_pairs
 from supervisor.options import ServerOptions
 
-from cosyvoice_lb.planner import GiB, MiB, Budget, Gpu, Inventory, plan
 from cosyvoice_lb.credentials import write_segment_key
 from cosyvoice_lb.layout import Layout
+from cosyvoice_lb.planner import Budget, GiB, Gpu, Inventory, MiB, plan
 from cosyvoice_lb.render import (
     MAX_SOCKET_PATH,
     Programs,
     RenderError,
     check,
     read_cluster_json,
+    read_pool,
     render,
     render_upstreams,
 )
@@ -80,13 +81,13 @@ _TOKEN = re.compile(r"""\s+|#[^\n]*|"((?:\\.|[^"\\])*)"|'((?:\\.|[^'\\])*)'|([{}
 class Directive:
     name: str
     args: list[str]
-    block: list["Directive"] | None = None
+    block: list[Directive] | None = None
 
-    def all(self, name: str, *args: str) -> list["Directive"]:
+    def all(self, name: str, *args: str) -> list[Directive]:
         """Directives of this block called ``name`` whose arguments start with ``args``."""
         return [d for d in self.block or [] if d.name == name and d.args[:len(args)] == list(args)]
 
-    def one(self, name: str, *args: str) -> "Directive":
+    def one(self, name: str, *args: str) -> Directive:
         found = self.all(name, *args)
         assert len(found) == 1, f"expected one {name} {args}, found {len(found)}"
         return found[0]
@@ -169,7 +170,8 @@ def test_supervisord_conf_has_one_program_per_slot(kind):
         assert env["GRADIO_TEMP_DIR"] == f"{SHORT}/run/gradio/{slot.name}"
         assert env["PYTHONUNBUFFERED"] == "1"
         assert section["autorestart"] == "true"
-        assert section["autostart"] == "true"
+        # the launcher starts them (those that serve, the spares); the rest stay parked
+        assert section["autostart"] == "false"
         assert section["startretries"] == "7"
         assert section["stopwaitsecs"] == "17"  # drain_timeout + 5
         assert section["stdout_logfile"] == f"{SHORT}/logs/{slot.name}.log"
@@ -181,11 +183,12 @@ def test_supervisord_conf_has_one_program_per_slot(kind):
 
 
 @pytest.mark.parametrize("engine, flags", [
-    ("simulated", ["--simulated-ms-per-char", "2.5", "--simulated-base-ms", "30.0"]),
+    ("simulated", ["--simulated-ms-per-char", "2.5", "--simulated-base-ms", "30.0", "--simulated-load-seconds", "20.0"]),
     ("espeak", []),
 ])
 def test_the_simulated_engine_gets_its_service_time_and_nothing_else_does(engine, flags):
-    settings = Settings(engine=engine, simulated_ms_per_char=2.5, simulated_base_ms=30.0, request_timeout=42.0)
+    settings = Settings(engine=engine, simulated_ms_per_char=2.5, simulated_base_ms=30.0, simulated_load_seconds=20.0,
+                        request_timeout=42.0)
     conf = supervisor_sections(rendered(settings=settings)["run/supervisord.conf"])
     argv = shlex.split(conf["program:instance-0"]["command"])
     assert argv[argv.index("--engine") + 1] == engine
@@ -479,7 +482,8 @@ def test_cluster_json_round_trips_settings_and_slots(kind):
     assert data["plan"]["mode"] == the_plan.mode
     assert [s["port"] for s in data["plan"]["slots"]] == [s.port for s in the_plan.slots]
     # nothing that changes between two renders of the same cluster (free memory, notes)
-    assert set(data["plan"]) == {"mode", "slots"}
+    assert set(data["plan"]) == {"mode", "slots", "pool"}
+    assert read_pool(text) == the_plan.roles
     assert data["settings"]["port"] == 9000
 
 
@@ -696,3 +700,52 @@ def test_stub_status_answers_this_box_only(host, extra):
     assert status.values("stub_status") == [[]]
     allowed = [a[0] for a in status.values("allow")]
     assert allowed == ["127.0.0.1", "::1"] + ([extra] if extra else []) and status.values("deny") == [["all"]]
+
+
+# --- pools and CUDA MPS ------------------------------------------------------------------------
+
+
+def test_parked_slots_are_programs_too_and_instances_count_their_peers_without_them(tmp_path_factory):
+    inventory = Inventory(gpus=(Gpu(0, 24 * GiB, 24 * GiB),), cpu_cores=8, ram_total=64 * GiB, ram_available=64 * GiB)
+    the_plan = plan(inventory, Budget(5 * GiB, 512 * MiB), instances=2, spares=1, surge=1)
+    files = rendered(settings=Settings(max_long_chars=2000), the_plan=the_plan)
+    conf = supervisor_sections(files["run/supervisord.conf"])
+    for slot in the_plan.slots:
+        argv = shlex.split(conf[f"program:{slot.name}"]["command"])
+        assert argv[argv.index("--peers") + 1] == "2"  # long texts spread over those that serve
+    assert read_pool(files["run/cluster.json"]).started == 3
+    assert files["nginx/upstreams.conf"].count("# instance-3") == 3
+
+
+@pytest.mark.parametrize("state_dir", ["cvlb-mps-"], indirect=True)
+def test_mps_runs_one_daemon_per_gpu_and_points_each_instance_at_its_cards(state_dir):
+    the_plan = gpu_plan()  # gpu 0, 1, 0
+    settings = Settings(mps=True, mps_thread_percentage=40)
+    write(state_dir, rendered(state_dir, settings=settings, the_plan=the_plan))
+    options = load_in_supervisor(Layout(state_dir).supervisord_conf)
+    programs = {p.name: p for group in options.process_group_configs for p in group.process_configs}
+    assert {"mps-gpu0", "mps-gpu1"} <= set(programs)
+    for gpu in (0, 1):
+        daemon = programs[f"mps-gpu{gpu}"]
+        argv = shlex.split(daemon.command)
+        assert argv[1:3] == ["-m", "cosyvoice_lb.mps"]
+        assert argv[argv.index("--gpu") + 1] == str(gpu)
+        assert argv[argv.index("--pipe-dir") + 1] == str(state_dir / "run" / f"mps-gpu{gpu}")
+        # up before the instances, down after them (supervisord stops by descending priority)
+        assert daemon.priority < programs["nginx"].priority < programs["instance-0"].priority
+    for slot in the_plan.slots:
+        env = programs[slot.name].environment
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(state_dir / "run" / f"mps-gpu{slot.gpu}")
+        assert env["CUDA_MPS_LOG_DIRECTORY"] == str(state_dir / "logs" / f"mps-gpu{slot.gpu}")
+        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+        assert env["CUDA_VISIBLE_DEVICES"] == str(slot.gpu)
+
+
+def test_without_mps_nothing_of_it_is_rendered():
+    text = rendered(settings=Settings())["run/supervisord.conf"]
+    assert "mps" not in text.lower()
+
+
+def test_mps_on_a_plan_without_gpus_is_refused():
+    with pytest.raises(RenderError, match="--mps shares NVIDIA GPUs between instances, and this plan has none"):
+        rendered(settings=Settings(mps=True), the_plan=cpu_plan())

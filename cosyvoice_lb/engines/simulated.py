@@ -29,17 +29,22 @@ class SimulatedEngine:
     modes = ("sft",)
 
     def __init__(
-        self, simulated_ms_per_char: float = 4.0, simulated_base_ms: float = 0.0, simulated_faults: bool = False
+        self,
+        simulated_ms_per_char: float = 4.0,
+        simulated_base_ms: float = 0.0,
+        simulated_faults: bool = False,
+        simulated_load_seconds: float = 0.0,
     ):
         self.per_char = simulated_ms_per_char / 1000
         self.base = simulated_base_ms / 1000
         self.faults = simulated_faults
+        self.load_seconds = simulated_load_seconds
 
     def speakers(self) -> list[str]:
         return []
 
     def load(self) -> None:
-        pass
+        time.sleep(self.load_seconds)  # as a model's weights loading: the instance is not ready meanwhile
 
     def service_seconds(self, text: str) -> float:
         return self.base + self.per_char * len(text)

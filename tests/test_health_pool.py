@@ -1,0 +1,213 @@
+"""The health loop with a pool (cosyvoice_lb/health_loop.py): warm spares take an empty
+place in the step that empties it, a surge roll-out lets more into rotation, and elastic
+instances start parked slots and drain and stop one when idle.
+
+Driven step by step against the scripted fakes of test_health_loop (supervisord, probes,
+host, clock); the state dir is real.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+
+import pytest
+from test_health_loop import READY, Clock, FakeHost, FakeSupervisor
+
+from cosyvoice_lb import protocol
+from cosyvoice_lb.health import pick_recycle
+from cosyvoice_lb.health_loop import HealthLoop
+from cosyvoice_lb.layout import Layout
+from cosyvoice_lb.planner import Pool, Slot
+from cosyvoice_lb.pool import PARKED, SPARE
+from cosyvoice_lb.probe import Probe
+from cosyvoice_lb.protocol import DrainAction
+from cosyvoice_lb.settings import Settings
+
+SLOTS = tuple(Slot(i, 7860 + i, None, 0) for i in range(4))
+NAMES = [s.name for s in SLOTS]
+I0, I1, I2, I3 = NAMES
+BUSY = Probe("ready", inflight=1, waiting=2, busy_seconds=0.1)
+
+
+class Prober:
+    def __init__(self):
+        self.answers = {s.port: READY for s in SLOTS}
+
+    def set(self, name: str, probe: Probe) -> None:
+        self.answers[SLOTS[NAMES.index(name)].port] = probe
+
+    def probe(self, port: int, timeout: float) -> Probe:
+        return self.answers[port]
+
+
+class Rig:
+    def __init__(self, tmp_path, pool: Pool, running: int, room=None, **changes):
+        self.layout = Layout(tmp_path)
+        self.layout.run.mkdir(exist_ok=True)
+        self.layout.nginx_dir.mkdir(exist_ok=True)
+        self.clock, self.prober = Clock(), Prober()
+        self.sup = FakeSupervisor(self.clock)
+        del self.sup.procs["instance-0"], self.sup.procs["instance-1"]
+        self.settings = Settings(probe_interval=1.0, fail_threshold=2, recover_threshold=2, start_retries=2, **changes)
+        self.room_asked: list[tuple[list[str], list[str]]] = []
+
+        def every_parked(running, parked):
+            self.room_asked.append(([s.name for s in running], [s.name for s in parked]))
+            return list(parked)
+
+        for i, slot in enumerate(SLOTS):
+            if i < running:
+                self.start(slot.name, 100 + i)
+            else:
+                self.sup.set(slot.name, "STOPPED")
+        self.loop = HealthLoop(
+            self.layout, self.settings, SLOTS, self.sup, self.prober, FakeHost(), clock=self.clock,
+            rng=random.Random(0), pool=pool, room=room or every_parked,
+        )
+
+    def start(self, name: str, pid: int) -> None:
+        with self.layout.starts(name).open("a") as starts:
+            starts.write(f"{pid}\n")
+        self.sup.set(name, "RUNNING", pid, uptime=1.0)
+
+    def step(self, times: int = 1) -> None:
+        for _ in range(times):
+            self.clock.now += self.settings.probe_interval
+            self.loop.step()
+
+    def serving(self) -> list[str]:
+        """In nginx's rotation, as upstreams.conf says (cvlb_api)."""
+        api = self.layout.upstreams_conf.read_text().split("upstream cvlb_ui")[0]
+        return [name for mark, name in re.findall(r"max_fails=0( down)?;\s+# (\S+)", api) if not mark]
+
+    def reason(self, name: str) -> str:
+        return self.loop.tracks[name].reason
+
+
+@pytest.fixture
+def rigs():
+    made = []
+
+    def make(*args, **kwargs) -> Rig:
+        rig = Rig(*args, **kwargs)
+        made.append(rig)
+        return rig
+
+    yield make
+    for rig in made:
+        rig.loop.pool.shutdown()
+
+
+def test_a_warm_spare_takes_a_crashed_instances_place_in_the_same_step(tmp_path, rigs):
+    rig = rigs(tmp_path, Pool(serving=2, spares=1), running=3)
+    rig.step(2)
+    assert rig.serving() == [I0, I1]
+    assert rig.reason(I2) == SPARE and rig.reason(I3) == PARKED
+    assert protocol.report_pool(rig.layout)["wanted"] == 2
+
+    rig.sup.set(I0, "BACKOFF")  # it crashed; supervisord brings it back
+    rig.step()
+    assert rig.serving() == [I1, I2]  # never fewer than 2 in the rotation nginx reads
+
+    rig.start(I0, 200)
+    rig.step(2)  # loaded again and ready: it is the spare now
+    assert rig.serving() == [I1, I2]
+    assert rig.reason(I0) == SPARE
+    assert not rig.loop.tracks[I0].in_rotation
+
+
+def test_a_spare_is_not_recycled_away_nor_holds_up_recycling(tmp_path, rigs):
+    rig = rigs(tmp_path, Pool(serving=2, spares=1), running=3, max_requests=10)
+    rig.step(2)
+    rig.prober.set(I0, Probe("ready", served=11))
+    rig.step()
+    track = rig.loop.tracks[I0]
+    assert track.drain_signal is DrainAction.TERM and track.reason.startswith("recycling")
+    assert rig.serving() == [I1, I2]
+
+
+def test_a_surge_roll_out_lets_more_serve_and_its_end_gives_the_last_one_back(tmp_path, rigs):
+    rig = rigs(tmp_path, Pool(serving=2), running=2)
+    rig.step(2)
+    protocol.start_rollout(rig.layout, 1)
+    rig.start(I2, 300)  # the launcher starts the replacement on a parked slot
+    rig.step(2)
+    assert rig.serving() == [I0, I1, I2]
+    assert protocol.report_pool(rig.layout)["surge"] == 1
+    protocol.ask_drain(rig.layout, I0, DrainAction.HOLD)  # the old one goes
+    rig.step()
+    assert rig.serving() == [I1, I2]
+    protocol.end_rollout(rig.layout)
+    rig.step()
+    assert rig.serving() == [I1, I2]
+
+
+def test_elastic_starts_a_parked_slot_after_a_busy_period_and_stops_one_when_idle(tmp_path, rigs, caplog):
+    caplog.set_level(logging.INFO, logger="cosyvoice_lb.health")
+    rig = rigs(tmp_path, Pool(serving=3, min_serving=1), running=1, scale_up_after=3, idle_release=5)
+    rig.step(2)
+    assert rig.serving() == [I0] and rig.loop.scale.target == 1
+    rig.prober.set(I0, BUSY)
+    rig.step(3)
+    assert ("start", I1, False) not in rig.sup.calls
+    rig.step()
+    assert rig.loop.scale.target == 2
+    assert ("start", I1, False) in rig.sup.calls and ("start", I2, False) not in rig.sup.calls
+    assert rig.room_asked[-1] == ([I0], [I1, I2, I3])
+    assert "elastic: scale out: all 1 instance(s) in rotation had a queue" in caplog.text
+    decisions = protocol.report_pool(rig.layout)["scale"]["decisions"]
+    assert decisions[-1]["target"] == 2 and decisions[-1]["reason"].startswith("scale out")
+
+    rig.start(I1, 301)  # loading: no second decision meanwhile, however busy
+    rig.prober.set(I1, Probe("loading"))
+    rig.step(6)
+    assert rig.loop.scale.target == 2
+    rig.prober.set(I1, READY)
+    rig.step(2)
+    assert rig.serving() == [I0, I1]
+
+    rig.prober.set(I0, READY)  # idle from now
+    rig.step(5)
+    assert rig.loop.scale.target == 2
+    rig.step()
+    assert rig.loop.scale.target == 1
+    track = rig.loop.tracks[I1]  # the last in rotation goes, drained first
+    assert track.drain_signal is DrainAction.STOP and not track.in_rotation
+    assert rig.serving() == [I0]
+    rig.step()
+    assert ("stop", I1, False) in rig.sup.calls
+    rig.sup.set(I1, "STOPPED")
+    rig.step()
+    assert rig.reason(I1) == PARKED and rig.loop.tracks[I1].ordered == {"scaled_in": 1}
+    assert rig.loop.tracks[I1].crashes == 0
+
+
+def test_elastic_without_memory_for_a_parked_slot_says_so_once(tmp_path, rigs, caplog):
+    caplog.set_level(logging.INFO, logger="cosyvoice_lb.health")
+    rig = rigs(tmp_path, Pool(serving=3, min_serving=1), running=1, room=lambda running, parked: [],
+               scale_up_after=2, idle_release=600)
+    rig.step(2)
+    rig.prober.set(I0, BUSY)
+    rig.step(6)
+    assert not [c for c in rig.sup.calls if c[0] == "start"]
+    assert caplog.text.count("no parked slot has memory for one now") == 1
+
+
+def test_no_scaling_during_a_roll_out(tmp_path, rigs):
+    rig = rigs(tmp_path, Pool(serving=3, min_serving=1), running=1, scale_up_after=2)
+    rig.step(2)
+    protocol.start_rollout(rig.layout, 1)
+    rig.prober.set(I0, BUSY)
+    rig.step(6)
+    assert rig.loop.scale.target == 1 and not [c for c in rig.sup.calls if c[0] == "start"]
+
+
+def test_pick_recycle_counts_spares_and_parked_slots_aside():
+    from cosyvoice_lb.health import Track
+
+    tracks = {I0: Track(in_rotation=True), I1: Track(in_rotation=True), I2: Track(reason=SPARE), I3: Track()}
+    due = {I0: "served 11 requests", I1: "", I2: "", I3: ""}
+    assert pick_recycle(due, tracks, {}) is None  # without knowing, a spare looks like a missing instance
+    assert pick_recycle(due, tracks, {}, standing_by=frozenset({I2, I3})) == (I0, "served 11 requests")
