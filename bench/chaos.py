@@ -273,10 +273,17 @@ class Load:
     """K client threads, each with its own session, posting /v1/tts until stopped or
     ``limit`` requests were made. Every request is recorded."""
 
-    def __init__(self, url: str, clients: int, limit: int = MAX_REQUESTS):
+    def __init__(
+        self,
+        url: str,
+        clients: int,
+        limit: int = MAX_REQUESTS,
+        seconds: float = SCENARIO_CAP_S + CLIENT_TIMEOUT_S,
+        texts: tuple[str, ...] = SENTENCES,
+    ):
         self.url = url + "/v1/tts"
-        self.limit = limit
-        self.deadline = time.monotonic() + SCENARIO_CAP_S + CLIENT_TIMEOUT_S
+        self.limit, self.texts = limit, texts
+        self.deadline = time.monotonic() + seconds
         self.records: list[Request] = []
         self.issued = 0
         self.lock = threading.Lock()
@@ -307,7 +314,7 @@ class Load:
         turn = 0
         try:
             while self.take_turn():
-                text = SENTENCES[(index * 5 + turn) % len(SENTENCES)]
+                text = self.texts[(index * 5 + turn) % len(self.texts)]
                 turn += 1
                 record = self.post(session, text)
                 with self.lock:
