@@ -28,7 +28,7 @@ from .configs import render_only
 from .credentials import access_of, admin_token_path, open_warning
 from .errors import ClusterError
 from .layout import Layout, layout_for
-from .planner import PlanError, Pool, format_size
+from .planner import PlanError, format_size
 from .render import RenderError
 from .render import warnings as render_warnings
 from .settings import CLUSTER_OPTIONS, PLAN_OPTIONS, Settings, absolute, envvar, flag
@@ -115,7 +115,7 @@ def plan_command(as_json: bool, **kwargs: Any) -> None:
     table = Table(title=f"cosyvoice-lb plan: {len(result.slots)} instance(s), engine {settings.resolved_engine}")
     for column in ("instance", "device", "memory", "port", "role"):
         table.add_column(column)
-    for slot, role in zip(result.slots, slot_roles(result.roles, len(result.slots))):
+    for slot, role in zip(result.slots, result.roles.at_up(len(result.slots))):
         table.add_row(
             slot.name, "cpu" if slot.gpu is None else f"gpu{slot.gpu}", format_size(slot.memory), str(slot.port), role
         )
@@ -137,19 +137,6 @@ def plan_command(as_json: bool, **kwargs: Any) -> None:
     out.print(f"GPU inventory: {report.gpu_source}; footprint: {report.footprint_source}", highlight=False)
     for note in result.notes:
         out.print(f"note: {note}", highlight=False)
-
-
-def slot_roles(pool: Pool, count: int) -> list[str]:
-    """What each planned slot is at `up` (`up` starts the first ones): serving, a warm spare,
-    or parked: for elastic growth, or for roll-outs' surge. Roles move between slots later
-    (a spare takes an instance's place; a surge replacement an old one's)."""
-    floor = pool.min_serving if pool.elastic else pool.serving
-    return (
-        ["serving"] * floor
-        + ["warm spare"] * pool.spares
-        + ["parked (elastic)"] * (pool.serving - floor)
-        + ["parked (surge)"] * max(0, count - pool.serving - pool.spares)
-    )
 
 
 @main.command("render")

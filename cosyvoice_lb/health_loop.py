@@ -46,7 +46,7 @@ from .health import (
 )
 from .layout import Layout
 from .planner import Pool, Slot
-from .pool import PARKED, SPARE, rotation, spares_of
+from .pool import OCCUPIED, SPARE, is_parked, rotation, spares_of
 from .probe import Probe, Prober
 from .processes import orphan_nginx
 from .protocol import DrainAction
@@ -241,9 +241,11 @@ class HealthLoop:
                 continue
             track, process = self.tracks[slot.name], processes.get(slot.name)
             if process and process.state in ALIVE and not track.draining_since and not track.signalled_at:
-                what = "replaced by the launcher" if action is DrainAction.HOLD else "stopped"
+                what = {DrainAction.HOLD: "replaced by the launcher", DrainAction.STOP: "stopped (parked)"}.get(
+                    action, "stopped"
+                )
                 log.info("%s: restart requested: out of rotation, %s once idle", slot.name, what)
-                kind = "replaced" if action is DrainAction.HOLD else "requested"
+                kind = "replaced" if action in (DrainAction.HOLD, DrainAction.STOP) else "requested"
                 self.tracks[slot.name] = start_drain(track, "restart requested", action, now, kind)
             self.taken.append(slot.name)  # not running, or already on its way: nothing more to do
 
@@ -269,7 +271,7 @@ class HealthLoop:
         standing_by = frozenset(
             name
             for name, t in self.tracks.items()
-            if t.reason in (SPARE, PARKED) or (processes.get(name) and processes[name].state == "STOPPED")
+            if t.reason == SPARE or (name in processes and is_parked(processes[name].state, bool(t.failed)))
         )
         picked = pick_recycle(candidates, self.tracks, uptimes, drained, standing_by)
         if picked:
@@ -298,7 +300,7 @@ class HealthLoop:
         """Elastic: the scaler's next target, then a parked slot started or one instance
         drained and stopped to reach it (never during a roll-out)."""
         assert self.bounds is not None and self.scale is not None
-        alive = {name for name, p in processes.items() if p.state in ALIVE}
+        alive = {name for name, p in processes.items() if p.state in OCCUPIED}
         running = [
             s
             for s in self.slots
@@ -317,9 +319,9 @@ class HealthLoop:
             if stopping
             else ""
         )
-        loads = [
-            Load(probes[s.name].inflight, probes[s.name].waiting) for s in running if self.tracks[s.name].in_rotation
-        ]
+        # (the rotation as last published: a ready spare is eligible again until balance() says no)
+        serving = [s for s in running if s.name in self.serving_before]
+        loads = [Load(probes[s.name].inflight, probes[s.name].waiting) for s in serving]
         decided = decide(self.scale, loads, self.bounds, now, hold)
         if decided.decisions != self.scale.decisions:
             log.info("elastic: %s: %d wanted in rotation", decided.decisions[-1].reason, decided.target)
@@ -331,7 +333,9 @@ class HealthLoop:
             parked = tuple(
                 s
                 for s in self.slots
-                if processes.get(s.name) and processes[s.name].state == "STOPPED" and not self.tracks[s.name].failed
+                if s.name in processes
+                and is_parked(processes[s.name].state, bool(self.tracks[s.name].failed))
+                and not protocol.drained_by_hand(self.layout, s.name)
             )
             startable = self.room(tuple(running), parked)[: desired - len(running)]
             for slot in startable:
@@ -352,7 +356,7 @@ class HealthLoop:
         elif len(running) > desired:
             # Out of rotation first (a spare, or one still loading), else the last in slot order:
             # the one the smaller rotation leaves out anyway.
-            victim = max(running, key=lambda s: (not self.tracks[s.name].in_rotation, s.index))
+            victim = max(running, key=lambda s: (s.name not in self.serving_before, s.index))
             log.info("elastic: draining and stopping %s (%d wanted, %d running)", victim.name, desired, len(running))
             self.tracks[victim.name] = start_drain(
                 self.tracks[victim.name], "scaled in: stopping once idle", DrainAction.STOP, now, "scaled_in"

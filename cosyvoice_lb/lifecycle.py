@@ -28,43 +28,20 @@ from .planner import Pool, Slot
 from .preflight import check_ports, check_tools
 from .protocol import (
     DrainAction,
-    answer_drain,
-    ask_drain,
     clear_cordons,
     clear_drains,
     clear_starts,
     drain_by_hand,
-    drain_pending,
     drained_by_hand,
-    read_report,
-    report_tracks,
+    end_rollout,
     undrain,
 )
 from .rollout import Slots, surge_rollout, surge_room
 from .settings import Settings
-from .status import ESSENTIAL, NO_TELEMETRY, SERVICES, ClusterStatus, failure_report, last_lines, status
+from .status import NO_TELEMETRY, SERVICES, ClusterStatus, failure_report, status
 from .supervision import SupervisionError, Supervisor
 from .timeouts import SUPERVISOR_POLL, SUPERVISOR_SILENT, Timeouts
-
-Report = Callable[["Progress"], None]
-
-
-@dataclass
-class Progress:
-    """What `up` and `restart` report while they wait."""
-
-    ready: int
-    total: int
-    detail: str
-
-
-def loop_reported(layout: Layout, settings: Settings, since: float) -> None:
-    """Wait (bounded) until the health loop has written a report after ``since``: it has
-    then published the rotation for the slots it read at its start."""
-    deadline = time.monotonic() + Timeouts(settings).loop_answer
-    while time.monotonic() < deadline and float(read_report(layout).get("updated", 0)) <= since:
-        time.sleep(0.1)
-
+from .waits import Progress, Report, drain, loop_reported, others_serving, serving_or_fail, wait_serving
 
 # --- up --------------------------------------------------------------------------------
 
@@ -90,6 +67,7 @@ def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progre
         clear_starts(layout)
         clear_drains(layout)
         clear_cordons(layout)
+        end_rollout(layout)
     layout.health_json.unlink(missing_ok=True)
     result, layout, _ = render_to_disk(settings, planned=result)
     # The first ones serve (and wait as spares); the slots past them stay parked for surges.
@@ -137,6 +115,17 @@ def _update(
     result, layout, changed = render_to_disk(settings, own=own, planned=result, live=True)
     if changed:
         added, groups_changed, removed = supervisor.reload()
+        # Slots the plan no longer has may be serving (roles move between slots): parked
+        # slots that stay take over first, and serve (the loop still running knows them)
+        # before the new loop leaves the old ones out.
+        before = Slots.read(layout, supervisor, old_slots)
+        leaving = [s.name for s in before.running if s.name in removed]
+        taking_over = [s.name for s in before.parked if s.name not in removed][: len(leaving)]
+        if taking_over:
+            on_progress(Progress(0, len(taking_over), f"{', '.join(taking_over)} take over from {', '.join(leaving)}"))
+            for name in taking_over:
+                supervisor.start(name)
+            wait_serving(layout, settings, taking_over, on_progress)
         # The health loop reads its slots at start; it re-publishes the rotation at once.
         # (Its program changed, e.g. its command: supervisord takes the new one with the group.)
         restarted = time.time()
@@ -172,8 +161,9 @@ def _update(
         for slot in now.parked:  # nothing runs there: the new config now
             if slot.name in instances_changed:
                 regroup(slot.name)
-        running = [s.name for s in now.running if s.name in instances_changed]
-        free = surge_room(settings, Slots.read(layout, supervisor, result.slots), settings.surge, running)
+        # (drained by hand: out of rotation already, replaced in place without a surge)
+        running = [s.name for s in now.running if s.name in instances_changed and not drained_by_hand(layout, s.name)]
+        free = surge_room(layout, settings, Slots.read(layout, supervisor, result.slots), settings.surge, running)
         if running and free:
             on_progress(Progress(0, len(running), f"surge roll-out: {len(free)} at a time on parked slots"))
             surge_rollout(layout, settings, supervisor, running, free, on_progress, refresh=regroup)
@@ -182,6 +172,7 @@ def _update(
             on_progress(Progress(0, len(running), f"--surge {settings.surge}: {NO_SURGE}; draining first"))
         # Otherwise changed instances are replaced one after another, each serving before the
         # next: out of rotation and idle first (the health loop's drain), then the new config.
+        running += [s.name for s in now.running if s.name in instances_changed and drained_by_hand(layout, s.name)]
         for name in running:
             on_progress(Progress(0, len(running), f"replacing {name} with its new settings"))
             others_serving(layout, settings, name, on_progress)
@@ -189,12 +180,13 @@ def _update(
             regroup(name)
             supervisor.start(name)
             serving_or_fail(layout, settings, [name], on_progress, old)
-        settle_count(layout, settings, supervisor, result.slots, result.roles, on_progress)
         if tightening:
             supervisor.signal("nginx", "HUP")
         if "nginx" in groups_changed:
             supervisor.remove_group("nginx")
             supervisor.add_group("nginx")
+    # (also with nothing changed: a slot stopped by hand, or an interrupted restart, is started)
+    settle_count(layout, settings, supervisor, result.slots, result.roles, on_progress)
     names = [s.name for s in Slots.read(layout, supervisor, result.slots).running]
     return wait_serving(layout, settings, names, on_progress)
 
@@ -262,7 +254,8 @@ def restart(
     if idle:
         raise ClusterError(
             f"{', '.join(idle)} {'is' if len(idle) == 1 else 'are'} parked (a slot kept stopped for surges, or "
-            "scaled in): nothing runs there to restart"
+            "scaled in): nothing runs there to restart. If fewer instances run than the settings ask for, "
+            "'cosyvoice-lb up' with them starts parked slots"
         )
     daemons = [n for n in names if n not in instances and n not in SERVICES]
     if daemons:
@@ -278,8 +271,10 @@ def restart(
     targets = [n for n in names if n in instances]
     surge = settings.surge if surge is None else surge
     if targets and rolling and surge:
-        running = [n for n in targets if known[n].state in ("RUNNING", "STARTING")]
-        free = surge_room(settings, grown(layout, settings, supervisor, surge), surge, running)
+        now = grown(layout, settings, supervisor, surge, done)
+        # (drained by hand: out of rotation already, restarted in place below)
+        running = [s.name for s in now.running if s.name in targets and not drained_by_hand(layout, s.name)]
+        free = surge_room(layout, settings, now, surge, running)
         if free and running:
             on_progress(Progress(0, len(running), f"surge roll-out: {len(free)} at a time on parked slots"))
             done += [
@@ -305,9 +300,10 @@ def restart(
     return done
 
 
-def grown(layout: Layout, settings: Settings, supervisor: Supervisor, surge: int) -> Slots:
+def grown(layout: Layout, settings: Settings, supervisor: Supervisor, surge: int, said: list[str]) -> Slots:
     """The slots, with parked ones planned for a ``surge`` the cluster has fewer of (as
-    `up --surge N` would: the instances keep running, only supervisord's config grows)."""
+    `up --surge N` does, which it is: the instances keep running, supervisord's config
+    grows, and the cluster keeps --surge N from now on, said in ``said``)."""
     record = recorded(layout)
     slots = record[1] if record else ()
     now = Slots.read(layout, supervisor, slots)
@@ -315,7 +311,9 @@ def grown(layout: Layout, settings: Settings, supervisor: Supervisor, surge: int
         return now
     up(dataclasses.replace(settings, surge=surge))
     record = recorded(layout)
-    return Slots.read(layout, supervisor, record[1] if record else slots)
+    now = Slots.read(layout, supervisor, record[1] if record else slots)
+    said.append(f"planned --surge {surge} (the cluster keeps it): {len(now.parked)} parked slot(s)")
+    return now
 
 
 def set_drained(layout: Layout, names: list[str], drained: bool) -> list[str]:
@@ -333,90 +331,6 @@ def set_drained(layout: Layout, names: list[str], drained: bool) -> list[str]:
             (drain_by_hand if drained else undrain)(layout, name)
             changed.append(name)
     return changed
-
-
-def others_serving(layout: Layout, settings: Settings, name: str, on_progress: Report) -> None:
-    """Before a drained stop of ``name``: wait until every other instance (but those given
-    up on, or drained by hand) serves, so the stop costs one instance of capacity and never
-    the last one."""
-    deadline = time.monotonic() + Timeouts(settings).others_serving
-    while True:
-        instances = [
-            i
-            for i in status(layout, telemetry=NO_TELEMETRY).instances
-            if i.name != name and not i.failed and not i.parked
-        ]
-        # (drained by hand: out of rotation on purpose, nothing to wait for; but not the only ones left)
-        others = [i for i in instances if not i.drained]
-        drained = [i.name for i in instances if i.drained]
-        if drained and not others:
-            raise ClusterError(
-                f"{', '.join(drained)} {'is' if len(drained) == 1 else 'are'} drained by hand: stopping {name} too "
-                f"would leave no instance serving; 'cosyvoice-lb undrain {drained[0]}' first "
-                f"(restart {name} restarts it regardless)"
-            )
-        short = [i.name for i in others if not (i.serving or i.spare)]
-        if not short:
-            return
-        if time.monotonic() > deadline:
-            raise ClusterError(
-                f"{', '.join(short)} did not serve within --startup-timeout: not stopping {name} "
-                "as well; see 'cosyvoice-lb status' (restart NAME restarts one regardless)"
-            )
-        on_progress(Progress(len(others) - len(short), len(others), f"before {name}: waiting for {', '.join(short)}"))
-        time.sleep(0.5)
-
-
-def drain(
-    layout: Layout,
-    settings: Settings,
-    supervisor: Supervisor,
-    names: list[str],
-    action: DrainAction,
-    on_progress: Report,
-) -> dict[str, int]:
-    """Ask the health loop for a drained stop of ``names``: out of rotation, then (once their
-    requests are done) TERM, or for HOLD nothing: the caller replaces them. Returns the pids
-    of those that were running. Without a working health loop they are stopped directly
-    (each still drains its own requests on TERM; nginx retries the ones it refuses)."""
-    procs = supervisor.processes()
-    running = {n: procs[n].pid for n in names if n in procs and procs[n].state in ("RUNNING", "STARTING")}
-    timeouts = Timeouts(settings)
-    for name in names:
-        ask_drain(layout, name, action)
-    health_up = "health" in procs and procs["health"].state in ("RUNNING", "STARTING")
-    deadline = time.monotonic() + (timeouts.loop_answer if health_up else 0.0)
-    while any(drain_pending(layout, n) for n in names) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    ignored = [n for n in names if drain_pending(layout, n)]
-    tracks = report_tracks(layout)
-    for name in ignored:
-        if not tracks.get(name, {}).get("failed"):  # (kept for one given up on: the health loop clears it)
-            answer_drain(layout, name)
-        on_progress(Progress(0, len(names), f"the health loop did not take the request: stopping {name} directly"))
-        if name in running:
-            supervisor.stop(name)
-            if action is DrainAction.TERM:
-                supervisor.start(name)
-    held = [n for n in running if n not in ignored]
-    if action is DrainAction.HOLD and held:
-        deadline = time.monotonic() + timeouts.hold_done
-        while time.monotonic() < deadline and not all(
-            report_tracks(layout).get(n, {}).get("signalled_at") for n in held
-        ):
-            time.sleep(0.1)
-    return running
-
-
-def serving_or_fail(
-    layout: Layout, settings: Settings, names: list[str], on_progress: Report, replacing: dict[str, int]
-) -> ClusterStatus:
-    """Wait for ``names`` (new processes) to serve; any of them failing is an error."""
-    current = wait_serving(layout, settings, names, on_progress, replacing=replacing)
-    report = failure_report(layout, current, names)
-    if report:
-        raise ClusterError("\n".join(report))
-    return current
 
 
 def down(layout: Layout, timeout: float | None = None) -> list[int]:
@@ -445,6 +359,7 @@ def down(layout: Layout, timeout: float | None = None) -> list[int]:
         processes.stop(strays, timeout=10)
     layout.socket.unlink(missing_ok=True)
     layout.admin_socket.unlink(missing_ok=True)
+    end_rollout(layout)
     return pids
 
 
@@ -620,88 +535,3 @@ def log_names(layout: Layout) -> list[str]:
 
 
 # --- waiting ---------------------------------------------------------------------------
-
-
-def wait_serving(
-    layout: Layout,
-    settings: Settings,
-    names: list[str],
-    on_progress: Report,
-    poll: float = 0.25,
-    replacing: dict[str, int] | None = None,
-) -> ClusterStatus:
-    """Wait until each named instance serves (ready and in rotation; for ``replacing``,
-    a process other than the pid given) or has failed, and nginx answers.
-
-    An instance has failed when the health loop gave up on it (a crash loop: it tells
-    restarts it ordered from crashes) or supervisord did (FATAL). One seen serving once is
-    done, even if it is recycled while the others are waited for. The others are still
-    waited for; :class:`ClusterError` only when none of them serves.
-    """
-    supervisor = Supervisor(layout)
-    replacing = replacing or {}
-    since = time.time()  # a failure the health loop recorded before this wait is not this start's
-    deadline = time.monotonic() + Timeouts(settings).serving
-    failed: dict[str, str] = {}
-    served: set[str] = set()
-    answered = time.monotonic()
-    while True:
-        current = status(layout, telemetry=NO_TELEMETRY)  # (polled: no NVML each time)
-        if current.unanswered or not current.running:
-            # supervisord stopped answering (stopped, swapping, stuck) or went away: no
-            # instance can be started or checked; bounded, then a clear error.
-            if time.monotonic() - answered > SUPERVISOR_SILENT or not current.unanswered:
-                raise ClusterError(
-                    f"supervisord stopped answering while instances started: "
-                    f"{'; '.join(current.problems)}; see {layout.log('supervisord')}"
-                )
-            on_progress(Progress(0, len(names), "supervisord does not answer; asking again"))
-            time.sleep(poll)
-            continue
-        answered = time.monotonic()
-        for item in current.instances:
-            if item.name not in names:
-                continue
-            if item.available and item.pid != replacing.get(item.name):
-                served.add(item.name)
-            recorded = item.failed if item.failed_at >= since or item.state == "FATAL" else ""
-            if item.name not in failed and item.name not in served and recorded:
-                failed[item.name] = recorded
-            item.failed = failed.get(item.name, "")
-        for service in ESSENTIAL:  # (the control panel is not: a cluster serves without it)
-            state = getattr(current, service).get("state")
-            if state in ("FATAL", "BACKOFF", "EXITED", "MISSING"):
-                raise ClusterError(
-                    f"{service} does not stay up ({state}); last log lines:\n{last_lines(supervisor, service)}"
-                )
-        waiting = [i for i in current.instances if i.name in names and i.name not in served and i.name not in failed]
-        if not waiting and failed and len(failed) == len(names):
-            first = "no instance could start:" if len(names) > 1 else f"{names[0]} could not start:"
-            raise ClusterError("\n".join([first] + failure_report(layout, current, names)))
-        if not waiting and current.nginx.get("answers") == 200:
-            on_progress(
-                Progress(
-                    len(names) - len(failed),
-                    len(names),
-                    "all ready" if not failed else f"{len(failed)} failed: {', '.join(failed)}",
-                )
-            )
-            return current
-        detail = ", ".join(i.name + (f" ({i.reason})" if i.reason else "") for i in waiting) or "nginx"
-        on_progress(Progress(len(names) - len(waiting) - len(failed), len(names), "waiting for " + detail))
-        if time.monotonic() > deadline:
-            if len(waiting) + len(failed) < len(names):  # some serve: the slow ones are reported, not fatal
-                for item in waiting:
-                    item.failed = failed[item.name] = (
-                        f"failed: not ready within --startup-timeout {settings.startup_timeout:.0f}s"
-                    )
-                on_progress(Progress(len(names) - len(failed), len(names), f"{len(failed)} failed"))
-                return current
-            tails = "\n".join(
-                f"--- {i.name} ({layout.log(i.name)}):\n{last_lines(supervisor, i.name, 8)}" for i in waiting
-            )
-            raise ClusterError(
-                f"not ready within --startup-timeout {settings.startup_timeout:.0f}s: "
-                f"{'; '.join(current.problems) or 'nginx does not answer /ping with 200'}\n{tails}"
-            )
-        time.sleep(poll)

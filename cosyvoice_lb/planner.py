@@ -137,6 +137,19 @@ class Pool:
         """How many instances `up` starts: those that serve at first, and the spares."""
         return (self.min_serving if self.elastic else self.serving) + self.spares
 
+    def at_up(self, slots: int) -> list[str]:
+        """What each of ``slots`` planned slots is at `up`, which starts the first ones:
+        serving, a warm spare, or parked (for elastic growth, or for roll-outs' surge).
+        Roles move between slots later: a spare takes an instance's place, a surge
+        replacement an old one's."""
+        floor = self.min_serving if self.elastic else self.serving
+        return (
+            ["serving"] * floor
+            + ["warm spare"] * self.spares
+            + ["parked (elastic)"] * (self.serving - floor)
+            + ["parked (surge)"] * max(0, slots - self.serving - self.spares)
+        )
+
     def as_dict(self) -> dict:
         return {"serving": self.serving, "spares": self.spares, "min_serving": self.min_serving}
 

@@ -11,6 +11,14 @@ from collections.abc import Iterable
 
 SPARE = "warm spare: ready, enters rotation when an instance is taken out"
 PARKED = "parked: not started (a slot for surges, or scaled in)"
+# supervisord states in which a slot is taken: a process runs, or is being brought back
+OCCUPIED = ("RUNNING", "STARTING", "BACKOFF")
+
+
+def is_parked(state: str, failed: bool) -> bool:
+    """A slot stopped on purpose: never started, scaled in, or left by a roll-out (a slot
+    given up on after a crash loop is stopped too, but failed, not parked)."""
+    return state == "STOPPED" and not failed
 
 
 def rotation(eligible: Iterable[str], before: Iterable[str], wanted: int) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import time
 from typing import Any
 
@@ -128,16 +129,33 @@ def report_pool(layout: Layout) -> dict[str, Any]:
 
 
 def start_rollout(layout: Layout, surge: int) -> None:
-    """A surge roll-out begins: ``surge`` more instances may serve until it ends."""
-    write_atomic(layout.rollout, json.dumps({"surge": surge, "since": time.time()}) + "\n")
+    """A surge roll-out begins: ``surge`` more instances may serve until it ends (or the
+    launcher process running it is gone)."""
+    write_atomic(layout.rollout, json.dumps({"surge": surge, "since": time.time(), "pid": os.getpid()}) + "\n")
 
 
 def rollout_surge(layout: Layout) -> int:
-    """The surge of the roll-out under way (0: none)."""
+    """The surge of the roll-out under way (0: none). The marker of a launcher that is gone
+    (killed, its terminal closed) is removed: it would hold scaling and keep spares serving."""
     try:
-        return max(0, int(json.loads(layout.rollout.read_text())["surge"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        marker = json.loads(layout.rollout.read_text())
+        surge, pid = max(0, int(marker["surge"])), int(marker.get("pid", 0))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return 0
+    if pid and not _alive(pid):
+        end_rollout(layout)
+        return 0
+    return surge
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: there
+        return True
+    return True
 
 
 def end_rollout(layout: Layout) -> None:

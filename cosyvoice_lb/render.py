@@ -111,9 +111,14 @@ def instance_command(settings: Settings, layout: Layout, programs: Programs, slo
 
 
 def instance_env(layout: Layout, slot: Slot, settings: Settings | None = None) -> dict[str, str]:
-    """``settings`` with --mps: the instance talks to its GPU's MPS control daemon."""
+    """``settings`` with --mps: the instance talks to its GPU's MPS control daemon, which
+    sees that one card only and remaps it: its clients see it as device 0 (NVIDIA's MPS
+    docs: a client keeping the daemon's CUDA_VISIBLE_DEVICES fails)."""
     mps = (
-        client_env(str(layout.mps_pipe(slot.gpu)), str(layout.mps_log(slot.gpu)), settings.mps_thread_percentage)
+        {
+            **client_env(str(layout.mps_pipe(slot.gpu)), str(layout.mps_log(slot.gpu)), settings.mps_thread_percentage),
+            "CUDA_VISIBLE_DEVICES": "0",
+        }
         if settings is not None and settings.mps and slot.gpu is not None
         else {}
     )

@@ -17,11 +17,11 @@ from .errors import ClusterError
 from .footprint import room_to_start
 from .layout import Layout
 from .planner import Slot
-from .protocol import DrainAction, end_rollout, report_tracks, start_rollout
+from .pool import OCCUPIED, is_parked
+from .protocol import DrainAction, drained_by_hand, end_rollout, report_tracks, start_rollout
 from .settings import Settings
 from .supervision import Supervisor
-
-ALIVE = ("RUNNING", "STARTING", "BACKOFF")
+from .waits import Progress, Report, drain, loop_reported, serving_or_fail
 
 # Puts a stopped slot's program on the current config (for `up`: remove and add its group).
 Refresh = Callable[[str], None]
@@ -40,14 +40,16 @@ class Slots:
         tracks = report_tracks(layout)
         state = {s.name: procs[s.name].state if s.name in procs else "MISSING" for s in slots}
         return cls(
-            running=tuple(s for s in slots if state[s.name] in ALIVE),
-            parked=tuple(s for s in slots if state[s.name] == "STOPPED" and not tracks.get(s.name, {}).get("failed")),
+            running=tuple(s for s in slots if state[s.name] in OCCUPIED),
+            parked=tuple(s for s in slots if is_parked(state[s.name], bool(tracks.get(s.name, {}).get("failed")))),
         )
 
 
-def surge_room(settings: Settings, now: Slots, surge: int, old: list[str]) -> list[Slot]:
-    """The parked slots a roll-out may start at once: up to ``surge``, as memory allows now."""
-    return room_to_start(settings, now.running, tuple(s for s in now.parked if s.name not in old))[:surge]
+def surge_room(layout: Layout, settings: Settings, now: Slots, surge: int, old: list[str]) -> list[Slot]:
+    """The parked slots a roll-out may start at once: up to ``surge``, as memory allows now
+    (not one drained by hand: it would start out of rotation)."""
+    parked = tuple(s for s in now.parked if s.name not in old and not drained_by_hand(layout, s.name))
+    return room_to_start(settings, now.running, parked)[:surge]
 
 
 def surge_rollout(
@@ -56,7 +58,7 @@ def surge_rollout(
     supervisor: Supervisor,
     old: list[str],
     free: list[Slot],
-    on_progress: Callable,
+    on_progress: Report,
     refresh: Refresh = lambda name: None,
 ) -> list[str]:
     """Replace the ``old`` instances, ``len(free)`` at a time: start replacements on the
@@ -64,9 +66,6 @@ def surge_rollout(
     (out of rotation, idle) and stop them; their slots take the next replacements.
     Returns "old -> new" for each. A replacement that cannot start stops the roll-out with
     a :class:`ClusterError`: the old instances not yet replaced still serve."""
-    # (imported here: lifecycle imports this module for `up` and `restart`)
-    from .lifecycle import Progress, drain, loop_reported, serving_or_fail
-
     surge = len(free)
     if not surge:
         raise ClusterError("a surge roll-out needs at least one parked slot with memory")
@@ -85,8 +84,8 @@ def surge_rollout(
             try:
                 serving_or_fail(layout, settings, batch, on_progress, {})
             except ClusterError as exc:
-                for name in batch:
-                    supervisor.stop(name)
+                # (stopped through the loop, which counts the stop: its next start is no crash)
+                drain(layout, settings, supervisor, batch, DrainAction.STOP, on_progress)
                 raise ClusterError(
                     f"surge roll-out stopped, {len(done)} of {len(old)} replaced ({', '.join(done) or 'none'}); "
                     f"the instances not replaced still serve:\n{exc}"

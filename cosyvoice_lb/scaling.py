@@ -87,7 +87,8 @@ def decide(scale: Scale, loads: list[Load], bounds: Bounds, now: float, hold: st
     if hold:
         return dataclasses.replace(scale, busy_since=None, idle_since=None)
     busy = bool(loads) and all(load.inflight > 0 and load.waiting > 0 for load in loads)
-    idle = all(load.inflight == 0 and load.waiting == 0 for load in loads)
+    # (none in rotation: drained by hand, or all out: nothing to judge the load by)
+    idle = bool(loads) and all(load.inflight == 0 and load.waiting == 0 for load in loads)
     busy_since = (now if scale.busy_since is None else scale.busy_since) if busy else None
     idle_since = (now if scale.idle_since is None else scale.idle_since) if idle else None
     scale = dataclasses.replace(scale, busy_since=busy_since, idle_since=idle_since)

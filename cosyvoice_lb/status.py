@@ -16,7 +16,7 @@ from .credentials import admin_token_path, open_warning
 from .gpu import GpuReading, gpu_readings, process_gpu_memory
 from .layout import Layout
 from .planner import Pool, Slot
-from .pool import PARKED, SPARE
+from .pool import PARKED, SPARE, is_parked
 from .probe import Prober
 from .protocol import drained_by_hand, read_report, starts_count
 from .settings import Settings
@@ -190,7 +190,7 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
         failed = track.get("failed", "") or (
             "failed: supervisord gave up starting it" if proc and proc.state == "FATAL" else ""
         )
-        parked = proc is not None and proc.state == "STOPPED" and not failed
+        parked = proc is not None and is_parked(proc.state, bool(failed))
         item = InstanceStatus(
             name=slot.name,
             port=slot.port,
@@ -240,6 +240,12 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
             if proc.state != "RUNNING":
                 result.problems.append(f"{name} (CUDA MPS) is {proc.state.lower()}: see 'cosyvoice-lb logs {name}'")
     result.pool = pool_summary(recorded_pool(layout, slots), health.get("pool", {}), result.instances)
+    coming = sum(1 for i in result.instances if not i.parked and not i.serving and not i.spare and not i.failed)
+    if result.pool["in_rotation"] + coming < result.pool["wanted"]:  # e.g. an instance stopped by hand
+        result.problems.append(
+            f"{result.pool['in_rotation']} instance(s) in rotation of {result.pool['wanted']} wanted, and none "
+            "coming: 'cosyvoice-lb up' with the cluster's settings starts parked slots"
+        )
     result.nginx.update(port=settings.port, url=result.url, answers=answer)
     if result.nginx["state"] == "RUNNING" and answer == 0:
         result.problems.append(f"nginx does not answer on {result.url}")

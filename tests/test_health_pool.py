@@ -211,3 +211,30 @@ def test_pick_recycle_counts_spares_and_parked_slots_aside():
     due = {I0: "served 11 requests", I1: "", I2: "", I3: ""}
     assert pick_recycle(due, tracks, {}) is None  # without knowing, a spare looks like a missing instance
     assert pick_recycle(due, tracks, {}, standing_by=frozenset({I2, I3})) == (I0, "served 11 requests")
+
+
+def test_elastic_with_a_spare_judges_the_load_by_the_serving_ones_only(tmp_path, rigs):
+    rig = rigs(tmp_path, Pool(serving=3, spares=1, min_serving=1), running=2, scale_up_after=3, idle_release=600)
+    rig.step(2)
+    assert rig.serving() == [I0] and rig.reason(I1) == SPARE
+    rig.prober.set(I0, BUSY)  # the spare is idle, as spares are: it does not make the load look light
+    rig.step(4)
+    assert rig.loop.scale.target == 2
+    assert rig.serving() == [I0, I1]  # the spare serves at once
+    assert ("start", I2, False) in rig.sup.calls  # and a new spare loads
+
+
+def test_a_roll_out_marker_left_by_a_launcher_that_is_gone_is_dropped(tmp_path, rigs):
+    import json
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    rig = rigs(tmp_path, Pool(serving=2, spares=1), running=3)
+    rig.layout.rollout.write_text(json.dumps({"surge": 1, "since": 0, "pid": int(gone.stdout)}))
+    rig.step(2)
+    assert rig.serving() == [I0, I1] and rig.reason(I2) == SPARE  # the spare stays a spare
+    assert not rig.layout.rollout.exists()
+    protocol.start_rollout(rig.layout, 1)  # this process: alive
+    rig.step()
+    assert rig.serving() == [I0, I1, I2] and protocol.rollout_surge(rig.layout) == 1

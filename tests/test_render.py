@@ -738,7 +738,8 @@ def test_mps_runs_one_daemon_per_gpu_and_points_each_instance_at_its_cards(state
         assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(state_dir / "run" / f"mps-gpu{slot.gpu}")
         assert env["CUDA_MPS_LOG_DIRECTORY"] == str(state_dir / "logs" / f"mps-gpu{slot.gpu}")
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
-        assert env["CUDA_VISIBLE_DEVICES"] == str(slot.gpu)
+        # the daemon of gpuN sees that card only and remaps it: its clients see device 0
+        assert env["CUDA_VISIBLE_DEVICES"] == "0"
 
 
 def test_without_mps_nothing_of_it_is_rendered():

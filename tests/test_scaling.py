@@ -73,3 +73,7 @@ def test_a_saved_target_outside_new_bounds_is_clamped_and_junk_is_the_floor():
     assert Scale.from_dict({"target": 9}, BOUNDS).target == 3
     assert Scale.from_dict({"target": "x"}, BOUNDS) == Scale(1)
     assert Scale.from_dict(None, BOUNDS) == Scale(1)
+
+
+def test_nothing_in_rotation_is_no_reason_to_scale_in():
+    assert run(Scale(3), [], range(0, 2000, 10)).target == 3
