@@ -99,6 +99,8 @@ def surge_rollout(
             spare += outgoing
             done += [f"{o} -> {n}" for o, n in zip(outgoing, batch)]
     finally:
+        ended = time.time()
         end_rollout(layout)
+        loop_reported(layout, settings, ended)  # the rotation is back to the wanted number when this returns
     on_progress(Progress(len(old), len(old), "surge roll-out done"))
     return done
