@@ -150,17 +150,31 @@ def test_logs_follow_keeps_going_across_a_rotation(state_dir):
         cwd=str(ROOT),
         env=clean_env(),
     )
+    import threading
+
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(follower.stdout.readline, "")), daemon=True)
+    reader.start()
+
+    def printed(line: str) -> bool:  # bounded: each step waits for what the follower printed
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and line + "\n" not in lines:
+            time.sleep(0.05)
+        return line + "\n" in lines
+
     try:
-        time.sleep(1.5)
+        assert printed("old line")
         with open(log, "a") as handle:
             handle.write("before rotation\n")
-        time.sleep(0.8)
+        assert printed("before rotation")
         log.rename(logs / "instance-0.log.1")  # what supervisord does at logfile_maxbytes
         log.write_text("after rotation\n")
-        time.sleep(1.5)
+        assert printed("after rotation")
     finally:
         follower.terminate()
-        out, _ = follower.communicate(timeout=10)
+        follower.wait(timeout=10)
+        reader.join(timeout=10)
+    out = "".join(lines)
     assert out.splitlines() == ["old line", "before rotation", "after rotation"]
 
 
@@ -233,7 +247,10 @@ def test_status_watch_refreshes_until_ctrl_c(state_dir):
         while sum("not running" in line for line in list(lines)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         watcher.send_signal(signal.SIGINT)
-        _, errors = watcher.communicate(timeout=15)
+        try:  # (bounded generously: a status read on a loaded box walks every process's command line)
+            _, errors = watcher.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"--watch went on 60 s after SIGINT; it had printed {len(lines)} line(s)") from None
     finally:
         if watcher.poll() is None:
             watcher.kill()
