@@ -231,8 +231,16 @@ def test_status_watch_refreshes_until_ctrl_c(state_dir):
     import threading
     import time
 
+    # Ctrl-C as a terminal delivers it: SIGINT raises KeyboardInterrupt in the watcher even when
+    # this test runs under a shell that started it with SIGINT ignored (a background job),
+    # which the child would inherit.
+    ctrl_c = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['cosyvoice-lb', 'status', '--watch', '--interval', '0.2']; "
+        "runpy.run_module('cosyvoice_lb.cli', run_name='__main__')"
+    )
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "cosyvoice_lb.cli", "status", "--watch", "--interval", "0.2"],
+        [sys.executable, "-c", ctrl_c],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
