@@ -16,7 +16,7 @@ from .credentials import admin_token_path, open_warning
 from .gpu import GpuReading, gpu_readings, process_gpu_memory
 from .layout import Layout
 from .planner import Pool, Slot
-from .pool import PARKED, SPARE, is_parked
+from .pool import OCCUPIED, PARKED, SPARE, is_parked
 from .probe import Prober
 from .protocol import drained_by_hand, read_report, starts_count
 from .settings import Settings
@@ -200,7 +200,7 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
             ready=ready,
             in_rotation=in_rotation,
             restarts=max(0, starts_count(layout, slot.name) - 1),
-            uptime=round(proc.uptime, 1) if proc else 0.0,
+            uptime=round(proc.uptime, 1) if proc and proc.state in OCCUPIED else 0.0,  # (a stopped one: its last run)
             reason="" if in_rotation else track.get("reason", ""),
             inflight=int(body.get("inflight", 0)),
             waiting=int(body.get("waiting", 0)),

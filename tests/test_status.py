@@ -6,13 +6,15 @@ import io
 import json
 import threading
 
+import pytest
 from rich.console import Console
 
 from cosyvoice_lb.gpu import GpuReading
 from cosyvoice_lb.layout import Layout
 from cosyvoice_lb.planner import Slot
+from cosyvoice_lb.pool import PARKED
 from cosyvoice_lb.settings import Settings
-from cosyvoice_lb.status import ClusterStatus, InstanceStatus, Telemetry, ask_all, public_url, status
+from cosyvoice_lb.status import NO_TELEMETRY, ClusterStatus, InstanceStatus, Telemetry, ask_all, public_url, status
 from cosyvoice_lb.supervision import ProcessInfo
 
 
@@ -215,3 +217,33 @@ def test_the_watch_view_is_the_tables_and_the_words(tmp_path):
     console = Console(file=io.StringIO(), width=200, color_system=None)
     console.print(status_view(ClusterStatus(running=False, problems=["no cluster runs"]), tmp_path))
     assert console.file.getvalue() == f"not running ({tmp_path})\n"  # type: ignore[attr-defined]
+
+
+class OneParked(FakeSupervisor):
+    """instance-1 stopped on purpose (supervisord keeps its last run's start and stop times)."""
+
+    def processes(self) -> dict[str, ProcessInfo]:
+        procs = super().processes()
+        procs["instance-1"] = ProcessInfo("instance-1", "STOPPED", 0, 1000.0, 1060.0, "", 0)
+        return procs
+
+
+@pytest.mark.parametrize("wanted, short", [(1, False), (2, True)])
+def test_a_parked_slot_is_no_problem_unless_fewer_serve_than_wanted(monkeypatch, tmp_path, wanted, short):
+    from cosyvoice_lb import protocol
+    from cosyvoice_lb import status as status_module
+
+    layout = running_cluster(monkeypatch, tmp_path)
+    monkeypatch.setattr(status_module, "Supervisor", OneParked)
+    tracks = {"instance-0": {"in_rotation": True, "pid": 4242}, "instance-1": {"reason": PARKED}}
+    protocol.write_report(layout, tracks, pool={"wanted": wanted, "surge": 0})
+    current = status(layout, Answering(), NO_TELEMETRY)  # type: ignore[arg-type]
+    parked = current.instance("instance-1")
+    assert parked is not None and parked.parked and parked.uptime == 0.0 and parked.reason == PARKED
+    assert current.pool["in_rotation"] == 1 and current.pool["parked"] == 1
+    assert not any("instance-1" in p for p in current.problems)
+    shortfall = [p for p in current.problems if "in rotation of" in p]
+    assert bool(shortfall) is short
+    if short:
+        assert shortfall == ["1 instance(s) in rotation of 2 wanted, and none coming: 'cosyvoice-lb up' with the "
+                             "cluster's settings starts parked slots"]
