@@ -524,29 +524,37 @@ def table(title: str, rows: list[tuple[str, list[str], str]], variants: list[str
 
 Row = tuple[str, Callable[["Outcome"], str], Callable[["Outcome"], float | None] | None]
 
-ROLLING_ROWS: list[Row] = [
-    ("starting capacity", lambda o: str(o.start_capacity), None),
+START: Row = ("starting capacity", lambda o: str(o.start_capacity), None)
+CAPACITY: list[Row] = [
     ("min / max capacity", lambda o: f"{o.min_capacity} / {o.max_capacity}", None),
     ("s below starting capacity", lambda o: num(o.below_s), lambda o: o.below_s),
+]
+
+
+def load_rows(during: str) -> list[Row]:
+    """The rows both scenarios end with: requests, latency ``during`` the event, notes."""
+    return [
+        ("requests sent / failed", lambda o: f"{o.requests} / {o.failed}", None),
+        (f"p50 ms {during}", lambda o: num(o.latency.p50_ms, 0), lambda o: o.latency.p50_ms),
+        (f"p99 ms {during}", lambda o: num(o.latency.p99_ms, 0), lambda o: o.latency.p99_ms),
+        ("p99 rests on", lambda o: f"{o.latency.samples} samples, top {o.latency.at_or_above_p99}", None),
+        ("notes", lambda o: "; ".join(o.notes), None),
+    ]
+
+
+ROLLING_ROWS: list[Row] = [
+    START,
+    *CAPACITY,
     ("restart wall s", lambda o: num(o.restart_s), lambda o: o.restart_s),
-    ("requests sent / failed", lambda o: f"{o.requests} / {o.failed}", None),
-    ("p50 ms during roll-out", lambda o: num(o.latency.p50_ms, 0), lambda o: o.latency.p50_ms),
-    ("p99 ms during roll-out", lambda o: num(o.latency.p99_ms, 0), lambda o: o.latency.p99_ms),
-    ("p99 rests on", lambda o: f"{o.latency.samples} samples, top {o.latency.at_or_above_p99}", None),
-    ("notes", lambda o: "; ".join(o.notes), None),
+    *load_rows("during roll-out"),
 ]
 
 CRASH_ROWS: list[Row] = [
-    ("starting capacity", lambda o: str(o.start_capacity), None),
+    START,
     ("out of rotation after s", lambda o: num(o.out_s, 2), lambda o: o.out_s),
     ("capacity back after s", lambda o: num(o.back_s, 2), lambda o: o.back_s),
-    ("min / max capacity", lambda o: f"{o.min_capacity} / {o.max_capacity}", None),
-    ("s below starting capacity", lambda o: num(o.below_s), lambda o: o.below_s),
-    ("requests sent / failed", lambda o: f"{o.requests} / {o.failed}", None),
-    ("p50 ms after the kill", lambda o: num(o.latency.p50_ms, 0), lambda o: o.latency.p50_ms),
-    ("p99 ms after the kill", lambda o: num(o.latency.p99_ms, 0), lambda o: o.latency.p99_ms),
-    ("p99 rests on", lambda o: f"{o.latency.samples} samples, top {o.latency.at_or_above_p99}", None),
-    ("notes", lambda o: "; ".join(o.notes), None),
+    *CAPACITY,
+    *load_rows("after the kill"),
 ]
 
 

@@ -365,7 +365,7 @@ class HealthLoop:
     def log_rotation(self, before: dict[str, Track]) -> None:
         for slot in self.slots:
             was, now = before[slot.name], self.tracks[slot.name]
-            if was.in_rotation != now.in_rotation and (now.in_rotation or now.reason != SPARE or was.reason != SPARE):
+            if was.in_rotation != now.in_rotation:
                 log.info(
                     "%s: %s rotation%s",
                     slot.name,
@@ -457,9 +457,7 @@ class HealthLoop:
             probes={name: round(seconds, 6) for name, seconds in self.probe_seconds.items()},
             pool={
                 "wanted": self.wanted,
-                "serving": self.roles.serving,
-                "spares": self.roles.spares,
-                "min_serving": self.roles.min_serving,
+                **self.roles.as_dict(),
                 "surge": self.surge,
                 **({"scale": self.scale.as_dict()} if self.scale is not None else {}),
             },
