@@ -77,12 +77,13 @@ _SERVER = re.compile(r"^\s*server\s+(?P<address>\S+)(?P<params>[^;#]*);\s*(?:#\s
 
 def rotation(upstreams_conf: str, upstream: str = "cvlb_api") -> list[str]:
     """The instances nginx's ``upstream`` block sends requests to: its ``server`` lines
-    without ``down``, by the name in their trailing comment (else their address)."""
+    without ``down`` (nor the ``backup`` last resort), by the name in their trailing comment
+    (else their address)."""
     block = re.search(rf"upstream\s+{re.escape(upstream)}\s*\{{(.*?)\}}", upstreams_conf, re.S)
     names = []
     for line in block.group(1).splitlines() if block else []:
         match = _SERVER.match(line)
-        if match and "down" not in match["params"].split():
+        if match and not {"down", "backup"} & set(match["params"].split()):  # (backup: the last resort)
             names.append(match["name"] or match["address"])
     return names
 

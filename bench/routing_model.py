@@ -8,9 +8,12 @@ at a time in arrival order, service times of bench/run.py's mix (80 % 40 ms, 20 
 no network and no balancer cost. It answers "how far can a policy go on this mix?":
 
   round-robin          the seeds' nginx
-  least-connections    nginx least_conn (what cosyvoice-lb's /v1/ uses), ideal: exact counts
+  least-connections    nginx least_conn (--routing least-conn), ideal: exact counts
+  work                 cosyvoice-lb's --routing work: nginx tries instances by least
+                       connections; one declines when an instance not tried yet would start
+                       the request more than SLACK sooner (each decline costs HOP)
   least-work-left      the instance whose queued work ends first (as good as one shared
-                       queue): needs the balancer to know each request's cost
+                       queue): what a balancer that knew each request's cost would do
 
 It prints p50/p95/p99 per policy and load, and the p99 ratios against round-robin.
 """
@@ -25,11 +28,15 @@ import numpy as np
 
 SHORT, LONG, LONG_SHARE = 0.040, 0.400, 0.2
 MEAN = (1 - LONG_SHARE) * SHORT + LONG_SHARE * LONG
+SLACK = 0.05  # --route-slack's default
+HOP = 0.002  # a decline and nginx's next try, as measured on 127.0.0.1
+POLICIES = ("round-robin", "least-connections", "work", "least-work-left")
 
 
 def simulate(policy: str, load: float, instances: int, requests: int, seed: int = 1) -> np.ndarray:
     """Latencies (ms) of ``requests`` arrivals at ``load`` x capacity under ``policy``."""
     rng = random.Random(seed)
+    ties = random.Random(seed + 1)  # (its own stream: every policy sees the same arrivals)
     rate = load * instances / MEAN
     free_at = [0.0] * instances  # when each instance finishes what it has been given
     queued: list[deque] = [deque() for _ in range(instances)]  # finish times of its outstanding requests
@@ -43,8 +50,22 @@ def simulate(policy: str, load: float, instances: int, requests: int, seed: int 
                 q.popleft()
         if policy == "round-robin":
             k, turn = turn, (turn + 1) % instances
-        elif policy == "least-connections":  # ties broken at random, as nginx does
-            k = min(range(instances), key=lambda j: (len(queued[j]), rng.random()))
+        elif policy == "least-connections":  # ties broken at random
+            k = min(range(instances), key=lambda j: (len(queued[j]), ties.random()))
+        elif policy == "work":
+            tried: list[int] = []
+            while True:
+                k = min((j for j in range(instances) if j not in tried), key=lambda j: (len(queued[j]), ties.random()))
+                untried = [max(free_at[j] - now, 0.0) for j in range(instances) if j != k and j not in tried]
+                wait = max(free_at[k] - now, 0.0)
+                if wait <= SLACK or not untried or min(untried) + SLACK >= wait:
+                    break
+                tried.append(k)  # declined: nginx tries the next by least connections
+            start = max(free_at[k], now + HOP * len(tried))
+            free_at[k] = start + service
+            queued[k].append(free_at[k])
+            latencies[i] = (free_at[k] - now) * 1000
+            continue
         elif policy == "least-work-left":
             k = min(range(instances), key=lambda j: max(free_at[j], now))
         else:
@@ -65,7 +86,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for load in (0.5, 0.7, 0.9):
         p99s = {}
-        for policy in ("round-robin", "least-connections", "least-work-left"):
+        for policy in POLICIES:
             p50, p95, p99 = np.percentile(simulate(policy, load, args.instances, args.requests), [50, 95, 99])
             p99s[policy] = p99
             print(f"| {load:.0%} | {policy} | {p50:.0f} | {p95:.0f} | {p99:.0f} | {p99 / p99s['round-robin']:.2f} |")

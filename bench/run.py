@@ -14,21 +14,26 @@ a. overhead   one instance, the same closed-loop load direct and through nginx: 
               (3 clients: the engine saturated).
 b. scale-out  1, 2, 4, 8 instances, 2 clients per instance: throughput and efficiency
               against 1 instance times N.
-c. routing    4 instances, 80 % short / 20 % ten times longer requests, open-loop Poisson
-              arrivals at 50/70/90 % of capacity: cosyvoice-lb's nginx (least_conn) vs
-              nginx round-robin configured as the seeds do vs a single instance (at the
-              same share of its own capacity).
+c. routing    4 instances, open-loop Poisson arrivals at 50/70/90 % of capacity, two mixes:
+              80 % short / 20 % ten times longer requests, and uniform (every request the
+              same length, the same mean): cosyvoice-lb routing by work (its default), the
+              same cluster with --routing least-conn (switched live), and nginx round-robin
+              configured as the seeds do, on the same arrivals. --repeats runs each point
+              again with other arrivals: the table pools them and shows each run's p99.
 d. startup    ``cosyvoice-lb up`` until all ready, 1/2/4 embedded instances.
 
 It prints markdown tables, writes CSV and PNG files under --out, and ends with three lines:
-overhead, scale-out and routing figures. --quick runs shorter loads (under ~15 minutes on
-2 cores); the full run takes about half an hour.
+overhead, scale-out and routing figures. --quick runs shorter loads (about 20 minutes on
+2 cores); the full run takes about an hour. Stopped (Ctrl-C, SIGTERM), it takes down what
+it started.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import json
 import os
 import random
 import shlex
@@ -39,8 +44,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load  # noqa: E402  (bench/load.py)
@@ -51,7 +60,10 @@ LONG = "a" * 100  # 400 ms: ten times longer
 FIXED = "a" * 50  # 200 ms: throughput and scale-out
 LONG_SHARE = 0.2
 MEAN_SERVICE = (1 - LONG_SHARE) * len(SHORT) * MS_PER_CHAR / 1000 + LONG_SHARE * len(LONG) * MS_PER_CHAR / 1000
+SAME = "a" * round(MEAN_SERVICE * 1000 / MS_PER_CHAR)  # the uniform mix: every request the mean length
 ROUTING_INSTANCES = 4
+MIXES = ("80/20", "uniform")
+SETUPS = ("work", "least_conn", "round-robin")  # cosyvoice-lb's default first
 LOADS = (0.5, 0.7, 0.9)
 SCALE = (1, 2, 4, 8)
 STARTUP = (1, 2, 4)
@@ -65,15 +77,33 @@ class Durations:
     latency_requests: int
     throughput_s: float
     scale_s: float
-    routing_s: float
+    routing_s: float  # one run of one routing point, 80/20 mix
+    uniform_s: float  # the same, uniform mix (its tail varies far less)
+    repeats: int  # runs of each routing point, each with its own arrivals
 
 
-QUICK = Durations(latency_requests=300, throughput_s=15, scale_s=15, routing_s=45)
-FULL = Durations(latency_requests=1000, throughput_s=30, scale_s=30, routing_s=120)
+QUICK = Durations(latency_requests=300, throughput_s=15, scale_s=15, routing_s=45, uniform_s=30, repeats=1)
+FULL = Durations(latency_requests=1000, throughput_s=30, scale_s=30, routing_s=120, uniform_s=60, repeats=2)
 
 
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """Taking down what the run started: a second Ctrl-C or SIGTERM waits until it is done."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stopped(signum: int, _frame: object) -> None:
+    """SIGTERM (``timeout``, a service manager): stop as Ctrl-C does, taking the clusters down."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -92,6 +122,8 @@ class Cluster:
         self.port, self.base = base, base + 1
         self.state_dir = Path(tempfile.mkdtemp(prefix="cb", dir="/tmp"))  # short: a unix socket lives here
         self.instances = 0
+        self.routing = "work"
+        log(f"cluster state dir {self.state_dir}")
 
     @property
     def url(self) -> str:
@@ -100,25 +132,36 @@ class Cluster:
     def instance_url(self, index: int = 0) -> str:
         return f"http://127.0.0.1:{self.base + index}"
 
-    def up(self, instances: int) -> float:
-        """Start (or rescale) with ``instances``; the seconds `up` took."""
+    def up(self, instances: int, routing: str = "work") -> float:
+        """Start (or rescale, or switch the routing) with ``instances``; the seconds `up` took."""
         args = ["up", "--engine", self.engine, "--instances", str(instances), "--host", "127.0.0.1",
-                "--port", str(self.port), "--base-port", str(self.base), "--state-dir", str(self.state_dir)]
+                "--port", str(self.port), "--base-port", str(self.base), "--state-dir", str(self.state_dir),
+                "--routing", routing]
         if self.engine == "simulated":
             args += ["--simulated-ms-per-char", str(MS_PER_CHAR), "--max-queue", str(QUEUE)]
         started = time.monotonic()
         cli(*args)
-        self.instances = instances
+        self.instances, self.routing = instances, routing
         return time.monotonic() - started
 
-    def __enter__(self) -> "Cluster":
+    def routed(self) -> tuple[int, int]:
+        """(declined, taken as the last resort): the instances' counters, summed."""
+        declined = last = 0
+        for index in range(self.instances):
+            with urllib.request.urlopen(self.instance_url(index) + "/ping", timeout=5) as answer:
+                counters = json.load(answer).get("routing", {})
+            declined, last = declined + counters.get("declined", 0), last + counters.get("last_resort", 0)
+        return declined, last
+
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            cli("down", "--state-dir", str(self.state_dir))
-        finally:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
+        with shielded():
+            try:
+                cli("down", "--state-dir", str(self.state_dir))
+            finally:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 SEEDS_NGINX = """\
@@ -169,7 +212,7 @@ class RoundRobin:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "RoundRobin":
+    def __enter__(self) -> RoundRobin:
         nginx = shutil.which("nginx") or "/usr/sbin/nginx"
         self.process = subprocess.Popen([nginx, "-p", str(self.dir), "-c", str(self.dir / "nginx.conf")],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -182,13 +225,14 @@ class RoundRobin:
         raise RuntimeError(f"the round-robin nginx did not listen; see {self.dir}/error.log")
 
     def __exit__(self, *exc: object) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(signal.SIGQUIT)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        with shielded():
+            if self.process and self.process.poll() is None:
+                self.process.send_signal(signal.SIGQUIT)
+                try:
+                    self.process.wait(15)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # --- the measurements ------------------------------------------------------------------------
@@ -211,9 +255,93 @@ def mixed(rng: random.Random) -> tuple[str, dict]:
     return ("long", {"text": LONG}) if rng.random() < LONG_SHARE else ("short", {"text": SHORT})
 
 
-def routing_point(url: str, rate: float, seconds: float, seed: int) -> load.Summary:
-    results = load.run(load.open_loop(tts(url), rate, seconds, mixed, seed=seed))
-    return load.Summary.of(results, seconds)
+def uniform(_rng: random.Random) -> tuple[str, dict]:
+    return "same", {"text": SAME}
+
+
+MAKERS = {"80/20": mixed, "uniform": uniform}
+
+
+@dataclass
+class Point:
+    """One routing point: every run's latencies (ms, answered requests) and counts."""
+
+    mix: str
+    load_pct: int
+    setup: str
+    rate_rps: float
+    runs: list[np.ndarray]
+    requests: int = 0
+    failed: int = 0
+    declined: int = 0
+    last_resort: int = 0
+
+    def add(self, results: list[load.Result], declined: int = 0, last_resort: int = 0) -> None:
+        self.runs.append(np.array([r.latency * 1000 for r in results if r.status == 200]))
+        self.requests += len(results)
+        self.failed += sum(1 for r in results if r.status != 200)
+        self.declined += declined
+        self.last_resort += last_resort
+
+    @property
+    def pooled(self) -> np.ndarray:
+        return np.concatenate(self.runs) if self.runs else np.zeros(0)
+
+    def p99s(self) -> list[float]:
+        return [float(np.percentile(run, 99)) for run in self.runs if run.size]
+
+
+def routing_rows(points: list[Point]) -> list[dict]:
+    """The table: each point pooled over its runs, its p99 against round-robin's on the same
+    arrivals (pooled, and each run's: their spread is how far one run can be trusted)."""
+    rr = {(p.mix, p.load_pct): p for p in points if p.setup == "round-robin"}
+    rows = []
+    for p in points:
+        latencies = p.pooled
+        p50, p95, p99 = np.percentile(latencies, [50, 95, 99]) if latencies.size else (float("nan"),) * 3
+        base = rr.get((p.mix, p.load_pct))
+        ratios = [a / b for a, b in zip(p.p99s(), base.p99s())] if base else []
+        pooled_ratio = p99 / np.percentile(base.pooled, 99) if base and base.pooled.size else float("nan")
+        rows.append({
+            "mix": p.mix, "load_pct": p.load_pct, "setup": p.setup, "rate_rps": p.rate_rps,
+            "requests": p.requests, "failed": p.failed, "p50_ms": float(p50), "p95_ms": float(p95),
+            "p99_ms": float(p99), "beyond_p99": int((latencies >= p99).sum()) if latencies.size else 0,
+            "p99_runs_ms": " / ".join(f"{v:.0f}" for v in p.p99s()),
+            "ratio_rr": float(pooled_ratio),
+            "ratio_runs": " / ".join(f"{r:.2f}" for r in ratios),
+            "ratio_min": min(ratios, default=float("nan")), "ratio_max": max(ratios, default=float("nan")),
+            "hops_per_request": p.declined / p.requests if p.requests else 0.0,
+            "last_resort": p.last_resort,
+        })
+    return rows
+
+
+def routing_section(cluster: Cluster, d: Durations) -> list[dict]:
+    """Every point's runs interleaved: run r of work, round-robin and least_conn go one after
+    another on the same arrivals, so a slow patch of the box touches all three alike."""
+    cluster.up(ROUTING_INSTANCES)
+    capacity = ROUTING_INSTANCES / MEAN_SERVICE
+    points: dict[tuple[str, float, str], Point] = {}
+    with RoundRobin([cluster.base + i for i in range(ROUTING_INSTANCES)]) as rr:
+        for run in range(d.repeats):
+            for setup in ("work", "round-robin", "least_conn"):
+                if setup != "round-robin" and cluster.routing != setup.replace("_", "-"):
+                    cluster.up(ROUTING_INSTANCES, routing=setup.replace("_", "-"))  # live: nginx and the board
+                url = rr.url if setup == "round-robin" else cluster.url
+                for mix in MIXES:
+                    seconds = d.routing_s if mix == "80/20" else d.uniform_s
+                    for share in LOADS:
+                        rate = share * capacity
+                        log(f"routing run {run + 1}/{d.repeats}: {setup}, {mix}, {share:.0%} ({rate:.1f} requests/s)")
+                        point = points.setdefault((mix, share, setup), Point(mix, round(share * 100), setup, rate, []))
+                        before = cluster.routed()
+                        seed = 1000 * run + int(share * 100) + (0 if mix == "80/20" else 500)  # same for each setup
+                        results = load.run(load.open_loop(tts(url), rate, seconds, MAKERS[mix], seed=seed))
+                        after = cluster.routed()
+                        point.add(results, after[0] - before[0], after[1] - before[1])
+    order = {name: i for i, name in enumerate(SETUPS)}
+    ordered = sorted(points.values(), key=lambda p: (MIXES.index(p.mix), p.load_pct, order[p.setup]))
+    return routing_rows(ordered)
 
 
 @dataclass
@@ -250,23 +378,6 @@ def scale_section(cluster: Cluster, d: Durations) -> list[dict]:
     return rows
 
 
-def routing_section(cluster: Cluster, d: Durations) -> list[dict]:
-    cluster.up(ROUTING_INSTANCES)
-    rows = []
-    capacity = ROUTING_INSTANCES / MEAN_SERVICE
-    with RoundRobin([cluster.base + i for i in range(ROUTING_INSTANCES)]) as rr:
-        for share in LOADS:
-            targets = (("cosyvoice-lb", cluster.url, capacity), ("round-robin", rr.url, capacity),
-                       ("single", cluster.instance_url(0), 1 / MEAN_SERVICE))
-            for name, url, cap in targets:
-                rate = share * cap
-                log(f"routing: {name} at {share:.0%} ({rate:.1f} requests/s)")
-                s = routing_point(url, rate, d.routing_s, seed=int(share * 100))  # same arrivals for each
-                rows.append({"load_pct": round(share * 100), "setup": name, "rate_rps": rate, "requests": s.requests,
-                             "failed": s.failed, "p50_ms": s.p50_ms, "p95_ms": s.p95_ms, "p99_ms": s.p99_ms})
-    return rows
-
-
 def startup_section() -> list[dict]:
     rows = []
     for n in STARTUP:
@@ -299,13 +410,13 @@ def plots(report: Report, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for setup, style in (("cosyvoice-lb", "o-"), ("round-robin", "s--"), ("single", "^:")):
-        points = [r for r in report.routing if r["setup"] == setup]
-        left.plot([r["load_pct"] for r in points], [r["p99_ms"] for r in points], style, label=setup)
-    left.set(title="routing: p99 latency, 80 % short / 20 % 10x long", xlabel="load (% of capacity)",
-             ylabel="p99 ms", yscale="log")
-    left.legend()
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for axis, mix, title in ((left, "80/20", "80 % short / 20 % 10x long"), (middle, "uniform", "uniform lengths")):
+        for setup, style in zip(SETUPS, ("o-", "^:", "s--")):
+            points = [r for r in report.routing if r["setup"] == setup and r["mix"] == mix]
+            axis.plot([r["load_pct"] for r in points], [r["p99_ms"] for r in points], style, label=setup)
+        axis.set(title=f"routing p99: {title}", xlabel="load (% of capacity)", ylabel="p99 ms", yscale="log")
+        axis.legend()
     n = [r["instances"] for r in report.scale]
     right.plot(n, [r["throughput_rps"] for r in report.scale], "o-", label="measured")
     right.plot(n, [r["linear_rps"] for r in report.scale], "k:", label="linear (1 instance x N)")
@@ -318,16 +429,27 @@ def plots(report: Report, out: Path) -> list[Path]:
     return [path]
 
 
+ROUTING_COLUMNS = [
+    ("load_pct", "load %", ""), ("setup", "setup", ""), ("rate_rps", "requests/s", ".1f"),
+    ("requests", "requests", ""), ("failed", "failed", ""), ("p50_ms", "p50 ms", ".0f"), ("p95_ms", "p95 ms", ".0f"),
+    ("p99_ms", "p99 ms", ".0f"), ("beyond_p99", "at/above p99", ""), ("p99_runs_ms", "p99 per run", ""),
+    ("ratio_rr", "p99 / round-robin", ".2f"), ("ratio_runs", "per run", ""),
+    ("hops_per_request", "declines per request", ".2f"), ("last_resort", "last resort", ""),
+]
+
+
 def summary_lines(report: Report) -> list[str]:
     direct, via = report.overhead
     four = next(r for r in report.scale if r["instances"] == 4)
-    at70 = {r["setup"]: r for r in report.routing if r["load_pct"] == 70}
+    at70 = {r["setup"]: r for r in report.routing if r["load_pct"] == 70 and r["mix"] == "80/20"}
+    default = at70[SETUPS[0]]
+    spread = f" (runs {default['ratio_min']:.2f}-{default['ratio_max']:.2f})" if "/" in default["ratio_runs"] else ""
     return [
         f"overhead: p50 {via['p50_ms'] - direct['p50_ms']:+.2f} ms, p99 {via['p99_ms'] - direct['p99_ms']:+.2f} ms, "
         f"throughput ratio {via['throughput_rps'] / direct['throughput_rps']:.3f}",
         f"scale-out: 4 instances, efficiency {four['efficiency_pct']:.1f} %",
-        f"routing: p99 ratio vs round-robin {at70['cosyvoice-lb']['p99_ms'] / at70['round-robin']['p99_ms']:.2f} "
-        "at 70% load",
+        f"routing: p99 ratio vs round-robin {default['ratio_rr']:.2f} at 70% load{spread}; "
+        f"least_conn {at70['least_conn']['ratio_rr']:.2f}",
     ]
 
 
@@ -336,14 +458,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter loads (under ~15 minutes on 2 cores)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
                         help="where the CSV and PNG files go (default: bench/results)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each routing point (default: 1 with --quick, 2 otherwise)")
     args = parser.parse_args(argv)
     d = QUICK if args.quick else FULL
+    if args.repeats is not None:
+        if args.repeats < 1:
+            parser.error("--repeats must be at least 1")
+        d = Durations(**{**asdict(d), "repeats": args.repeats})
+    signal.signal(signal.SIGTERM, stopped)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("command: " + shlex.join([Path(sys.executable).name, "bench/run.py", *(argv or sys.argv[1:])]))
     print(f"load model: --engine simulated, {MS_PER_CHAR:g} ms per character: short {len(SHORT)} chars "
           f"({len(SHORT) * MS_PER_CHAR:g} ms), long {len(LONG)} chars ({len(LONG) * MS_PER_CHAR:g} ms), "
-          f"fixed {len(FIXED)} chars ({len(FIXED) * MS_PER_CHAR:g} ms); --max-queue {QUEUE}")
+          f"fixed {len(FIXED)} chars ({len(FIXED) * MS_PER_CHAR:g} ms), uniform mix {len(SAME)} chars "
+          f"({len(SAME) * MS_PER_CHAR:g} ms); --max-queue {QUEUE}")
     print(f"durations: {asdict(d)}")
     started = time.monotonic()
     with Cluster() as cluster:
@@ -362,11 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(report.scale, [("instances", "instances", ""), ("requests", "requests", ""), ("failed", "failed", ""),
                                ("throughput_rps", "requests/s", ".2f"), ("linear_rps", "linear", ".2f"),
                                ("efficiency_pct", "efficiency %", ".1f"), ("p99_ms", "p99 ms", ".0f")]))
-    print(f"\n### c. routing: {ROUTING_INSTANCES} instances, {100 - LONG_SHARE * 100:.0f} % short / "
-          f"{LONG_SHARE * 100:.0f} % long, open loop (capacity {ROUTING_INSTANCES / MEAN_SERVICE:.1f} requests/s)\n")
-    print(table(report.routing, [("load_pct", "load %", ""), ("setup", "setup", ""), ("rate_rps", "requests/s", ".1f"),
-                                 ("requests", "requests", ""), ("failed", "failed", ""), ("p50_ms", "p50 ms", ".0f"),
-                                 ("p95_ms", "p95 ms", ".0f"), ("p99_ms", "p99 ms", ".0f")]))
+    for mix in MIXES:
+        what = (f"{100 - LONG_SHARE * 100:.0f} % short / {LONG_SHARE * 100:.0f} % long" if mix == "80/20"
+                else f"uniform ({len(SAME)} characters each)")
+        print(f"\n### c. routing: {ROUTING_INSTANCES} instances, {what}, open loop (capacity "
+              f"{ROUTING_INSTANCES / MEAN_SERVICE:.1f} requests/s), {d.repeats} run(s) per point\n")
+        print(table([r for r in report.routing if r["mix"] == mix], ROUTING_COLUMNS))
     print("\n### d. startup: `cosyvoice-lb up` until all ready (espeak)\n")
     print(table(report.startup, [("instances", "instances", ""), ("seconds", "seconds", ".1f")]))
     for name in ("overhead", "scale", "routing", "startup"):

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .routing import Backlog, queue_load
 from .timeouts import STAMP_AHEAD, STAMP_SLACK
 
 Clock = Callable[[], float]
@@ -125,14 +126,20 @@ class Ticket:
 
 
 class Admission:
+    """``on_change`` is called (outside the lock) whenever the work held here or the phase
+    changed: the router publishes the instance's load then (see ``routing``)."""
+
     def __init__(self, concurrency: int = 1, max_queue: int | None = None, clock: Clock = time.monotonic):
         self.concurrency = max(1, concurrency)
         self.max_queue = max_queue  # requests allowed to wait for a slot when bounded; None: no bound
         self.clock = clock
+        self.on_change: Callable[[], None] = lambda: None
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(self.concurrency)
-        self._inflight: dict[str, list[float]] = {}  # key -> [start, last chunk (inf: with the reader)]
+        # key -> [start, last chunk (inf: with the reader), estimated seconds]
+        self._inflight: dict[str, list[float]] = {}
         self._waiting = 0
+        self._queued_cost = 0.0  # estimated seconds of the requests waiting for a slot
         self._served = 0
         self._failed = 0
         self._phase = Phase.LOADING
@@ -151,18 +158,21 @@ class Admission:
             if self._phase is not Phase.LOADING:
                 return False
             self._phase = Phase.READY
-            return True
+        self.on_change()
+        return True
 
     def drain(self) -> bool:
         """Stop taking work for good; False when it was draining already."""
         with self._lock:
             first = self._phase is not Phase.DRAINING
             self._phase = Phase.DRAINING
-            return first
+        self.on_change()
+        return first
 
     def fail(self, error: str) -> None:
         with self._lock:
             self._phase, self._error = Phase.FAILED, error
+        self.on_change()
 
     def check_ready(self) -> None:
         phase = self._phase
@@ -171,10 +181,11 @@ class Admission:
 
     # --- slots, queue, deadlines ---------------------------------------------------------
 
-    def admit(self, *, bounded: bool = False, deadline: float | None = None) -> Ticket:
+    def admit(self, *, bounded: bool = False, deadline: float | None = None, cost: float = 0.0) -> Ticket:
         """Wait for an engine slot. ``bounded``: refuse with :class:`Overloaded` when the
         slots and the queue are full (the API; the UI and the warm-up wait their turn).
-        ``deadline`` (on this clock): no slot by then raises :class:`TimedOut`."""
+        ``deadline`` (on this clock): no slot by then raises :class:`TimedOut`. ``cost``:
+        the synthesis' estimated seconds (what it adds to this instance's load)."""
         with self._lock:
             busy = len(self._inflight) + self._waiting
             if bounded and self.max_queue is not None and busy >= self.concurrency + self.max_queue:
@@ -183,6 +194,9 @@ class Admission:
                     f"{self._waiting} waiting): retry, another instance may be free"
                 )
             self._waiting += 1
+            self._queued_cost += cost
+        self.on_change()
+        admitted = False
         try:
             wait = None if deadline is None else max(0.0, deadline - self.clock())
             if not self._slots.acquire(timeout=wait):
@@ -190,13 +204,18 @@ class Admission:
                     f"no engine slot came free within the request timeout ({wait:.0f}s left "
                     "when it arrived here): the cluster is overloaded, retry later"
                 )
+            admitted = True
         finally:
+            key = uuid.uuid4().hex
             with self._lock:
                 self._waiting -= 1
-        key = uuid.uuid4().hex
-        with self._lock:
-            now = self.clock()
-            self._inflight[key] = [now, now]  # busy time counts from here, not from the queue
+                self._queued_cost = max(0.0, self._queued_cost - cost) if self._waiting else 0.0
+                if admitted:
+                    now = self.clock()
+                    self._inflight[key] = [now, now, cost]  # busy time counts from here, not from the queue
+            if not admitted:
+                self.on_change()
+        self.on_change()
         return Ticket(self, key)
 
     def _mark(self, key: str, last: float) -> None:
@@ -212,13 +231,21 @@ class Admission:
             elif outcome is False:
                 self._failed += 1
         self._slots.release()
+        self.on_change()
+
+    def load(self) -> Backlog:
+        """The work held here now, for routing (see ``routing.queue_load``)."""
+        with self._lock:
+            now = self.clock()
+            inflight = [(start, cost) for start, _, cost in self._inflight.values()]
+            return queue_load(now, inflight, self._queued_cost, self.concurrency)
 
     def snapshot(self) -> Snapshot:
         now = self.clock()
         with self._lock:
-            busy = max((now - start for start, _ in self._inflight.values()), default=0.0)
+            busy = max((now - start for start, _, _ in self._inflight.values()), default=0.0)
             # (last is +inf while a chunk waits for its reader: a slow reader is not a hang)
-            stalled = sorted((round(max(0.0, now - last), 3) for _, last in self._inflight.values()), reverse=True)
+            stalled = sorted((round(max(0.0, now - last), 3) for _, last, _ in self._inflight.values()), reverse=True)
             return Snapshot(
                 self._phase,
                 len(self._inflight),

@@ -19,7 +19,7 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -27,6 +27,7 @@ from typing import Protocol
 import psutil
 
 from . import protocol
+from .board import Board
 from .files import write_atomic
 from .footprint import room_to_start
 from .gpu import process_gpu_memory
@@ -50,7 +51,7 @@ from .pool import OCCUPIED, SPARE, is_parked, rotation, spares_of
 from .probe import Probe, Prober
 from .processes import orphan_nginx
 from .protocol import DrainAction
-from .render import read_cluster_json, read_pool, render_upstreams
+from .render import overflow_of, read_cluster_json, read_pool, render_upstreams
 from .scaling import Bounds, Load, Scale, decide
 from .settings import Settings
 from .supervision import ProcessInfo, SupervisionError, Supervisor
@@ -140,10 +141,26 @@ class HealthLoop:
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(slots)))
         self.published: frozenset[str] | None = None
         self.serving_before = frozenset(name for name, t in self.tracks.items() if t.in_rotation)
+        self.board = self._open_board()
         self.pids: dict[str, int] = {}
         self.taken: list[str] = []
         self.probe_seconds: dict[str, float] = {}
         self.stopping = False
+
+    def _open_board(self) -> Board | None:
+        """The routing board, with this cluster's routing (instances read it at each request)."""
+        try:
+            board = Board.create(self.layout.routing_board)
+        except OSError as exc:
+            log.warning("no routing board (%s): nginx balances by least connections alone", exc)
+            return None
+        board.configure(self.settings.routing == "work", self.settings.route_slack)
+        return board
+
+    def mark_rotation(self, names: Iterable[str]) -> None:
+        if self.board is not None:
+            chosen = set(names)
+            self.board.set_rotation(slot.index for slot in self.slots if slot.name in chosen)
 
     def _load_tracks(self) -> dict[str, Track]:
         """Pick up where a previous loop left off (the loop itself may be restarted)."""
@@ -441,11 +458,18 @@ class HealthLoop:
         out = frozenset(name for name, track in self.tracks.items() if not track.in_rotation)
         if out == self.published:
             return
-        write_atomic(self.layout.upstreams_conf, render_upstreams(self.slots, out))
+        names = [slot.name for slot in self.slots]
+        # The board leaves an instance out before nginx does and takes one in after: no
+        # instance declines a request for one nginx would not send it to.
+        self.mark_rotation(n for n in names if n not in out and (self.published is None or n not in self.published))
+        write_atomic(
+            self.layout.upstreams_conf, render_upstreams(self.slots, out, overflow_of(self.settings, self.layout))
+        )
         # Published once nginx took it: a reload supervisord refused (busy, or nginx down
         # for a moment) is tried again next step.
         if not self._call("nginx", "reload", lambda: self.supervisor.signal("nginx", "HUP")):
             return
+        self.mark_rotation(n for n in names if n not in out)
         self.published = out
         log.info("rotation: %s", ", ".join(s.name for s in self.slots if s.name not in out) or "none")
 

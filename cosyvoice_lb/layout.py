@@ -177,6 +177,16 @@ class Layout:
         return self.run / f"{name}.restart"
 
     @property
+    def routing_board(self) -> Path:
+        """Where instances publish their load and the health loop the rotation (``board``)."""
+        return self.run / "routing.board"
+
+    @property
+    def overflow_socket(self) -> Path:
+        """nginx's last resort for a request every instance declined (``routing``)."""
+        return self.run / "overflow.sock"
+
+    @property
     def rollout(self) -> Path:
         """A surge roll-out under way (the launcher's): the health loop lets that many more
         instances into rotation, and scales nothing meanwhile."""

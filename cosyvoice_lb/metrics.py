@@ -67,7 +67,8 @@ def available() -> bool:
 
 class Metrics:
     """One instance's metrics. ``live`` is read at each scrape: a callable returning
-    {"ready", "inflight", "waiting", "long_texts", "voice_cache_hits", "voice_cache_misses"};
+    {"ready", "inflight", "waiting", "long_texts", "voice_cache_hits", "voice_cache_misses",
+    "seconds_per_char", "queued_seconds", "declined", "last_resort"};
     it is set by :meth:`watch` once the pipeline exists."""
 
     def __init__(self, engine: str = "", version: str = ""):
@@ -131,6 +132,16 @@ class Metrics:
                     ("cosyvoice_syntheses_in_flight", "inflight", "Syntheses holding an engine slot."),
                     ("cosyvoice_queue_depth", "waiting", "Requests waiting for an engine slot."),
                     ("cosyvoice_long_texts_in_flight", "long_texts", "Long texts this instance coordinates."),
+                    (
+                        "cosyvoice_seconds_per_char",
+                        "seconds_per_char",
+                        "Engine seconds per character of text, a moving average of this instance's syntheses.",
+                    ),
+                    (
+                        "cosyvoice_queued_work_seconds",
+                        "queued_seconds",
+                        "Seconds a request arriving now would wait here (estimated from the texts held).",
+                    ),
                 ):
                     yield GaugeMetricFamily(name, what, value=float(state.get(key, 0)))
                 for name, key, what in (
@@ -139,6 +150,16 @@ class Metrics:
                         "cosyvoice_voice_cache_misses",
                         "voice_cache_misses",
                         "Saved voices whose prompt features were extracted (first use here).",
+                    ),
+                    (
+                        "cosyvoice_routing_declined",
+                        "declined",
+                        "Requests declined because another instance would start them sooner (--routing work).",
+                    ),
+                    (
+                        "cosyvoice_routing_last_resort",
+                        "last_resort",
+                        "Requests taken as nginx's last resort after every instance declined them.",
                     ),
                 ):
                     yield CounterMetricFamily(name, what, value=float(state.get(key, 0)))

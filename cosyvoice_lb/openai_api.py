@@ -148,6 +148,7 @@ def add_openai_routes(
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
+        pipeline.route(request.headers)  # (see /v1/tts)
         body = await request.body()
         try:
             decoded = json.loads(body) if body.strip() else None

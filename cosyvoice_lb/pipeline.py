@@ -32,6 +32,7 @@ from .engines import Engine, EngineError, SynthesisRequest, clones
 from .fanout import SegmentFailed
 from .ledger import Ledger, Poisoned, fingerprint
 from .metrics import Metrics
+from .routing import LAST_HEADER, Rate, Router
 from .timeouts import WORKER_GRACE
 from .validation import MAX_SPEED, MIN_SPEED, BadRequest, Limits, check_text, make_request, safe
 from .voices import Registry, Voice, VoiceNotFound
@@ -43,6 +44,11 @@ CLONING = ("zero_shot", "cross_lingual", "instruct")
 
 class NoAudio(ValueError):
     """The model said nothing for this text (e.g. punctuation only)."""
+
+
+class Declined(RuntimeError):
+    """Routing by work: another instance would start this request sooner. Answered 503 at
+    once, and nginx tries an instance it has not tried yet (see ``routing``)."""
 
 
 class StorageFailed(OSError):
@@ -73,6 +79,7 @@ ERRORS: tuple[tuple[type[BaseException], Callable[[Any], Failure]], ...] = (
     (PromptError, lambda e: Failure(400, str(e))),
     (NotReady, lambda e: Failure(503, str(e), {"Retry-After": "2"})),
     (Overloaded, lambda e: Failure(503, str(e), {"Retry-After": "1"})),
+    (Declined, lambda e: Failure(503, str(e), {"Retry-After": "0", "X-Cvlb-Declined": "1"})),
     (TimedOut, lambda e: Failure(504, str(e), level=logging.WARNING)),
     (NoAudio, lambda e: Failure(422, "the model produced no audio for this text: send words to speak")),
     # upstream checks its input with assert
@@ -137,6 +144,8 @@ class Pipeline:
         self.ledger = ledger  # poison requests: see ``ledger``
         self.registry = registry  # saved voices: see ``voices``
         self.metrics = metrics or Metrics(engine.name)
+        self.rate = Rate()  # this engine's seconds per character, measured
+        self.router: Router | None = None  # routing by work (see ``routing``); None: never declines
         self.metrics.watch(self.live)
         self.coordinating = 0  # long texts this instance is fanning out (a drain waits for them)
         self.coordinating_lock = threading.Lock()  # (from the event loop and the UI's threads)
@@ -154,7 +163,31 @@ class Pipeline:
             "long_texts": self.coordinating,
             "voice_cache_hits": getattr(self.engine, "voice_cache_hits", 0),
             "voice_cache_misses": getattr(self.engine, "voice_cache_misses", 0),
+            **self.routing(),
         }
+
+    def routing(self) -> dict[str, float]:
+        """What routing by work sees here: the measured seconds per character (0 until the
+        warm-up ends), the seconds a request arriving now would wait, and the requests
+        declined and taken as nginx's last resort."""
+        router = self.router
+        return {
+            "seconds_per_char": self.rate.per_char or 0.0,
+            "queued_seconds": round(self.admission.load().wait(self.admission.clock()), 6),
+            "declined": router.declined if router is not None else 0,
+            "last_resort": router.last_resort if router is not None else 0,
+        }
+
+    def route(self, headers: Any) -> None:
+        """Take a speech request here, or raise :class:`Declined` when another instance would
+        start it sooner. Decided first, before the body is read: what it weighs is this
+        instance's queue against the others', so a decline costs nginx one short round trip.
+        ``headers``: the request's (lower-case keys)."""
+        if self.router is None:
+            return
+        decision = self.router.check(headers.get("x-request-id", ""), headers.get(LAST_HEADER.lower(), "") == "last")
+        if decision.decline:
+            raise Declined(decision.message())
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -333,7 +366,8 @@ class Pipeline:
         deaths = ledger.check(job.fingerprint) if ledger is not None else 0  # refused before it waits
         clock, metrics = self.admission.clock, self.metrics if count else None
         queued = clock()
-        ticket = self.admission.admit(bounded=bounded, deadline=deadline)
+        chars = len(job.request.text)
+        ticket = self.admission.admit(bounded=bounded, deadline=deadline, cost=self.rate.estimate(chars))
         admitted = clock()
         if metrics is not None:
             metrics.queued(job.route, admitted - queued)
@@ -370,6 +404,7 @@ class Pipeline:
                 resumed = clock()
             working += clock() - resumed
             outcome = True
+            self.rate.observe(chars, working)  # (the warm-up too: the first estimate)
             if metrics is not None:
                 metrics.completed(job.route, samples / self.engine.sample_rate, working)
         except GeneratorExit:

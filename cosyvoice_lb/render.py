@@ -100,6 +100,10 @@ def instance_command(settings: Settings, layout: Layout, programs: Programs, slo
         str(layout.starts(slot.name)),
         "--ledger-dir",
         str(layout.ledger),
+        "--board",
+        str(layout.routing_board),
+        "--slot",
+        str(slot.index),
         *(["--auth-file", str(layout.access_policy)] if settings.auth_required else []),
         *long_texts,
         *instance_args(
@@ -223,16 +227,29 @@ def stub_status_allow(settings: Settings) -> str:
     return "" if address.is_unspecified or str(address) in ("127.0.0.1", "::1") else str(address)
 
 
-def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = frozenset()) -> str:
-    """upstreams.conf: every slot, those out of rotation marked ``down``."""
+def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = frozenset(), overflow: str = "") -> str:
+    """upstreams.conf: every slot, those out of rotation marked ``down``; ``overflow``: the
+    last resort's socket under --routing work (see ``routing``), "" for none."""
     return (
         template_environment()
         .get_template("upstreams.conf.j2")
         .render(
             slots=slots,
             out_of_rotation=out_of_rotation,
+            overflow=overflow,
         )
     )
+
+
+def overflow_of(settings: Settings, layout: Layout) -> str:
+    """The last resort's socket when instances route by work, else ""."""
+    return str(layout.overflow_socket) if settings.routing == "work" else ""
+
+
+def api_tries(settings: Settings, slots: int) -> int:
+    """How many instances nginx tries for one API request: --retries, and under --routing
+    work at least every slot and then the last resort (each declining instance is a try)."""
+    return max(settings.retries, slots + 1) if settings.routing == "work" else settings.retries
 
 
 def render(
@@ -272,12 +289,15 @@ def render(
             [programs.launcher_python, "-m", "cosyvoice_lb.admin", "--state-dir", str(layout.root)]
         ),
         stub_status_allow=stub_status_allow(settings),
+        api_tries=api_tries(settings, len(plan.slots)),
         nginx_command=shlex.join([programs.nginx, *layout.nginx_args()]),
     )
     return {
         layout.relative(layout.supervisord_conf): env.get_template("supervisord.conf.j2").render(**context),
         layout.relative(layout.nginx_conf): env.get_template("nginx.conf.j2").render(**context),
-        layout.relative(layout.upstreams_conf): render_upstreams(plan.slots, out_of_rotation),
+        layout.relative(layout.upstreams_conf): render_upstreams(
+            plan.slots, out_of_rotation, overflow_of(settings, layout)
+        ),
         layout.relative(layout.cluster_json): cluster_json(settings, plan),
         **monitoring_files(settings, layout, plan.slots),
     }

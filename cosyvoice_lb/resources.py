@@ -44,6 +44,8 @@ INSTANCE_MODULES = (
     "ui.py",
     "pipeline.py",
     "admission.py",
+    "routing.py",
+    "board.py",
     "validation.py",
     "auth.py",
     "gate.py",

@@ -35,9 +35,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from . import __version__
-from .admission import Admission, Snapshot
+from .admission import Admission, Phase, Snapshot
 from .audio import Outputs, pcm16, streaming_wav_header
 from .auth import PolicyFile
+from .board import Opener
 from .engines import create_engine
 from .fanout import SEGMENT_HEADER, Balancer, FanOut
 from .forms import read_form
@@ -48,6 +49,7 @@ from .openai_api import add_openai_routes
 from .pipeline import ERRORS, Pipeline, describe
 from .planner import parse_size
 from .problems import error_body, error_headers
+from .routing import Router
 from .settings import Settings, parse_instance_args, parse_voice_map
 from .streams import AudioStream, audio_source, collect, first_of, streaming_headers
 from .timeouts import GRACEFUL_SHUTDOWN
@@ -67,9 +69,12 @@ from .voices import Registry
 log = logging.getLogger("cosyvoice_lb.instance")
 
 
-def ping_body(snapshot: Snapshot, engine: str, port: int, started: float) -> dict[str, Any]:
+def ping_body(
+    snapshot: Snapshot, engine: str, port: int, started: float, routing: dict[str, float] | None = None
+) -> dict[str, Any]:
     """What ``/ping`` says: readiness, and per synthesis the seconds since its last chunk (a
-    synthesis making no progress is what "hung" means to the health loop)."""
+    synthesis making no progress is what "hung" means to the health loop); ``routing``: what
+    routing by work sees here (measured seconds per character, queued seconds, declines)."""
     return {
         "ready": snapshot.ready,
         "state": snapshot.phase.value,
@@ -83,6 +88,7 @@ def ping_body(snapshot: Snapshot, engine: str, port: int, started: float) -> dic
         "served": snapshot.served,
         "failed": snapshot.failed,
         "uptime": round(time.time() - started, 3),
+        **({"routing": routing} if routing is not None else {}),
         **({"error": snapshot.error} if snapshot.error else {}),
     }
 
@@ -163,8 +169,10 @@ def build_app(
     @app.head("/ping", include_in_schema=False)
     @app.get("/ping")
     async def ping():
+        if pipeline.router is not None:
+            pipeline.router.publish()  # (the health loop's probe keeps the board fresh, e.g. a new board)
         snapshot = admission.snapshot()
-        body = ping_body(snapshot, engine_name or engine.name, port, started)
+        body = ping_body(snapshot, engine_name or engine.name, port, started, pipeline.routing())
         return JSONResponse(body, status_code=200 if snapshot.ready else 503)
 
     # What nginx answers a public /ping with: ready or not, no process details.
@@ -208,6 +216,7 @@ def build_app(
 
     @app.post("/v1/tts", openapi_extra=described)
     async def tts(request: Request):
+        pipeline.route(request.headers)  # (another instance would start it sooner: declined, nginx tries on)
         payload, prompt_data = await read_request(request, pipeline.limits)
         # A long text's segment (nginx passes the header only with the cluster's segment key):
         # its coordinator keeps the whole, and its speed is the OpenAI route's if it came from there.
@@ -372,6 +381,18 @@ def main(argv: list[str] | None = None) -> None:
         fanout = FanOut(balancer, pipeline.admission.clock)
     else:  # nowhere to send segments: texts past --max-chars are refused
         pipeline.limits = replace(pipeline.limits, max_long_chars=0)
+    if args.board and args.slot >= 0:
+        admission = pipeline.admission
+        pipeline.router = Router(
+            args.slot,
+            os.getpid(),
+            admission.load,
+            lambda: admission.phase is Phase.READY,
+            pipeline.rate,
+            admission.clock,
+            Opener(args.board),
+        )
+        admission.on_change = pipeline.router.publish
     voice_map = parse_voice_map(settings.openai_voices)
     app = build_app(pipeline, settings.resolved_engine, args.port, policy=policy, fanout=fanout, voice_map=voice_map)
 

@@ -492,6 +492,20 @@ class Settings:
     retries: int = setting(
         3, "Instances nginx tries for one API request (refused, dead or loading).", type=int, check=at_least(1)
     )
+    routing: str = setting(
+        "work",
+        "How /v1/ picks an instance: work (each instance knows the seconds of work it holds, "
+        "its texts' lengths times its own measured seconds per character, and declines a "
+        "request another instance would start sooner; nginx then tries that one) or "
+        "least-conn (nginx's least connections alone).",
+        choices=("work", "least-conn"),
+    )
+    route_slack: float = setting(
+        0.05,
+        "Seconds another instance must start a request sooner before one declines it (--routing work).",
+        type=float,
+        check=not_negative,
+    )
 
     @property
     def staggered(self) -> bool:
@@ -631,6 +645,8 @@ def instance_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--balancer", default="", help="nginx's URL on this box: long texts' segments go there")
     parser.add_argument("--peers", type=int, default=1, help="instances in the cluster: segments out at once")
     parser.add_argument("--segment-key-file", default="", help="the key segments carry (nginx knows them by it)")
+    parser.add_argument("--board", default="", help="the routing board shared by the box's instances")
+    parser.add_argument("--slot", type=int, default=-1, help="this instance's row on the routing board")
     for f in declarations():
         if not f.metadata["instance"]:
             continue

@@ -197,3 +197,50 @@ def test_the_deadline_counts_from_nginx_stamp():
     for odd in ("soon", "", f"{wall + 100:.3f}", f"{wall - 10**6:.3f}"):
         assert deadline_for(10.0, odd, wall, mono) == mono + 10
     assert deadline_for(0.0, f"{wall:.3f}", wall, mono) is None  # no --request-timeout: no bound
+
+
+# --- the backlog routing weighs ------------------------------------------------------------
+
+
+def test_the_backlog_counts_estimated_work_in_flight_and_waiting():
+    clock = Clock()
+    admission = ready(clock=clock)
+    changes = []
+    admission.on_change = lambda: changes.append(admission.load())
+    ticket = admission.admit(cost=0.4)
+    assert admission.load().until == pytest.approx(100.4) and admission.load().busy
+    clock.now += 0.1
+    assert admission.load().wait(clock.now) == pytest.approx(0.3)
+    waiter = threading.Thread(target=lambda: admission.admit(cost=0.5).release(True))
+    waiter.start()
+    for _ in range(200):  # the waiter is queued (and published) before it blocks
+        if admission.snapshot().waiting:
+            break
+        time.sleep(0.005)
+    assert admission.load().wait(clock.now) == pytest.approx(0.8)
+    ticket.release(True)
+    waiter.join(5)
+    assert not waiter.is_alive()
+    assert admission.load() == type(admission.load())(clock.now, False)  # nothing left
+    # every change was published: queued, admitted, released (twice each for two requests)
+    assert len(changes) >= 5 and changes[-1].busy is False
+
+
+def test_a_timed_out_waiter_takes_its_estimate_out_of_the_backlog():
+    clock = Clock()
+    admission = ready(clock=clock)
+    held = admission.admit(cost=1.0)
+    with pytest.raises(TimedOut):
+        admission.admit(cost=5.0, deadline=clock.now)  # no slot by now
+    assert admission.load().until == pytest.approx(101.0)
+    held.release(True)
+
+
+def test_phase_changes_are_published():
+    admission = Admission()
+    seen = []
+    admission.on_change = lambda: seen.append(admission.phase)
+    admission.become_ready()
+    admission.drain()
+    admission.fail("boom")
+    assert seen == [Phase.READY, Phase.DRAINING, Phase.FAILED]

@@ -25,8 +25,11 @@ def render_upstreams(ports: list[int], out: set[str]) -> str:
         lstrip_blocks=True,
         undefined=jinja2.StrictUndefined,
     )
+    env.filters["nq"] = str  # (render.py quotes paths with blanks; these have none)
     slots = [SimpleNamespace(name=f"instance-{i}", port=p, index=i) for i, p in enumerate(ports)]
-    return env.get_template("upstreams.conf.j2").render(slots=slots, out_of_rotation=frozenset(out))
+    return env.get_template("upstreams.conf.j2").render(
+        slots=slots, out_of_rotation=frozenset(out), overflow="/state/run/overflow.sock"
+    )
 
 
 def test_rotation_reads_the_api_upstream_of_the_real_template():

@@ -149,12 +149,13 @@ class Rig:
         return protocol.report_tracks(self.layout)[name]
 
     def down(self) -> set[str]:
-        """The instances upstreams.conf marks down (in every upstream alike: API, UI, segments)."""
+        """The instances upstreams.conf marks down (in every upstream alike: API, UI, segments,
+        the last resort's)."""
         found = re.findall(r"server \S+ max_fails=0( down)?;\s+# (\S+)", self.layout.upstreams_conf.read_text())
-        assert len(found) == 3 * len(SLOTS)
-        api, ui, segments = found[:len(SLOTS)], found[len(SLOTS):2 * len(SLOTS)], found[2 * len(SLOTS):]
-        assert api == ui == segments
-        return {name for mark, name in api if mark}
+        assert len(found) == 4 * len(SLOTS)
+        pools = [found[i * len(SLOTS):(i + 1) * len(SLOTS)] for i in range(4)]
+        assert all(pool == pools[0] for pool in pools)
+        return {name for mark, name in pools[0] if mark}
 
     def restarted(self, name: str, pid: int, state: str = "RUNNING") -> None:
         """supervisord started ``name`` again: a new pid, and its line in the starts file."""

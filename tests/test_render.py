@@ -125,10 +125,19 @@ def parse_nginx(text: str) -> Directive:
     return root
 
 
+def public_server(http: Directive) -> Directive:
+    """The cluster's listener (not the last resort on its unix socket)."""
+    found = [d for d in http.all("server") if not d.values("listen")[0][0].startswith("unix:")]
+    assert len(found) == 1, f"expected one public server, found {len(found)}"
+    return found[0]
+
+
 def upstream_servers(upstreams: Directive, name: str) -> dict[int, list[str]]:
-    """{port: server flags} of one upstream block."""
+    """{port: server flags} of one upstream block's instances (not its last resort)."""
     servers = {}
     for args in upstreams.one("upstream", name).values("server"):
+        if "backup" in args:
+            continue
         host, port = args[0].rsplit(":", 1)
         assert host == "127.0.0.1"
         servers[int(port)] = args[1:]
@@ -314,7 +323,7 @@ def test_nginx_conf_balancing_and_proxy_settings():
     assert ui.values("hash") == [["$cvlb_route_key", "consistent"]]
     assert http.one("map", "$cookie_cvlb_route", "$cvlb_route_key")  # the key comes from the cookie
 
-    server = http.one("server")
+    server = public_server(http)
     assert server.values("listen") == [["127.0.0.1:9090"]]
     headers = server.values("proxy_set_header")
     for header in (["Upgrade", "$http_upgrade"], ["Connection", "$connection_upgrade"],
@@ -375,7 +384,8 @@ def test_render_upstreams_marks_exactly_the_out_of_rotation_servers_down(out):
 
 def test_render_upstreams_default_is_all_in_rotation():
     assert " down" not in render_upstreams(gpu_plan().slots)
-    assert render_upstreams(gpu_plan().slots) == rendered()["nginx/upstreams.conf"]
+    overflow = str(Layout(SHORT).overflow_socket)  # (--routing work, the default)
+    assert render_upstreams(gpu_plan().slots, overflow=overflow) == rendered()["nginx/upstreams.conf"]
 
 
 def test_paths_with_spaces_are_quoted_in_nginx_conf():
@@ -519,8 +529,9 @@ def test_nginx_accepts_the_rendered_config(state_dir, kind):
 
     # The health loop may take every instance out of rotation: nginx must still load it.
     everyone = frozenset(s.name for s in the_plan.slots)
-    Layout(state_dir).upstreams_conf.write_text(render_upstreams(the_plan.slots, everyone))
-    assert Layout(state_dir).upstreams_conf.read_text().count(" down;") == 3 * len(the_plan.slots)
+    overflow = str(Layout(state_dir).overflow_socket)
+    Layout(state_dir).upstreams_conf.write_text(render_upstreams(the_plan.slots, everyone, overflow))
+    assert Layout(state_dir).upstreams_conf.read_text().count(" down;") == 4 * len(the_plan.slots)
     done = nginx_test(state_dir)
     assert done.returncode == 0, done.stderr
 
@@ -557,7 +568,7 @@ def test_a_hang_timeout_not_below_the_request_timeout_is_warned_about(hang, requ
 
 def test_a_fractional_request_timeout_is_rounded_up_not_to_zero():
     conf = parse_nginx(rendered(settings=Settings(request_timeout=0.5))["nginx/nginx.conf"])
-    v1 = conf.one("http").one("server").one("location", "/v1/")
+    v1 = public_server(conf.one("http")).one("location", "/v1/")
     assert v1.values("proxy_next_upstream_timeout") == [["1s"]]  # 0s would mean no bound at all
     assert v1.values("proxy_read_timeout") == [["6s"]]
 
@@ -570,7 +581,7 @@ SECURITY = [["X-Content-Type-Options", "nosniff", "always"], ["X-Frame-Options",
 
 def nginx_server(settings: Settings) -> tuple[Directive, Directive]:
     http = parse_nginx(rendered(settings=settings)["nginx/nginx.conf"]).one("http")
-    return http, http.one("server")
+    return http, public_server(http)
 
 
 @pytest.mark.parametrize("settings,listen", [
@@ -714,7 +725,7 @@ def test_parked_slots_are_programs_too_and_instances_count_their_peers_without_t
         argv = shlex.split(conf[f"program:{slot.name}"]["command"])
         assert argv[argv.index("--peers") + 1] == "2"  # long texts spread over those that serve
     assert read_pool(files["run/cluster.json"]).started == 3
-    assert files["nginx/upstreams.conf"].count("# instance-3") == 3
+    assert files["nginx/upstreams.conf"].count("# instance-3") == 4  # api, ui, segments, last resort
 
 
 @pytest.mark.parametrize("state_dir", ["cvlb-mps-"], indirect=True)

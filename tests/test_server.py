@@ -607,3 +607,50 @@ def test_a_stream_that_breaks_off_is_cut_not_ended_and_not_kept(tmp_path):
     assert "speech.audio.done" not in [e["type"] for e in events]
     assert list(tmp_path.iterdir()) == []  # a broken-off result is not kept as if whole
     assert snap(p).failed == 2
+
+
+# --- routing by work ----------------------------------------------------------------------
+
+
+def test_a_busy_instance_declines_for_a_freer_one_at_once_and_the_last_resort_is_served(tmp_path):
+    """A real board: slot 1 (this process, as a peer) is idle; the instance (slot 0) holds a
+    2 s synthesis. A request is declined with a fast 503 before its body is even read; the
+    same request marked "last" (nginx's last resort) is served."""
+    import os
+
+    from cosyvoice_lb.board import Board
+    from cosyvoice_lb.engines.simulated import SimulatedEngine
+    from cosyvoice_lb.routing import Backlog, Router
+
+    board = Board.create(tmp_path / "routing.board")
+    board.configure(True, 0.05)
+    board.set_rotation([0, 1])
+    board.publish(1, os.getpid(), True, Backlog(0.0, False), 0.004)
+    p = pipeline(SimulatedEngine(simulated_ms_per_char=4), max_queue=8)
+    a = p.admission
+    p.router = Router(0, os.getpid(), a.load, lambda: a.snapshot().ready, p.rate, a.clock, lambda: board)
+    a.on_change = p.router.publish
+    with TestClient(app(p), raise_server_exceptions=False) as c:
+        assert c.post("/v1/tts", json={"text": "a" * 10}).status_code == 200  # idle: taken
+        assert c.get("/ping").json()["routing"]["seconds_per_char"] == pytest.approx(0.004, rel=0.2)
+        long = threading.Thread(target=lambda: c.post("/v1/tts", json={"text": "a" * 500}))
+        long.start()
+        deadline = time.monotonic() + 5
+        while not snap(p).inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert board.row(0)[1].wait(a.clock()) > 1.0  # published: the others see it is busy
+        declined = c.post("/v1/tts", content=b"not even JSON", headers={"X-Request-Id": "r-1"})
+        assert declined.status_code == 503 and declined.headers["X-Cvlb-Declined"] == "1"
+        assert declined.headers["Retry-After"] == "0" and "declined" in declined.json()["error"]["message"]
+        speech = c.post("/v1/audio/speech", json={"input": "hi", "voice": "alloy"}, headers={"X-Request-Id": "r-2"})
+        assert speech.status_code == 503 and speech.headers["X-Cvlb-Declined"] == "1"
+        last = c.post("/v1/tts", json={"text": "a" * 10}, headers={"X-Request-Id": "r-1", "X-Cvlb-Route": "last"})
+        assert last.status_code == 200
+        routing = c.get("/ping").json()["routing"]
+        assert routing["declined"] == 2 and routing["last_resort"] == 1
+        long.join(10)
+        metrics = c.get("/metrics").text
+        assert "cosyvoice_routing_declined_total 2.0" in metrics
+        assert "cosyvoice_routing_last_resort_total 1.0" in metrics
+        assert "cosyvoice_seconds_per_char " in metrics and "cosyvoice_queued_work_seconds " in metrics
+    board.close()
