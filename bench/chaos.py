@@ -64,19 +64,19 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import psutil
 import requests
+from load import cli_command, free_port_block, shielded  # bench/load.py
 
 from cosyvoice_lb.layout import Layout, layout_for
 from cosyvoice_lb.processes import orphan_nginx, stray_processes
 from cosyvoice_lb.status import ClusterStatus, InstanceStatus, status
-from load import cli_command, free_port_block  # bench/load.py
 
 # --- bounds ------------------------------------------------------------------------------
 
@@ -180,7 +180,13 @@ def start_cluster(run: Run) -> None:
 
 
 def teardown(run: Run, keep_logs: str | None) -> None:
-    """Everything this run started or stopped goes, whatever happened."""
+    """Everything this run started or stopped goes, whatever happened (a second Ctrl-C or
+    SIGTERM included)."""
+    with shielded():
+        _teardown(run, keep_logs)
+
+
+def _teardown(run: Run, keep_logs: str | None) -> None:
     for proc in run.stopped:  # SIGSTOPped by us: KILL works on a stopped process
         kill(proc)
     for child in run.children:
@@ -290,7 +296,7 @@ class Load:
         self.stopping = threading.Event()
         self.threads = [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(clients)]
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for thread in self.threads:
             thread.start()
         return self
@@ -421,7 +427,7 @@ class Fault:
     within: float = RECOVERY_S
     fleet: bool = False  # report the longest out-of-rotation period of any instance
     rotation: bool = True  # False: a service, not an instance, was hit: no rotation to leave
-    finish: Callable[["Fault"], None] = lambda fault: None  # after recovery: clean up, add notes
+    finish: Callable[[Fault], None] = lambda fault: None  # after recovery: clean up, add notes
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # missed targets beyond failures and recovery
 

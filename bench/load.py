@@ -8,19 +8,22 @@ and percentiles are computed from all of them. One asyncio loop and one httpx cl
 light enough for the rates a box of TTS instances serves.
 
 Every run is bounded in requests and in time, and refuses any host but 127.0.0.1. Also
-the two helpers the bench scripts share: the CLI command and a free block of ports.
+the helpers the bench scripts share: the CLI command, a free block of ports, and a shield
+that lets what a run started go down even when it is interrupted again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -47,7 +50,7 @@ class Summary:
     p99_ms: float
 
     @classmethod
-    def of(cls, results: list[Result], seconds: float) -> "Summary":
+    def of(cls, results: list[Result], seconds: float) -> Summary:
         good = np.array([r.latency for r in results if r.status == 200]) * 1000
         p50, p95, p99 = (np.percentile(good, [50, 95, 99]) if good.size else (float("nan"),) * 3)
         return cls(len(results), int(good.size), len(results) - int(good.size), seconds,
@@ -59,6 +62,17 @@ def cli_command() -> list[str]:
     else the module."""
     script = Path(sys.executable).with_name("cosyvoice-lb")
     return [str(script)] if script.exists() else [sys.executable, "-m", "cosyvoice_lb.cli"]
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """Taking down what a run started: a second Ctrl-C or SIGTERM waits until it is done."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def free_port_block(count: int) -> int:

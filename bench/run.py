@@ -31,7 +31,6 @@ it started.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
 import os
@@ -45,7 +44,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -88,17 +86,6 @@ FULL = Durations(latency_requests=1000, throughput_s=30, scale_s=30, routing_s=1
 
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def shielded() -> Iterator[None]:
-    """Taking down what the run started: a second Ctrl-C or SIGTERM waits until it is done."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def stopped(signum: int, _frame: object) -> None:
@@ -157,7 +144,7 @@ class Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with shielded():
+        with load.shielded():
             try:
                 cli("down", "--state-dir", str(self.state_dir))
             finally:
@@ -225,7 +212,7 @@ class RoundRobin:
         raise RuntimeError(f"the round-robin nginx did not listen; see {self.dir}/error.log")
 
     def __exit__(self, *exc: object) -> None:
-        with shielded():
+        with load.shielded():
             if self.process and self.process.poll() is None:
                 self.process.send_signal(signal.SIGQUIT)
                 try:

@@ -137,31 +137,40 @@ def test_a_busy_instance_declines_and_a_request_every_instance_declines_is_serve
         cli("down", "--state-dir", str(state_dir), timeout=120)
 
 
-def test_the_benchmark_takes_its_cluster_down_when_stopped(tmp_path):
-    """`timeout 60 python bench/run.py --quick` and Ctrl-C: whatever it started goes."""
+BENCHES = {  # script, its arguments, what it says with its state dir, what it says once its cluster serves
+    "run": ("run.py", ["--quick"], "cluster state dir ", "overhead: direct"),
+    "chaos": ("chaos.py", ["--only", "kill-instance", "--instances", "2", "--clients", "2"],
+              "starting the cluster in ", "load on"),
+}
+
+
+@pytest.mark.parametrize("bench", sorted(BENCHES))
+def test_a_benchmark_takes_its_cluster_down_when_stopped(tmp_path, bench):
+    """`timeout 60 python bench/run.py --quick`, or Ctrl-C: whatever it started goes."""
+    script, args, says_state, says_serving = BENCHES[bench]
     for sig in (signal.SIGTERM, signal.SIGINT):
-        bench = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path)],
+        process = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / script), *args, *(["--out", str(tmp_path)] if bench == "run" else [])],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
             # (a background shell starts its jobs with SIGINT ignored: Ctrl-C must reach it)
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         state = None
         deadline = time.monotonic() + 120
-        assert bench.stderr is not None
-        for line in bench.stderr:  # the cluster is up once the first measurement starts
-            if "state dir" in line:
-                state = line.rsplit(" ", 1)[1].strip()
-            if "overhead: direct" in line or time.monotonic() > deadline:
+        assert process.stderr is not None
+        for line in process.stderr:
+            if says_state in line:
+                state = line.split(says_state, 1)[1].split()[0]
+            if says_serving in line or time.monotonic() > deadline:
                 break
-        assert state, "the benchmark never said where its cluster is"
-        bench.send_signal(sig)
+        assert state, f"bench/{script} never said where its cluster is"
+        process.send_signal(sig)
         try:
-            bench.communicate(timeout=120)
+            process.communicate(timeout=120)
         except subprocess.TimeoutExpired:
-            bench.kill()
+            process.kill()
             raise
-        assert bench.returncode != 0  # interrupted, not a finished run
+        assert process.returncode != 0  # interrupted, not a finished run
         left = [p for p in psutil.process_iter(["cmdline"]) if state in " ".join(p.info["cmdline"] or [])]
         assert left == [], [p.info["cmdline"] for p in left]
         assert not os.path.exists(state)
