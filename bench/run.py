@@ -52,6 +52,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load  # noqa: E402  (bench/load.py)
 
+from cosyvoice_lb.board import Board  # noqa: E402  (the routing board: is a switch done?)
+
 MS_PER_CHAR = 4.0
 SHORT = "a" * 10  # 40 ms of service
 LONG = "a" * 100  # 400 ms: ten times longer
@@ -132,13 +134,31 @@ class Cluster:
         return time.monotonic() - started
 
     def routed(self) -> tuple[int, int]:
-        """(declined, taken as the last resort): the instances' counters, summed."""
+        """(declined, taken as the last resort): the instances' counters, summed (an
+        instance that does not answer counts nothing: the figures are a lower bound then)."""
         declined = last = 0
         for index in range(self.instances):
-            with urllib.request.urlopen(self.instance_url(index) + "/ping", timeout=5) as answer:
-                counters = json.load(answer).get("routing", {})
+            try:
+                with urllib.request.urlopen(self.instance_url(index) + "/ping", timeout=5) as answer:
+                    counters = json.load(answer).get("routing", {})
+            except (OSError, ValueError) as exc:  # (HTTPError and URLError are OSErrors)
+                log(f"instance {index}: no routing counters ({exc})")
+                continue
             declined, last = declined + counters.get("declined", 0), last + counters.get("last_resort", 0)
         return declined, last
+
+    def switch(self, routing: str) -> None:
+        """Routing by work or least connections, live; back once the board says so."""
+        self.up(self.instances, routing=routing)
+        board_path = self.state_dir / "run" / "routing.board"
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # (the health loop turns work on once nginx has the last resort)
+            board = Board.open(board_path)
+            if board is not None and board.work()[0] == (routing == "work"):
+                board.close()
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the routing board never showed --routing {routing}")
 
     def __enter__(self) -> Cluster:
         return self
@@ -267,15 +287,16 @@ class Point:
         self.runs.append(np.array([r.latency * 1000 for r in results if r.status == 200]))
         self.requests += len(results)
         self.failed += sum(1 for r in results if r.status != 200)
-        self.declined += declined
-        self.last_resort += last_resort
+        self.declined += max(0, declined)  # (an instance restarted in between would count back)
+        self.last_resort += max(0, last_resort)
 
     @property
     def pooled(self) -> np.ndarray:
         return np.concatenate(self.runs) if self.runs else np.zeros(0)
 
     def p99s(self) -> list[float]:
-        return [float(np.percentile(run, 99)) for run in self.runs if run.size]
+        """Each run's p99 (nan for a run without one answer: the runs stay aligned)."""
+        return [float(np.percentile(run, 99)) if run.size else float("nan") for run in self.runs]
 
 
 def routing_rows(points: list[Point]) -> list[dict]:
@@ -304,25 +325,27 @@ def routing_rows(points: list[Point]) -> list[dict]:
 
 
 def routing_section(cluster: Cluster, d: Durations) -> list[dict]:
-    """Every point's runs interleaved: run r of work, round-robin and least_conn go one after
-    another on the same arrivals, so a slow patch of the box touches all three alike."""
+    """Every point's setups one after another on the same arrivals, so a slow patch of the
+    box touches all three alike: the routing the cluster has first, round-robin, then the
+    other (one live switch per point; the next point starts with that one)."""
     cluster.up(ROUTING_INSTANCES)
     capacity = ROUTING_INSTANCES / MEAN_SERVICE
     points: dict[tuple[str, float, str], Point] = {}
     with RoundRobin([cluster.base + i for i in range(ROUTING_INSTANCES)]) as rr:
         for run in range(d.repeats):
-            for setup in ("work", "round-robin", "least_conn"):
-                if setup != "round-robin" and cluster.routing != setup.replace("_", "-"):
-                    cluster.up(ROUTING_INSTANCES, routing=setup.replace("_", "-"))  # live: nginx and the board
-                url = rr.url if setup == "round-robin" else cluster.url
-                for mix in MIXES:
-                    seconds = d.routing_s if mix == "80/20" else d.uniform_s
-                    for share in LOADS:
-                        rate = share * capacity
+            for mix in MIXES:
+                seconds = d.routing_s if mix == "80/20" else d.uniform_s
+                for share in LOADS:
+                    rate = share * capacity
+                    seed = 1000 * run + int(share * 100) + (0 if mix == "80/20" else 500)  # the same for each setup
+                    now = "work" if cluster.routing == "work" else "least_conn"
+                    for setup in (now, "round-robin", "least_conn" if now == "work" else "work"):
+                        if setup != "round-robin" and cluster.routing != setup.replace("_", "-"):
+                            cluster.switch(setup.replace("_", "-"))  # live: nginx and the board
+                        url = rr.url if setup == "round-robin" else cluster.url
                         log(f"routing run {run + 1}/{d.repeats}: {setup}, {mix}, {share:.0%} ({rate:.1f} requests/s)")
                         point = points.setdefault((mix, share, setup), Point(mix, round(share * 100), setup, rate, []))
                         before = cluster.routed()
-                        seed = 1000 * run + int(share * 100) + (0 if mix == "80/20" else 500)  # same for each setup
                         results = load.run(load.open_loop(tts(url), rate, seconds, MAKERS[mix], seed=seed))
                         after = cluster.routed()
                         point.add(results, after[0] - before[0], after[1] - before[1])
@@ -382,6 +405,12 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     for row in rows:
         lines.append("| " + " | ".join(format(row[k], f) if f else str(row[k]) for k, _, f in columns) + " |")
     return "\n".join(lines)
+
+
+def saved(out: Path, name: str, rows: list[dict]) -> list[dict]:
+    """A section's rows, written to its CSV as soon as it is done (a later failure keeps them)."""
+    write_csv(out / f"{name}.csv", rows)
+    return rows
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -463,12 +492,16 @@ def main(argv: list[str] | None = None) -> int:
           f"({len(SAME) * MS_PER_CHAR:g} ms); --max-queue {QUEUE}")
     print(f"durations: {asdict(d)}")
     started = time.monotonic()
-    with Cluster() as cluster:
-        cluster.up(1)
-        overhead = overhead_section(cluster, d)
-        scale = scale_section(cluster, d)
-        routing = routing_section(cluster, d)
-    report = Report(overhead, scale, routing, startup_section())
+    try:
+        with Cluster() as cluster:
+            cluster.up(1)
+            overhead = saved(out, "overhead", overhead_section(cluster, d))
+            scale = saved(out, "scale", scale_section(cluster, d))
+            routing = saved(out, "routing", routing_section(cluster, d))
+        report = Report(overhead, scale, routing, saved(out, "startup", startup_section()))
+    except KeyboardInterrupt as exc:
+        log(f"interrupted ({exc or 'Ctrl-C'}): what it started is down; the sections done are in {out}")
+        return 130
 
     print("\n### a. overhead: one instance, direct vs through nginx\n")
     print(table(report.overhead, [("path", "path", ""), ("requests", "requests", ""), ("failed", "failed", ""),
@@ -487,8 +520,6 @@ def main(argv: list[str] | None = None) -> int:
         print(table([r for r in report.routing if r["mix"] == mix], ROUTING_COLUMNS))
     print("\n### d. startup: `cosyvoice-lb up` until all ready (espeak)\n")
     print(table(report.startup, [("instances", "instances", ""), ("seconds", "seconds", ".1f")]))
-    for name in ("overhead", "scale", "routing", "startup"):
-        write_csv(out / f"{name}.csv", getattr(report, name))
     written = plots(report, out)
     files = [out / f"{n}.csv" for n in ("overhead", "scale", "routing", "startup")] + written
     print(f"\nfiles: {', '.join(os.path.relpath(f) for f in files)}; took {(time.monotonic() - started) / 60:.1f} min\n")

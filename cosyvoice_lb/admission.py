@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .routing import Backlog, queue_load
+from .routing import RESERVATION_SECONDS, Backlog, queue_load
 from .timeouts import STAMP_AHEAD, STAMP_SLACK
 
 Clock = Callable[[], float]
@@ -139,7 +139,8 @@ class Admission:
         # key -> [start, last chunk (inf: with the reader), estimated seconds]
         self._inflight: dict[str, list[float]] = {}
         self._waiting = 0
-        self._queued_cost = 0.0  # estimated seconds of the requests waiting for a slot
+        self._queued: list[float] = []  # the estimated seconds of each request waiting for a slot
+        self._reserved: list[tuple[float, float]] = []  # (until, seconds): taken, not queued yet
         self._served = 0
         self._failed = 0
         self._phase = Phase.LOADING
@@ -158,7 +159,7 @@ class Admission:
             if self._phase is not Phase.LOADING:
                 return False
             self._phase = Phase.READY
-        self.on_change()
+        self._changed()
         return True
 
     def drain(self) -> bool:
@@ -166,13 +167,27 @@ class Admission:
         with self._lock:
             first = self._phase is not Phase.DRAINING
             self._phase = Phase.DRAINING
-        self.on_change()
+        self._changed()
         return first
 
     def fail(self, error: str) -> None:
         with self._lock:
             self._phase, self._error = Phase.FAILED, error
-        self.on_change()
+        self._changed()
+
+    def _changed(self) -> None:
+        """Tell ``on_change`` (routing's publisher): whatever it raises, admission goes on."""
+        try:
+            self.on_change()
+        except Exception:  # noqa: BLE001  (a slot must never leak for a board that broke)
+            pass
+
+    def reserve(self, seconds: float) -> None:
+        """A request was taken and will queue shortly (its body is still being read): count
+        it as ``seconds`` of work until it does, for at most RESERVATION_SECONDS."""
+        with self._lock:
+            self._reserved.append((self.clock() + RESERVATION_SECONDS, seconds))
+        self._changed()
 
     def check_ready(self) -> None:
         phase = self._phase
@@ -194,8 +209,10 @@ class Admission:
                     f"{self._waiting} waiting): retry, another instance may be free"
                 )
             self._waiting += 1
-            self._queued_cost += cost
-        self.on_change()
+            self._queued.append(cost)
+            if self._reserved:
+                self._reserved.pop(0)  # (the oldest reservation: this request's, or one like it)
+        self._changed()
         admitted = False
         try:
             wait = None if deadline is None else max(0.0, deadline - self.clock())
@@ -209,13 +226,11 @@ class Admission:
             key = uuid.uuid4().hex
             with self._lock:
                 self._waiting -= 1
-                self._queued_cost = max(0.0, self._queued_cost - cost) if self._waiting else 0.0
+                self._queued.remove(cost)
                 if admitted:
                     now = self.clock()
                     self._inflight[key] = [now, now, cost]  # busy time counts from here, not from the queue
-            if not admitted:
-                self.on_change()
-        self.on_change()
+            self._changed()
         return Ticket(self, key)
 
     def _mark(self, key: str, last: float) -> None:
@@ -231,14 +246,17 @@ class Admission:
             elif outcome is False:
                 self._failed += 1
         self._slots.release()
-        self.on_change()
+        self._changed()
 
     def load(self) -> Backlog:
-        """The work held here now, for routing (see ``routing.queue_load``)."""
+        """The work held here now, for routing (see ``routing.queue_load``): in flight,
+        waiting, and taken but not yet queued."""
         with self._lock:
             now = self.clock()
+            self._reserved = [r for r in self._reserved if r[0] > now]
             inflight = [(start, cost) for start, _, cost in self._inflight.values()]
-            return queue_load(now, inflight, self._queued_cost, self.concurrency)
+            queued = self._queued + [seconds for _, seconds in self._reserved]
+            return queue_load(now, inflight, queued, self.concurrency)
 
     def snapshot(self) -> Snapshot:
         now = self.clock()

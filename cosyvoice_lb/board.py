@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -117,6 +118,10 @@ class Board:
         for slot in range(ROWS):
             self.memory[self._row(slot) + 26] = 1 if slot in chosen else 0
 
+    def rotation(self) -> set[int]:
+        """The slots marked in rotation."""
+        return {slot for slot in range(ROWS) if self.memory[self._row(slot) + 26]}
+
     # --- an instance's row --------------------------------------------------------------
 
     @staticmethod
@@ -148,40 +153,51 @@ class Board:
         at = self._row(slot) + 64
         return key in struct.unpack_from(f"<{RING}Q", self.memory, at)
 
+    def _in_rotation(self, slot: int) -> list[int]:
+        """The other slots in rotation (the rotation byte first: most rows are empty)."""
+        return sorted(self.rotation() - {slot})
+
     def peers(self, slot: int, key: int) -> list[Peer]:
         """The other slots in rotation, ready and alive, each with whether it declined
         request ``key`` already."""
         found = []
-        for other in range(ROWS):
-            if other == slot:
-                continue
+        for other in self._in_rotation(slot):
             pid, load, _, ready, rotation = self.row(other)
             if pid and ready and rotation and self.alive(pid):
                 found.append(Peer(other, load, self.declined(other, key)))
         return found
 
+    def rates(self, slot: int) -> list[float]:
+        """The seconds per character the other slots in rotation measured (0: not yet)."""
+        return [self.row(other)[2] for other in self._in_rotation(slot)]
+
 
 class Opener:
     """An instance's way to its board: looked at again at most every ``retry`` seconds, so
-    a board the health loop makes after the instance started (or replaces) is picked up."""
+    a board the health loop makes after the instance started (or replaces) is picked up. A
+    replaced board's map is left to the garbage collector, never closed under a thread that
+    may still be writing to it."""
 
     def __init__(self, path: str, retry: float = 1.0, clock: Callable[[], float] = time.monotonic):
         self.path, self.retry, self.clock = path, retry, clock
         self.board: Board | None = None
         self.inode: int | None = None
         self.checked = -float("inf")
+        self._lock = threading.Lock()
 
     def __call__(self) -> Board | None:
         now = self.clock()
-        if self.path and now - self.checked >= self.retry:
+        if not self.path or now - self.checked < self.retry:
+            return self.board
+        with self._lock:
+            if now - self.checked < self.retry:
+                return self.board
             self.checked = now
             try:
                 inode: int | None = os.stat(self.path).st_ino
             except OSError:
                 inode = None
             if inode != self.inode:
-                if self.board is not None:
-                    self.board.close()
                 self.board = Board.open(self.path) if inode is not None else None
                 self.inode = inode if self.board is not None else None
-        return self.board
+            return self.board

@@ -142,25 +142,39 @@ class HealthLoop:
         self.published: frozenset[str] | None = None
         self.serving_before = frozenset(name for name, t in self.tracks.items() if t.in_rotation)
         self.board = self._open_board()
+        self.marked: frozenset[str] | None = None  # the rotation the board shows
         self.pids: dict[str, int] = {}
         self.taken: list[str] = []
         self.probe_seconds: dict[str, float] = {}
         self.stopping = False
 
     def _open_board(self) -> Board | None:
-        """The routing board, with this cluster's routing (instances read it at each request)."""
+        """The routing board (instances read it at each request). Routing by least
+        connections is set at once; routing by work only once nginx has the last resort (see
+        :meth:`mark_board`)."""
         try:
             board = Board.create(self.layout.routing_board)
         except OSError as exc:
             log.warning("no routing board (%s): nginx balances by least connections alone", exc)
             return None
-        board.configure(self.settings.routing == "work", self.settings.route_slack)
+        if self.settings.routing != "work":
+            board.configure(False, self.settings.route_slack)
         return board
 
     def mark_rotation(self, names: Iterable[str]) -> None:
         if self.board is not None:
             chosen = set(names)
             self.board.set_rotation(slot.index for slot in self.slots if slot.name in chosen)
+
+    def mark_board(self) -> None:
+        """A step after nginx's reload (which takes effect a moment after the signal): the
+        board takes in what nginx now serves, and routing by work turns on once nginx has
+        the last resort that serves what every instance declines."""
+        if self.board is None or self.published is None or self.marked == self.published:
+            return
+        self.mark_rotation(slot.name for slot in self.slots if slot.name not in self.published)
+        self.board.configure(self.settings.routing == "work", self.settings.route_slack)
+        self.marked = self.published
 
     def _load_tracks(self) -> dict[str, Track]:
         """Pick up where a previous loop left off (the loop itself may be restarted)."""
@@ -454,14 +468,17 @@ class HealthLoop:
         self.host.kill(children)
 
     def publish(self) -> None:
-        """Rewrite upstreams.conf and reload nginx when the rotation changed."""
+        """Rewrite upstreams.conf and reload nginx when the rotation changed. The board
+        leaves an instance out before nginx does and takes one in a step after nginx did: no
+        instance declines a request for one nginx would not send it to."""
         out = frozenset(name for name, track in self.tracks.items() if not track.in_rotation)
         if out == self.published:
+            self.mark_board()
             return
-        names = [slot.name for slot in self.slots]
-        # The board leaves an instance out before nginx does and takes one in after: no
-        # instance declines a request for one nginx would not send it to.
-        self.mark_rotation(n for n in names if n not in out and (self.published is None or n not in self.published))
+        if self.board is not None:  # the leaving leave the board now
+            staying = {slot.index for slot in self.slots if slot.name not in out}
+            self.board.set_rotation(self.board.rotation() & staying)
+        self.marked = None
         write_atomic(
             self.layout.upstreams_conf, render_upstreams(self.slots, out, overflow_of(self.settings, self.layout))
         )
@@ -469,7 +486,6 @@ class HealthLoop:
         # for a moment) is tried again next step.
         if not self._call("nginx", "reload", lambda: self.supervisor.signal("nginx", "HUP")):
             return
-        self.mark_rotation(n for n in names if n not in out)
         self.published = out
         log.info("rotation: %s", ", ".join(s.name for s in self.slots if s.name not in out) or "none")
 

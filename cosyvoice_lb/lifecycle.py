@@ -69,6 +69,7 @@ def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progre
         clear_cordons(layout)
         end_rollout(layout)
     layout.health_json.unlink(missing_ok=True)
+    layout.routing_board.unlink(missing_ok=True)  # (rows of the last run's processes: a fresh board)
     result, layout, _ = render_to_disk(settings, planned=result)
     # The first ones serve (and wait as spares); the slots past them stay parked for surges.
     starting = result.slots[: result.roles.started]
@@ -359,6 +360,7 @@ def down(layout: Layout, timeout: float | None = None) -> list[int]:
         processes.stop(strays, timeout=10)
     layout.socket.unlink(missing_ok=True)
     layout.admin_socket.unlink(missing_ok=True)
+    layout.overflow_socket.unlink(missing_ok=True)
     end_rollout(layout)
     return pids
 

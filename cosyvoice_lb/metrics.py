@@ -222,10 +222,13 @@ class RequestMetrics:
         status = 0
         started = self.clock()
 
+        declined = False
+
         async def sending(message: Message) -> None:
-            nonlocal status
+            nonlocal status, declined
             if message["type"] == "http.response.start":
                 status = message["status"]
+                declined = any(name.lower() == b"x-cvlb-declined" for name, _ in message.get("headers", []))
             await send(message)
 
         raised = False
@@ -239,7 +242,16 @@ class RequestMetrics:
             outcome = state.get("cvlb_outcome") or (
                 "failed" if raised else outcome_of(status) if status else "cancelled"
             )
-            self.metrics.request(route, outcome)
-            log.info(
-                "request %s %s %s %s in %.3fs rid=%s", route, path, status or "-", outcome, self.clock() - started, rid
-            )
+            if declined:  # routing by work sent it on: the instance that answers it counts it
+                log.debug("request %s %s declined rid=%s", route, path, rid)
+            else:
+                self.metrics.request(route, outcome)
+                log.info(
+                    "request %s %s %s %s in %.3fs rid=%s",
+                    route,
+                    path,
+                    status or "-",
+                    outcome,
+                    self.clock() - started,
+                    rid,
+                )

@@ -32,7 +32,8 @@ from .engines import Engine, EngineError, SynthesisRequest, clones
 from .fanout import SegmentFailed
 from .ledger import Ledger, Poisoned, fingerprint
 from .metrics import Metrics
-from .routing import LAST_HEADER, Rate, Router
+from .router import Router
+from .routing import LAST_HEADER, TRY_HEADER, Rate
 from .timeouts import WORKER_GRACE
 from .validation import MAX_SPEED, MIN_SPEED, BadRequest, Limits, check_text, make_request, safe
 from .voices import Registry, Voice, VoiceNotFound
@@ -79,7 +80,7 @@ ERRORS: tuple[tuple[type[BaseException], Callable[[Any], Failure]], ...] = (
     (PromptError, lambda e: Failure(400, str(e))),
     (NotReady, lambda e: Failure(503, str(e), {"Retry-After": "2"})),
     (Overloaded, lambda e: Failure(503, str(e), {"Retry-After": "1"})),
-    (Declined, lambda e: Failure(503, str(e), {"Retry-After": "0", "X-Cvlb-Declined": "1"})),
+    (Declined, lambda e: Failure(503, str(e), {"Retry-After": "1", "X-Cvlb-Declined": "1"})),
     (TimedOut, lambda e: Failure(504, str(e), level=logging.WARNING)),
     (NoAudio, lambda e: Failure(422, "the model produced no audio for this text: send words to speak")),
     # upstream checks its input with assert
@@ -181,11 +182,14 @@ class Pipeline:
     def route(self, headers: Any) -> None:
         """Take a speech request here, or raise :class:`Declined` when another instance would
         start it sooner. Decided first, before the body is read: what it weighs is this
-        instance's queue against the others', so a decline costs nginx one short round trip.
+        instance's queue against the others'. Only a request nginx marked as a try of its own
+        is ever declined (a caller at the instance's port gets an answer, never a decline).
         ``headers``: the request's (lower-case keys)."""
         if self.router is None:
             return
-        decision = self.router.check(headers.get("x-request-id", ""), headers.get(LAST_HEADER.lower(), "") == "last")
+        decision = self.router.check(
+            headers.get(TRY_HEADER.lower(), ""), headers.get(LAST_HEADER.lower(), "") == "last"
+        )
         if decision.decline:
             raise Declined(decision.message())
 
@@ -404,7 +408,8 @@ class Pipeline:
                 resumed = clock()
             working += clock() - resumed
             outcome = True
-            self.rate.observe(chars, working)  # (the warm-up too: the first estimate)
+            if count:  # (not the warm-up: a first run's one-time costs would skew it)
+                self.rate.observe(chars, working)
             if metrics is not None:
                 metrics.completed(job.route, samples / self.engine.sample_rate, working)
         except GeneratorExit:

@@ -241,6 +241,19 @@ def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = 
     )
 
 
+def nginx_command(programs: Programs, layout: Layout) -> list[str]:
+    """nginx as supervisord starts it: first the last resort's socket goes, which an nginx
+    killed outright leaves behind (nginx cannot bind a unix socket that exists)."""
+    return [
+        "/bin/sh",
+        "-c",
+        'rm -f -- "$0" && exec "$@"',
+        str(layout.overflow_socket),
+        programs.nginx,
+        *layout.nginx_args(),
+    ]
+
+
 def overflow_of(settings: Settings, layout: Layout) -> str:
     """The last resort's socket when instances route by work, else ""."""
     return str(layout.overflow_socket) if settings.routing == "work" else ""
@@ -290,7 +303,7 @@ def render(
         ),
         stub_status_allow=stub_status_allow(settings),
         api_tries=api_tries(settings, len(plan.slots)),
-        nginx_command=shlex.join([programs.nginx, *layout.nginx_args()]),
+        nginx_command=shlex.join(nginx_command(programs, layout)),
     )
     return {
         layout.relative(layout.supervisord_conf): env.get_template("supervisord.conf.j2").render(**context),

@@ -45,6 +45,7 @@ INSTANCE_MODULES = (
     "pipeline.py",
     "admission.py",
     "routing.py",
+    "router.py",
     "board.py",
     "validation.py",
     "auth.py",

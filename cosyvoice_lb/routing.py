@@ -12,35 +12,37 @@ last try, is served: nginx's last resort (a ``backup`` server) sends it once mor
 so that it is never declined.
 
 Pure: the clock and what the other instances published are passed in. The instance's
-glue (publishing its load, reading the board) is :class:`Router`.
+glue (publishing its backlog, reading the board) is ``router.Router``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 DEFAULT_SLACK = 0.05  # seconds: a decline must gain the request more than this
 RATE_WEIGHT = 0.2  # of the newest synthesis in the moving average of seconds per character
 LAST_HEADER = "X-Cvlb-Route"  # "last": nginx's last resort, never declined
+TRY_HEADER = "X-Cvlb-Try"  # nginx's id of one client request, the same on each of its tries
+RESERVATION_SECONDS = 1.0  # a request taken but not yet queued counts this long at most
 
 
 @dataclass(frozen=True)
 class Backlog:
-    """What an instance has queued, as it publishes it: ``until`` is when its queued work
-    is expected to end (monotonic clock, shared by the processes of a box), ``busy`` whether
-    a synthesis is in flight."""
+    """What an instance has queued, as it publishes it: ``until`` is when an engine slot is
+    expected to come free for a request arriving now (monotonic clock, shared by the
+    processes of a box), ``busy`` whether every engine slot is taken."""
 
     until: float = 0.0
     busy: bool = False
 
     def wait(self, now: float) -> float:
-        """Seconds a request arriving now would wait. Past the expected end with a synthesis
-        still running, the synthesis has overrun its estimate: the longer it overruns, the
-        longer it is expected to go on (a hung one never looks free)."""
+        """Seconds a request arriving now would wait. Past the expected time with every slot
+        still taken, a synthesis has overrun its estimate: the longer it overruns, the longer
+        it is expected to go on (a hung one never looks free)."""
         if self.until >= now:
             return self.until - now
         return now - self.until if self.busy else 0.0
@@ -93,12 +95,21 @@ def request_key(request_id: str) -> int:
     return key or 1
 
 
-def queue_load(now: float, inflight: Sequence[tuple[float, float]], queued: float, concurrency: int) -> Backlog:
-    """The load of ``inflight`` syntheses ((start, estimated seconds) each) and ``queued``
-    seconds of waiting work on ``concurrency`` engine slots. An overrun synthesis counts
-    negative, which moves ``until`` into the past (see :meth:`Backlog.wait`)."""
-    left = sum(cost - (now - start) for start, cost in inflight) + queued
-    return Backlog(now + left / max(1, concurrency), bool(inflight))
+def queue_load(
+    now: float, inflight: Sequence[tuple[float, float]], queued: Sequence[float], concurrency: int
+) -> Backlog:
+    """The backlog of ``inflight`` syntheses ((start, estimated seconds) each) and the
+    ``queued`` requests' estimated seconds, in order, on ``concurrency`` engine slots: when
+    the next slot comes free for one more request. A synthesis past its estimate is expected
+    to run as long again as it has overrun (it never frees its slot early in the estimate,
+    and never cancels the work queued behind it)."""
+    slots = max(1, concurrency)
+    free = [abs(cost - (now - start)) for start, cost in inflight]  # seconds until each busy slot frees
+    free += [0.0] * max(0, slots - len(free))
+    heapq.heapify(free)
+    for cost in queued:  # each waiting request takes the slot that frees first
+        heapq.heappush(free, heapq.heappop(free) + cost)
+    return Backlog(now + free[0], len(inflight) + len(queued) >= slots)
 
 
 class Rate:
@@ -108,6 +119,7 @@ class Rate:
 
     def __init__(self, weight: float = RATE_WEIGHT):
         self.weight = weight
+        self.prior: float | None = None  # the peers' rate, used until this engine has its own
         self._chars = 0.0
         self._seconds = 0.0
         self._lock = threading.Lock()
@@ -125,67 +137,20 @@ class Rate:
 
     @property
     def per_char(self) -> float | None:
+        """This engine's own measured rate (None before its first synthesis)."""
         with self._lock:
             return self._seconds / self._chars if self._chars else None
 
     def estimate(self, chars: int) -> float:
-        """The seconds a text of ``chars`` characters is expected to take here (0: not known yet)."""
-        per_char = self.per_char
+        """The seconds a text of ``chars`` characters is expected to take here: by this
+        engine's rate, else its peers' (0: neither is known yet)."""
+        per_char = self.per_char if self.per_char is not None else self.prior
         return per_char * max(0, chars) if per_char is not None else 0.0
 
-
-class Board(Protocol):
-    """What :class:`Router` needs of the routing board (``board.Board``)."""
-
-    def work(self) -> tuple[bool, float]: ...
-    def publish(self, slot: int, pid: int, ready: bool, load: Backlog, per_char: float) -> None: ...
-    def peers(self, slot: int, key: int) -> list[Peer]: ...
-    def mark_declined(self, slot: int, key: int) -> None: ...
-
-
-class Router:
-    """One instance's side: publishes its load whenever it changes, and decides per
-    request. Without a board (none given, or not there yet) it never declines.
-
-    ``load``: the instance's load now (its admission's); ``ready``: whether it takes work.
-    """
-
-    def __init__(
-        self,
-        slot: int,
-        pid: int,
-        load: Callable[[], Backlog],
-        ready: Callable[[], bool],
-        rate: Rate,
-        clock: Callable[[], float],
-        board: Callable[[], Board | None],
-    ):
-        self.slot, self.pid = slot, pid
-        self.load, self.ready, self.rate, self.clock = load, ready, rate, clock
-        self.board = board
-        self.declined = 0  # requests this instance declined
-        self.last_resort = 0  # requests it took as nginx's last resort
-        self._lock = threading.Lock()
-
-    def publish(self) -> None:
-        board = self.board()
-        if board is not None:
-            board.publish(self.slot, self.pid, self.ready(), self.load(), self.rate.per_char or 0.0)
-
-    def check(self, request_id: str, last: bool) -> Decision:
-        """Whether to take this request (``request_id``: nginx's; ``last``: its last resort)."""
-        board = self.board()
-        now = self.clock()
-        if last:
-            with self._lock:
-                self.last_resort += 1
-        work, slack = board.work() if board is not None else (False, 0.0)
-        if board is None or not work or not request_id:
-            return Decision(False, self.load().wait(now))
-        key = request_key(request_id)
-        decision = decide(self.load(), board.peers(self.slot, key), now, slack, last)
-        if decision.decline:
-            board.mark_declined(self.slot, key)
-            with self._lock:
-                self.declined += 1
-        return decision
+    def typical(self) -> float:
+        """A typical synthesis here, in seconds (the moving average): what a request taken
+        but not yet read is counted as."""
+        with self._lock:
+            if self._chars:
+                return self._seconds
+        return 0.0

@@ -49,7 +49,7 @@ from .openai_api import add_openai_routes
 from .pipeline import ERRORS, Pipeline, describe
 from .planner import parse_size
 from .problems import error_body, error_headers
-from .routing import Router
+from .router import Router
 from .settings import Settings, parse_instance_args, parse_voice_map
 from .streams import AudioStream, audio_source, collect, first_of, streaming_headers
 from .timeouts import GRACEFUL_SHUTDOWN
@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> None:
             pipeline.rate,
             admission.clock,
             Opener(args.board),
+            admission.reserve,
         )
         admission.on_change = pipeline.router.publish
     voice_map = parse_voice_map(settings.openai_voices)

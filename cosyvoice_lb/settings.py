@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .planner import parse_size
+from .routing import DEFAULT_SLACK
 
 ENV_PREFIX = "COSYVOICE_LB_"
 
@@ -490,7 +491,11 @@ class Settings:
         3, "Failed starts in a row before supervisord gives an instance up.", type=int, check=at_least(0)
     )
     retries: int = setting(
-        3, "Instances nginx tries for one API request (refused, dead or loading).", type=int, check=at_least(1)
+        3,
+        "Instances nginx tries for one request (refused, dead or loading); with --routing work "
+        "an API request may try every instance and then the last resort.",
+        type=int,
+        check=at_least(1),
     )
     routing: str = setting(
         "work",
@@ -501,7 +506,7 @@ class Settings:
         choices=("work", "least-conn"),
     )
     route_slack: float = setting(
-        0.05,
+        DEFAULT_SLACK,
         "Seconds another instance must start a request sooner before one declines it (--routing work).",
         type=float,
         check=not_negative,

@@ -222,7 +222,7 @@ def test_the_backlog_counts_estimated_work_in_flight_and_waiting():
     waiter.join(5)
     assert not waiter.is_alive()
     assert admission.load() == type(admission.load())(clock.now, False)  # nothing left
-    # every change was published: queued, admitted, released (twice each for two requests)
+    # every change was published: queued, admitted, released (for each of the two)
     assert len(changes) >= 5 and changes[-1].busy is False
 
 
@@ -234,6 +234,33 @@ def test_a_timed_out_waiter_takes_its_estimate_out_of_the_backlog():
         admission.admit(cost=5.0, deadline=clock.now)  # no slot by now
     assert admission.load().until == pytest.approx(101.0)
     held.release(True)
+
+
+def test_a_taken_request_counts_until_it_queues_or_for_a_second_at_most():
+    clock = Clock()
+    admission = ready(clock=clock)
+    admission.reserve(0.3)  # taken: its body is being read
+    admission.reserve(0.3)
+    assert admission.load().wait(clock.now) == pytest.approx(0.6)  # (one engine slot: both ahead)
+    ticket = admission.admit(cost=0.5)  # one queues for real: its reservation goes
+    assert admission.load().wait(clock.now) == pytest.approx(0.8)  # 0.5 in flight, then the other's 0.3
+    clock.now += 1.0  # the other never queued (refused, say): it no longer counts
+    assert admission.load().wait(clock.now) == pytest.approx(0.5)  # only the overrun of the one in flight
+    ticket.release(True)
+    assert admission.load() == type(admission.load())(clock.now, False)
+
+
+def test_a_failing_publisher_never_costs_an_engine_slot():
+    admission = ready()
+
+    def broken() -> None:
+        raise ValueError("mmap closed or invalid")
+
+    admission.on_change = broken
+    for _ in range(3):  # (one slot: a leaked ticket would block the second admit for good)
+        admission.admit(cost=0.1).release(True)
+    admission.reserve(0.1)
+    assert admission.snapshot().inflight == 0 and admission.snapshot().served == 3
 
 
 def test_phase_changes_are_published():

@@ -58,10 +58,12 @@ def test_only_ready_rows_in_rotation_are_peers_and_a_slot_never_sees_itself(tmp_
     board = Board.create(tmp_path / "routing.board")
     me = os.getpid()
     for slot in range(4):
-        board.publish(slot, me, slot != 2, Backlog(float(slot), False), 0.0)  # slot 2: loading
+        board.publish(slot, me, slot != 2, Backlog(float(slot), False), 0.001 * slot)  # slot 2: loading
     board.set_rotation([0, 1, 2])  # slot 3: a spare, ready but out of rotation
+    assert board.rotation() == {0, 1, 2}
     assert [p.slot for p in board.peers(0, 1)] == [1]
     assert [p.slot for p in board.peers(1, 1)] == [0]
+    assert board.rates(0) == [0.001, 0.002]  # (the rates of the others in rotation)
     board.set_rotation([1, 3])  # the health loop's next rotation replaces the last one
     assert [p.slot for p in board.peers(0, 1)] == [1, 3]
 
@@ -96,6 +98,7 @@ def test_the_opener_finds_a_board_made_later_and_a_replaced_one(tmp_path):
     Board.create(path).configure(False, 0.2)  # the loop made a new one
     now[0] = 2.0
     assert opener().work() == (False, 0.2)  # type: ignore[union-attr]
+    assert found.work() == (True, 0.1)  # (the old map stays usable for whoever still holds it)
     assert Opener("")() is None  # an instance without a board (Kubernetes)
 
 

@@ -512,3 +512,52 @@ def test_the_report_has_each_probes_latency(make_rig):
     rig = make_rig()
     seconds = protocol.read_report(rig.layout)["probe_seconds"]
     assert set(seconds) == {A, B} and all(0 <= s < 1 for s in seconds.values())
+
+
+# --- the routing board ----------------------------------------------------------------------
+
+
+def board_of(rig: Rig):
+    from cosyvoice_lb.board import Board
+
+    board = Board.open(rig.layout.routing_board)
+    assert board is not None
+    return board
+
+
+def test_the_board_leaves_an_instance_out_before_nginx_and_takes_it_in_a_step_after(make_rig):
+    rig = make_rig()
+    board = board_of(rig)
+    rig.step()  # (the step after the last reload: nginx has it)
+    assert board.rotation() == {0, 1} and board.work() == (True, 0.05)
+
+    # out: off the board in the step that takes it out of nginx (before the reload)
+    rig.prober.set(A, REFUSED)
+    rig.step(2)
+    assert rig.down() == {A} and board.rotation() == {1}
+
+    # in: nginx first; the board a step later, once the reload has taken effect
+    rig.prober.set(A, READY)
+    rig.step(2)
+    assert rig.down() == set() and board.rotation() == {1}
+    rig.step()
+    assert board.rotation() == {0, 1}
+
+
+def test_routing_by_work_turns_on_only_once_nginx_has_the_last_resort(make_rig):
+    rig = make_rig(serving=False)
+    board = board_of(rig)
+    assert board.work() == (False, 0.0)  # a fresh board: nobody declines yet
+    for slot in SLOTS:
+        rig.layout.starts(slot.name).write_text(f"{rig.sup.procs[slot.name].pid}\n")
+    rig.step(2)
+    assert "backup" in rig.layout.upstreams_conf.read_text() and board.work() == (False, 0.0)
+    rig.step()
+    assert board.work() == (True, 0.05)
+
+
+def test_least_connections_is_set_at_once(make_rig):
+    rig = make_rig()
+    board_of(rig).configure(True, 0.05)  # the last loop's routing by work
+    make_rig(serving=False, routing="least-conn", route_slack=0.2)
+    assert board_of(rig).work() == (False, 0.2)  # before any step: declines stop at once

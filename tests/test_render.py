@@ -209,6 +209,8 @@ def test_the_simulated_engine_gets_its_service_time_and_nothing_else_does(engine
 def test_supervisord_conf_nginx_and_health_programs():
     conf = supervisor_sections(rendered()["run/supervisord.conf"])
     assert shlex.split(conf["program:nginx"]["command"]) == [
+        # (a stale socket of a killed nginx goes first: nginx cannot bind one that exists)
+        "/bin/sh", "-c", 'rm -f -- "$0" && exec "$@"', f"{SHORT}/run/overflow.sock",
         "/usr/sbin/nginx", "-p", f"{SHORT}/nginx", "-c", f"{SHORT}/nginx/nginx.conf",
         "-e", f"{SHORT}/logs/nginx-error.log",
     ]
@@ -304,7 +306,10 @@ def test_percent_in_paths_is_escaped_for_supervisor():
     assert argv[:2] == ["/venv%/python", "/x/100%/app.py"]
     assert argv[argv.index("--starts-file") + 1] == "/tmp/cvlb/run/instance-0.starts"
     assert shlex.split(unescape(conf["program:health"]["command"]))[0] == "/py%/python"
-    assert shlex.split(unescape(conf["program:nginx"]["command"]))[0] == "/ng%/nginx"
+    nginx = shlex.split(unescape(conf["program:nginx"]["command"]))
+    # (a shell that clears the last resort's socket, then becomes nginx)
+    assert nginx[:4] == ["/bin/sh", "-c", 'rm -f -- "$0" && exec "$@"', "/tmp/cvlb/run/overflow.sock"]
+    assert nginx[4] == "/ng%/nginx"
 
 
 # --- nginx.conf and upstreams.conf ----------------------------------------------------------
@@ -356,7 +361,7 @@ def test_nginx_conf_balancing_and_proxy_settings():
     assert ui_location.values("proxy_buffering") == [["off"]]
     assert ["Set-Cookie", "$cvlb_set_cookie"] in ui_location.values("add_header")
     ping = server.one("location", "=", "/ping")
-    assert ping.values("proxy_pass") == [["http://cvlb_api$cvlb_ping_uri"]]
+    assert ping.values("proxy_pass") == [["http://cvlb_instances$cvlb_ping_uri"]]
     assert ping.values("proxy_read_timeout") == [["1000ms"]]  # min(probe timeout, 1 s): quick for monitors
 
 
@@ -761,3 +766,39 @@ def test_without_mps_nothing_of_it_is_rendered():
 def test_mps_on_a_plan_without_gpus_is_refused():
     with pytest.raises(RenderError, match="--mps shares NVIDIA GPUs between instances, and this plan has none"):
         rendered(settings=Settings(mps=True), the_plan=cpu_plan())
+
+
+# --- routing by work ---------------------------------------------------------------------------
+
+
+def test_routing_by_work_has_a_last_resort_nginx_reaches_only_after_every_instance():
+    files = rendered(settings=Settings(retries=2))
+    http = parse_nginx(files["nginx/nginx.conf"]).one("http")
+    upstreams = parse_nginx(files["nginx/upstreams.conf"])
+    socket = f"unix:{SHORT}/run/overflow.sock"
+    for pool in ("cvlb_api", "cvlb_segments"):  # the API's pools end in the last resort...
+        assert upstreams.one("upstream", pool).values("server")[-1] == [socket, "backup"]
+    for pool in ("cvlb_ui", "cvlb_instances"):  # ...the UI's and the last resort's own do not
+        assert [socket, "backup"] not in upstreams.one("upstream", pool).values("server")
+    server = public_server(http)
+    headers = server.values("proxy_set_header")
+    assert ["X-Cvlb-Try", "$request_id"] in headers and ["X-Cvlb-Route", ""] in headers  # a client cannot say "last"
+    v1 = server.one("location", "/v1/")
+    slots = len(gpu_plan().slots)
+    assert v1.values("proxy_next_upstream_tries") == [[str(slots + 1)]]  # every instance, then the last resort
+    assert server.values("proxy_next_upstream_tries") == [["2"]]  # (elsewhere --retries)
+    assert v1.values("proxy_hide_header") == [["X-Cvlb-Declined"]]
+    assert server.one("location", "=", "/ping").values("proxy_pass")[0][0].startswith("http://cvlb_instances")
+    (last,) = [s for s in http.all("server") if s.values("listen") == [[socket]]]
+    assert ["X-Cvlb-Route", "last"] in last.values("proxy_set_header")
+    assert last.values("proxy_next_upstream_tries") == [["2"]]
+    assert last.one("location", "/").values("proxy_pass") == [["http://cvlb_instances"]]
+    assert last.values("access_log") == [["off"]]
+
+
+def test_least_connections_renders_no_last_resort_and_plain_retries():
+    files = rendered(settings=Settings(routing="least-conn", retries=2))
+    http = parse_nginx(files["nginx/nginx.conf"]).one("http")
+    assert len(http.all("server")) == 1
+    assert "backup" not in files["nginx/upstreams.conf"]
+    assert public_server(http).one("location", "/v1/").values("proxy_next_upstream_tries") == [["2"]]

@@ -1,6 +1,6 @@
-"""Routing by work (cosyvoice_lb/routing.py): what an instance's backlog makes a request
-wait, when it declines, the measured seconds per character, and the Router's glue on a
-real board file."""
+"""Routing by work (cosyvoice_lb/routing.py, router.py): what an instance's backlog makes a
+request wait, when it declines, the measured seconds per character, and the router's glue
+on a real board file."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import os
 import pytest
 
 from cosyvoice_lb.board import Board
+from cosyvoice_lb.router import Router
 from cosyvoice_lb.routing import (
     Backlog,
     Peer,
     Rate,
-    Router,
     decide,
     queue_load,
     request_key,
@@ -37,13 +37,22 @@ def test_an_overrun_synthesis_looks_busier_the_longer_it_overruns():
     assert Backlog(NOW - 2, busy=True).wait(NOW + 3) == pytest.approx(5.0)
 
 
-def test_queue_load_sums_what_is_left_of_each_synthesis_and_the_queue_per_slot():
-    # one synthesis of 0.4 s started 0.1 s ago, 0.5 s of work waiting
-    assert queue_load(NOW, [(NOW - 0.1, 0.4)], 0.5, 1) == Backlog(NOW + 0.8, True)
-    assert queue_load(NOW, [(NOW - 0.1, 0.4)], 0.5, 2) == Backlog(NOW + 0.4, True)  # two engine slots
-    assert queue_load(NOW, [], 0.0, 1) == Backlog(NOW, False)
-    overrun = queue_load(NOW, [(NOW - 1.0, 0.4)], 0.0, 1)  # 0.6 s past its estimate
-    assert overrun.until == pytest.approx(NOW - 0.6) and overrun.wait(NOW) == pytest.approx(0.6)
+def test_queue_load_is_when_the_next_engine_slot_comes_free():
+    # one synthesis of 0.4 s started 0.1 s ago, then 0.5 s of work waiting: one slot
+    assert queue_load(NOW, [(NOW - 0.1, 0.4)], [0.5], 1) == Backlog(NOW + 0.8, True)
+    assert queue_load(NOW, [], [], 1) == Backlog(NOW, False)
+    # two slots: one free already, so a request arriving now starts at once
+    assert queue_load(NOW, [(NOW, 10.0)], [], 2) == Backlog(NOW, False)
+    # both taken (4 s and 1 s left), 2 s waiting: the waiting one takes the slot free in 1 s,
+    # the next request the one free in 3 s
+    assert queue_load(NOW, [(NOW - 6, 10.0), (NOW, 1.0)], [2.0], 2).until == pytest.approx(NOW + 3)
+
+
+def test_an_overrun_never_cancels_the_work_queued_behind_it():
+    overrun = queue_load(NOW, [(NOW - 1.0, 0.4)], [], 1)  # 0.6 s past its estimate
+    assert overrun.wait(NOW) == pytest.approx(0.6) and overrun.busy
+    # a 2 s estimate that has run 12 s, 10 s waiting behind it: never "idle"
+    assert queue_load(NOW, [(NOW - 12, 2.0)], [10.0], 1).wait(NOW) == pytest.approx(20.0)
 
 
 # --- the decision ---------------------------------------------------------------------------
@@ -103,7 +112,17 @@ def test_the_rate_ignores_what_cannot_be_a_measurement():
     rate = Rate()
     rate.observe(0, 1.0)
     rate.observe(10, -1.0)
-    assert rate.per_char is None
+    assert rate.per_char is None and rate.typical() == 0.0
+
+
+def test_until_its_own_the_rate_is_its_peers_and_typical_is_the_average_synthesis():
+    rate = Rate(weight=0.5)
+    rate.prior = 0.01
+    assert rate.estimate(10) == pytest.approx(0.1)  # the peers' rate
+    rate.observe(100, 0.4)
+    assert rate.estimate(10) == pytest.approx(0.04)  # its own, once it has one
+    rate.observe(300, 1.2)
+    assert rate.typical() == pytest.approx(0.8)  # (0.4 + 1.2) / 2
 
 
 # --- the router on a real board -------------------------------------------------------------
@@ -117,15 +136,17 @@ def board(tmp_path):
     made.close()
 
 
-def router_on(board: Board, slot: int, backlog: list[Backlog], clock=lambda: NOW) -> Router:
+def router_on(board: Board, slot: int, backlog: list[Backlog], clock=lambda: NOW, reserved=None) -> Router:
     rate = Rate()
     rate.observe(100, 0.4)
-    return Router(slot, os.getpid(), lambda: backlog[0], lambda: True, rate, clock, lambda: board)
+    reserve = reserved.append if reserved is not None else (lambda seconds: None)
+    return Router(slot, os.getpid(), lambda: backlog[0], lambda: True, rate, clock, lambda: board, reserve)
 
 
 def test_the_router_publishes_its_backlog_and_declines_for_a_freer_peer(board):
     busy, free = [Backlog(NOW + 0.4, True)], [Backlog(NOW, False)]
-    first, second = router_on(board, 0, busy), router_on(board, 1, free)
+    taken: list[float] = []
+    first, second = router_on(board, 0, busy), router_on(board, 1, free, reserved=taken)
     first.publish()
     second.publish()
     board.set_rotation([0, 1])
@@ -137,9 +158,11 @@ def test_the_router_publishes_its_backlog_and_declines_for_a_freer_peer(board):
     assert decision.decline and decision.better == 1 and first.declined == 1
     assert board.declined(0, request_key("request-1"))  # (the others see it was tried here)
     assert not second.check("request-1", last=False).decline  # the free one takes it
+    # ...and counts it as a typical synthesis until its body is read and it queues
+    assert taken == [pytest.approx(0.4)]
 
 
-def test_the_router_never_declines_without_a_board_routing_by_work_or_an_id(board):
+def test_the_router_never_declines_without_a_board_routing_by_work_or_nginxs_mark(board):
     busy = [Backlog(NOW + 0.4, True)]
     free = router_on(board, 1, [Backlog(NOW, False)])
     free.publish()
@@ -147,7 +170,7 @@ def test_the_router_never_declines_without_a_board_routing_by_work_or_an_id(boar
     alone = Router(0, os.getpid(), lambda: busy[0], lambda: True, Rate(), lambda: NOW, lambda: None)
     assert not alone.check("request-1", last=False).decline
     on_board = router_on(board, 0, busy)
-    assert not on_board.check("", last=False).decline  # (no id: no way to know its tries)
+    assert not on_board.check("", last=False).decline  # straight at its port: answered, never declined
     board.configure(False, 0.05)  # --routing least-conn, switched live
     assert not on_board.check("request-2", last=False).decline
     board.configure(True, 0.05)
@@ -160,3 +183,23 @@ def test_the_last_resort_is_counted_and_taken(board):
     board.set_rotation([0, 1])
     assert not busy.check("request-1", last=True).decline
     assert (busy.last_resort, busy.declined) == (1, 0)
+
+
+def test_a_new_instance_estimates_with_its_peers_rate(board):
+    peer = router_on(board, 1, [Backlog(NOW, False)])
+    peer.publish()
+    board.set_rotation([0, 1])
+    rate = Rate()
+    new = Router(0, os.getpid(), lambda: Backlog(NOW, False), lambda: True, rate, lambda: NOW, lambda: board)
+    new.check("request-1", last=False)
+    assert rate.per_char is None and rate.estimate(100) == pytest.approx(0.4)
+
+
+def test_a_board_that_breaks_turns_the_router_to_least_connections(board, caplog):
+    router = router_on(board, 0, [Backlog(NOW + 5, True)])
+    router_on(board, 1, [Backlog(NOW, False)]).publish()
+    board.set_rotation([0, 1])
+    board.close()  # (what a replaced or vanished file looks like to a map)
+    router.publish()  # no exception: admission must go on
+    assert not router.check("request-1", last=False).decline
+    assert "routing board unusable" in caplog.text

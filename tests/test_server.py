@@ -614,13 +614,15 @@ def test_a_stream_that_breaks_off_is_cut_not_ended_and_not_kept(tmp_path):
 
 def test_a_busy_instance_declines_for_a_freer_one_at_once_and_the_last_resort_is_served(tmp_path):
     """A real board: slot 1 (this process, as a peer) is idle; the instance (slot 0) holds a
-    2 s synthesis. A request is declined with a fast 503 before its body is even read; the
-    same request marked "last" (nginx's last resort) is served."""
+    2 s synthesis. A request nginx marked as a try is declined with a fast 503 before its
+    body is even read (and not counted as a request); the same request marked "last"
+    (nginx's last resort) is served; one straight at the port is never declined."""
     import os
 
     from cosyvoice_lb.board import Board
     from cosyvoice_lb.engines.simulated import SimulatedEngine
-    from cosyvoice_lb.routing import Backlog, Router
+    from cosyvoice_lb.router import Router
+    from cosyvoice_lb.routing import Backlog
 
     board = Board.create(tmp_path / "routing.board")
     board.configure(True, 0.05)
@@ -628,7 +630,7 @@ def test_a_busy_instance_declines_for_a_freer_one_at_once_and_the_last_resort_is
     board.publish(1, os.getpid(), True, Backlog(0.0, False), 0.004)
     p = pipeline(SimulatedEngine(simulated_ms_per_char=4), max_queue=8)
     a = p.admission
-    p.router = Router(0, os.getpid(), a.load, lambda: a.snapshot().ready, p.rate, a.clock, lambda: board)
+    p.router = Router(0, os.getpid(), a.load, lambda: a.snapshot().ready, p.rate, a.clock, lambda: board, a.reserve)
     a.on_change = p.router.publish
     with TestClient(app(p), raise_server_exceptions=False) as c:
         assert c.post("/v1/tts", json={"text": "a" * 10}).status_code == 200  # idle: taken
@@ -639,13 +641,15 @@ def test_a_busy_instance_declines_for_a_freer_one_at_once_and_the_last_resort_is
         while not snap(p).inflight and time.monotonic() < deadline:
             time.sleep(0.01)
         assert board.row(0)[1].wait(a.clock()) > 1.0  # published: the others see it is busy
-        declined = c.post("/v1/tts", content=b"not even JSON", headers={"X-Request-Id": "r-1"})
+        declined = c.post("/v1/tts", content=b"not even JSON", headers={"X-Cvlb-Try": "r-1"})
         assert declined.status_code == 503 and declined.headers["X-Cvlb-Declined"] == "1"
-        assert declined.headers["Retry-After"] == "0" and "declined" in declined.json()["error"]["message"]
-        speech = c.post("/v1/audio/speech", json={"input": "hi", "voice": "alloy"}, headers={"X-Request-Id": "r-2"})
+        assert "declined" in declined.json()["error"]["message"]
+        speech = c.post("/v1/audio/speech", json={"input": "hi", "voice": "alloy"}, headers={"X-Cvlb-Try": "r-2"})
         assert speech.status_code == 503 and speech.headers["X-Cvlb-Declined"] == "1"
-        last = c.post("/v1/tts", json={"text": "a" * 10}, headers={"X-Request-Id": "r-1", "X-Cvlb-Route": "last"})
+        last = c.post("/v1/tts", json={"text": "a" * 10}, headers={"X-Cvlb-Try": "r-1", "X-Cvlb-Route": "last"})
         assert last.status_code == 200
+        direct = c.post("/v1/tts", json={"text": "a" * 10}, headers={"X-Request-Id": "r-3"})
+        assert direct.status_code == 200  # no nginx mark: answered here
         routing = c.get("/ping").json()["routing"]
         assert routing["declined"] == 2 and routing["last_resort"] == 1
         long.join(10)
@@ -653,4 +657,7 @@ def test_a_busy_instance_declines_for_a_freer_one_at_once_and_the_last_resort_is
         assert "cosyvoice_routing_declined_total 2.0" in metrics
         assert "cosyvoice_routing_last_resort_total 1.0" in metrics
         assert "cosyvoice_seconds_per_char " in metrics and "cosyvoice_queued_work_seconds " in metrics
+        refused = [line for line in metrics.splitlines() if line.startswith("cosyvoice_requests_total")]
+        refused = [line for line in refused if 'outcome="refused"' in line]
+        assert refused and all(line.endswith(" 0.0") for line in refused)  # declines are no requests
     board.close()

@@ -84,7 +84,12 @@ def test_a_busy_instance_declines_and_a_request_every_instance_declines_is_serve
         a, b = wait_for(lambda: serving(state_dir, 2), 20, 0.2) or pytest.fail("the loop never marked the rotation")
         spare = ({0, 1, 2} - {a, b}).pop()
         busy, free = base + a, base + b
-        assert routing(busy)["seconds_per_char"] > 0  # measured on the warm-up already
+        board = Board.open(Layout(state_dir).routing_board)
+        assert board is not None and wait_for(lambda: board.work()[0], 10, 0.1)  # on once nginx has the last resort
+        assert routing(busy)["seconds_per_char"] == 0  # (not from the warm-up: it would skew it)
+        for p in (busy, free, base + spare):  # each learns its seconds per character
+            requests.post(f"http://127.0.0.1:{p}/v1/tts", json={"text": SHORT}, timeout=30).raise_for_status()
+        assert routing(busy)["seconds_per_char"] == pytest.approx(0.004, rel=0.25)
 
         # 1. one instance holds 1.9 s of work: the shorts all go to the other, those nginx sent
         # to the busy one first (least connections) declined by it and tried on the other
@@ -106,8 +111,6 @@ def test_a_busy_instance_declines_and_a_request_every_instance_declines_is_serve
         # 2. the board says the spare (ready, idle, not in nginx's rotation) is in rotation,
         # as a stale board would: both busy instances decline for it, nginx has no one left
         # to try, and its last resort sends each request on marked "last": all served
-        board = Board.open(Layout(state_dir).routing_board)
-        assert board is not None
         board.set_rotation([a, b, spare])
         held = hold(url, [busy, free])
         answers = shorts(url, 4)
@@ -118,7 +121,23 @@ def test_a_busy_instance_declines_and_a_request_every_instance_declines_is_serve
         assert (state_dir / "logs" / "nginx-access.log").read_text().count("overflow.sock us=503, 503, 200") == 4
         board.set_rotation([a, b])
 
-        # 3. --routing least-conn, live: nginx and the board change, no instance restarts,
+        # 3. nginx killed outright leaves its last resort's socket behind: supervisord's
+        # restart clears it and binds again (nginx cannot bind a unix socket that exists)
+        nginx = next(p for p in psutil.process_iter(["cmdline"])
+                     if str(state_dir / "nginx" / "nginx.conf") in " ".join(p.info["cmdline"] or [])
+                     and "master" in " ".join(p.info["cmdline"] or []))
+        nginx.kill()
+        assert (state_dir / "run" / "overflow.sock").exists()
+
+        def serving_again() -> bool:
+            try:
+                return requests.post(url + "/v1/tts", json={"text": SHORT}, timeout=5).status_code == 200
+            except requests.RequestException:
+                return False
+
+        assert wait_for(serving_again, 60, 0.5), "nginx never served again after a SIGKILL"
+
+        # 4. --routing least-conn, live: nginx and the board change, no instance restarts,
         # and a busy instance takes what least connections sends it
         pids = {i["name"]: i["pid"] for i in status(state_dir)[1]["instances"]}
         up(state_dir, port, base, "--instances", "2", "--spares", "1", "--routing", "least-conn")
