@@ -107,8 +107,8 @@ def test_a_stop_that_waits_gets_the_longer_bound(short_dir):
     """A stop answers once the process is gone (a drain, nginx's graceful QUIT): it must not
     be cut off by the bound for calls that answer at once."""
     with fake_supervisord(short_dir) as (layout, script):
-        script.answers["stopProcess"] = (1.0, True)
-        script.answers["stopProcessGroup"] = (1.0, True)
+        script.answers["stopProcess"] = (0.6, True)  # (twice the short bound)
+        script.answers["stopProcessGroup"] = (0.6, True)
         supervisor = Supervisor(layout, timeout=0.3, wait_timeout=10.0)
         supervisor.stop("nginx")
         supervisor.stop_group("instance-0")
