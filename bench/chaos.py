@@ -72,7 +72,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import requests
-from load import cli_command, free_port_block, shielded  # bench/load.py
+from load import Interrupted, cli_command, free_port_block, shielded, stop_on_sigterm  # bench/load.py
 
 from cosyvoice_lb.layout import Layout, layout_for
 from cosyvoice_lb.processes import orphan_nginx, stray_processes
@@ -404,14 +404,6 @@ def longest_out(observations: list[Observation]) -> float:
 
 
 # --- faults ------------------------------------------------------------------------------
-
-
-class Interrupted(BaseException):
-    """SIGTERM: like Ctrl-C, stop the run, take the cluster down, report what there is."""
-
-
-def interrupted(*_: object) -> None:
-    raise Interrupted()
 
 
 class InjectError(RuntimeError):
@@ -840,7 +832,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupted)  # so the cluster still goes down
+    stop_on_sigterm()  # so the cluster still goes down
     print("command: " + shlex.join([sys.executable, *sys.argv]))
     results: list[ScenarioResult] = []
     setup_missed: list[str] = []

@@ -45,7 +45,6 @@ import os
 import random
 import shlex
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -69,7 +68,7 @@ from hypothesis_jsonschema import from_schema
 from urllib3.filepost import encode_multipart_formdata
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import cli_command, free_port_block  # noqa: E402  (bench/load.py)
+from load import Interrupted, cli_command, free_port_block, stop_on_sigterm  # noqa: E402  (bench/load.py)
 
 UP_TIMEOUT_S = 300.0
 DOWN_TIMEOUT_S = 120.0
@@ -442,14 +441,6 @@ def report_problems(results: Results, limit: int = 20) -> None:
 # --- the cluster -------------------------------------------------------------------------
 
 
-class Interrupted(BaseException):
-    """SIGTERM: like Ctrl-C, stop the run; the cluster still goes down."""
-
-
-def interrupted(*_: object) -> None:
-    raise Interrupted()
-
-
 def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_LB_")}
 
@@ -497,7 +488,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupted)
+    stop_on_sigterm()
     print("command: " + shlex.join([sys.executable, *(sys.argv if argv is None else [__file__, *argv])]))
     cli = cli_command()
 

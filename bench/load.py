@@ -8,8 +8,9 @@ and percentiles are computed from all of them. One asyncio loop and one httpx cl
 light enough for the rates a box of TTS instances serves.
 
 Every run is bounded in requests and in time, and refuses any host but 127.0.0.1. Also
-the helpers the bench scripts share: the CLI command, a free block of ports, and a shield
-that lets what a run started go down even when it is interrupted again.
+the helpers the bench scripts share: the CLI command, a free block of ports, SIGTERM
+turned into an interruption, and a shield that lets what a run started go down even when
+it is interrupted again.
 """
 
 from __future__ import annotations
@@ -62,6 +63,18 @@ def cli_command() -> list[str]:
     else the module."""
     script = Path(sys.executable).with_name("cosyvoice-lb")
     return [str(script)] if script.exists() else [sys.executable, "-m", "cosyvoice_lb.cli"]
+
+
+class Interrupted(BaseException):
+    """SIGTERM (``timeout``, a service manager): stop the run as Ctrl-C does; what it
+    started still goes down."""
+
+
+def stop_on_sigterm() -> None:
+    def interrupted(*_: object) -> None:
+        raise Interrupted()
+
+    signal.signal(signal.SIGTERM, interrupted)
 
 
 @contextlib.contextmanager

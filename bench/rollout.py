@@ -56,7 +56,7 @@ from cosyvoice_lb.layout import Layout, layout_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos import Load  # noqa: E402  (bench/chaos.py: its bounded closed-loop clients)
-from load import cli_command, free_port_block  # noqa: E402  (bench/load.py)
+from load import Interrupted, cli_command, free_port_block, stop_on_sigterm  # noqa: E402  (bench/load.py)
 
 # --- bounds ------------------------------------------------------------------------------
 
@@ -212,14 +212,6 @@ def cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
 def flags_of(command: str) -> str:
     done = cli(command, "--help", timeout=60)
     return done.stdout
-
-
-class Interrupted(BaseException):
-    """SIGTERM: like Ctrl-C, stop, take the cluster down."""
-
-
-def interrupted(*_: object) -> None:
-    raise Interrupted()
 
 
 @dataclass(frozen=True)
@@ -640,7 +632,7 @@ def shown(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupted)  # so the cluster still goes down
+    stop_on_sigterm()  # so the cluster still goes down
     console = Console(width=160)
     python = shown(Path(sys.executable))
     stamp = time.strftime("%Y%m%d-%H%M%S")

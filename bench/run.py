@@ -90,11 +90,6 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def stopped(signum: int, _frame: object) -> None:
-    """SIGTERM (``timeout``, a service manager): stop as Ctrl-C does, taking the clusters down."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     done = subprocess.run([*load.cli_command(), *args], capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
@@ -482,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.repeats < 1:
             parser.error("--repeats must be at least 1")
         d = Durations(**{**asdict(d), "repeats": args.repeats})
-    signal.signal(signal.SIGTERM, stopped)
+    load.stop_on_sigterm()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("command: " + shlex.join([Path(sys.executable).name, "bench/run.py", *(argv or sys.argv[1:])]))
@@ -499,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             scale = saved(out, "scale", scale_section(cluster, d))
             routing = saved(out, "routing", routing_section(cluster, d))
         report = Report(overhead, scale, routing, saved(out, "startup", startup_section()))
-    except KeyboardInterrupt as exc:
-        log(f"interrupted ({exc or 'Ctrl-C'}): what it started is down; the sections done are in {out}")
+    except (KeyboardInterrupt, load.Interrupted):
+        log(f"interrupted: what it started is down; the sections done are in {out}")
         return 130
 
     print("\n### a. overhead: one instance, direct vs through nginx\n")
