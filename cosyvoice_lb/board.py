@@ -162,8 +162,8 @@ class Board:
         request ``key`` already."""
         found = []
         for other in self._in_rotation(slot):
-            pid, load, _, ready, rotation = self.row(other)
-            if pid and ready and rotation and self.alive(pid):
+            pid, load, _, ready, _ = self.row(other)
+            if pid and ready and self.alive(pid):
                 found.append(Peer(other, load, self.declined(other, key)))
         return found
 

@@ -169,7 +169,7 @@ class Pipeline:
 
     def routing(self) -> dict[str, float]:
         """What routing by work sees here: the measured seconds per character (0 until the
-        warm-up ends), the seconds a request arriving now would wait, and the requests
+        first synthesis after the warm-up ends), the seconds a request arriving now would wait, and the requests
         declined and taken as nginx's last resort."""
         router = self.router
         return {
