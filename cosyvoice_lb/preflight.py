@@ -29,35 +29,38 @@ def find_nginx(name: str) -> str:
     return found
 
 
-# Run by the instances' Python: which of the modules an instance imports are missing there.
+# Run by the instances' Python: import what an instance imports, for real (a package whose
+# uninstall left files behind is only a namespace, which find_spec calls found), and check
+# that its gradio can read the API schema its pydantic writes (gradio 5.4 cannot read
+# pydantic >= 2.11's: the web UI then answers 500).
 ENV_PROBE = """
-import importlib, importlib.util, json, sys
+import importlib, json, sys
 sys.path[:0] = [p for p in sys.argv[2:] if p]
-missing, versions = [], {}
+missing, broken, versions, schema = [], {}, {}, ""
 for name in sys.argv[1].split(","):
     try:
-        found = importlib.util.find_spec(name) is not None
-    except Exception:
-        found = False
-    if not found:
-        missing.append(name)
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if (exc.name or name) not in missing:
+            missing.append(exc.name or name)
+    except Exception as exc:
+        broken[name] = f"{type(exc).__name__}: {exc}"[:300]
+    else:
+        if getattr(module, "__file__", None) is None and "." not in name:
+            missing.append(name)
 try:
-    import gradio
-    versions["gradio"] = gradio.__version__
+    import typing, pydantic, gradio, gradio_client.utils
+    versions = {"gradio": gradio.__version__, "pydantic": pydantic.VERSION}
+    try:
+        gradio_client.utils.json_schema_to_python_type(pydantic.TypeAdapter(typing.Dict[str, typing.Any]).json_schema())
+    except Exception as exc:
+        schema = f"{type(exc).__name__}: {exc}"[:300]
 except Exception:
     pass
-broken = ""
-for name in sys.argv[1].split(","):  # the model package: import it for real, its dependencies too
-    if name.startswith("cosyvoice") and name not in missing:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if (exc.name or name) not in missing:
-                missing.append(exc.name or name)
-        except Exception as exc:
-            broken = f"{type(exc).__name__}: {exc}"
-print(json.dumps({"missing": missing, "broken": broken, "python": sys.version.split()[0], "versions": versions}))
+print(json.dumps({"missing": missing, "broken": broken, "python": sys.version.split()[0], "versions": versions,
+                  "schema": schema}))
 """
+UPSTREAM_MODULE = "cosyvoice.cli.cosyvoice"
 # module -> what to pip install
 INSTANCE_NEEDS = {
     "numpy": "numpy",
@@ -72,6 +75,35 @@ INSTANCE_NEEDS = {
 ENGINE_NEEDS = {"espeak": {"pypinyin": "pypinyin"}, "cosyvoice3": {"torch": "torch"}, "simulated": {}}
 
 
+def env_problem(report: dict, needs: dict[str, str], python: str) -> str:
+    """What the probe's report says is wrong with the instances' Python ("" when nothing),
+    with the command that fixes it. ``needs``: module -> the package that brings it."""
+    where = f"the instances' Python ({python}, Python {report.get('python', '?')})"
+    missing = [m for m in report.get("missing", []) if not m.startswith("cosyvoice")]
+    if missing:  # the instance's own packages, or what importing upstream CosyVoice needed
+        packages = " ".join(sorted({needs.get(m, m.split(".")[0]) for m in missing}))
+        return f"{where} lacks {', '.join(missing)}: install with '{python} -m pip install {packages}'"
+    if report.get("missing"):  # cosyvoice itself: not on the path
+        return (
+            f"{where} cannot import upstream CosyVoice ({UPSTREAM_MODULE}): pass --cosyvoice-root with the "
+            "checkout that holds cosyvoice/ and third_party/Matcha-TTS"
+        )
+    broken = report.get("broken") or {}
+    if broken:
+        name, why = next(iter(broken.items()))
+        what = "upstream CosyVoice" if name == UPSTREAM_MODULE else name
+        return f"{where} cannot import {what}: {why}"
+    if report.get("schema"):
+        versions = report.get("versions", {})
+        return (
+            f"{where}: gradio {versions.get('gradio', '?')} cannot read the API schema that pydantic "
+            f"{versions.get('pydantic', '?')} writes ({report['schema']}), so the web UI would answer 500: install "
+            f"the pydantic upstream CosyVoice pins with '{python} -m pip install pydantic==2.7.0' (any before "
+            "2.11 works) or a gradio that reads it"
+        )
+    return ""
+
+
 def check_instance_env(settings: Settings) -> dict:
     """Ask the instances' Python what it lacks; refuse with the exact install command."""
     engine = settings.resolved_engine
@@ -81,7 +113,7 @@ def check_instance_env(settings: Settings) -> dict:
         **({"bcrypt": "bcrypt"} if settings.ui_auth else {}),
         **({"httpx": "httpx"} if settings.max_long_chars else {}),  # long texts' segments (gradio brings it)
     }
-    modules = list(needs) + (["cosyvoice.cli.cosyvoice"] if engine == "cosyvoice3" else [])
+    modules = list(needs) + ([UPSTREAM_MODULE] if engine == "cosyvoice3" else [])
     roots = []
     if settings.cosyvoice_root:
         root = Path(settings.cosyvoice_root)
@@ -91,30 +123,15 @@ def check_instance_env(settings: Settings) -> dict:
             [settings.python, "-c", ENV_PROBE, ",".join(modules), *roots],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=180,
             check=False,
         )
         report = json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
         raise ClusterError(f"--python {settings.python} could not be run to check its packages ({exc})") from None
-    missing = [m for m in report["missing"] if m != "cosyvoice.cli.cosyvoice"]
-    if missing:  # the instance's own packages, or what importing upstream CosyVoice needed
-        packages = " ".join(sorted({needs.get(m, m.split(".")[0]) for m in missing}))
-        raise ClusterError(
-            f"the instances' Python ({settings.python}, Python {report['python']}) lacks "
-            f"{', '.join(missing)}: install with '{settings.python} -m pip install {packages}' "
-            "(nothing was started)"
-        )
-    if report.get("broken"):
-        raise ClusterError(
-            f"the instances' Python cannot import upstream CosyVoice: {report['broken']} (nothing was started)"
-        )
-    if "cosyvoice.cli.cosyvoice" in report["missing"]:
-        raise ClusterError(
-            "the instances' Python cannot import upstream CosyVoice (cosyvoice.cli.cosyvoice): "
-            "pass --cosyvoice-root with the checkout that holds cosyvoice/ and "
-            "third_party/Matcha-TTS (nothing was started)"
-        )
+    problem = env_problem(report, needs, settings.python)
+    if problem:
+        raise ClusterError(f"{problem} (nothing was started)")
     return report
 
 

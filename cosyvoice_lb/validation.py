@@ -15,6 +15,7 @@ from .engines import MODES, SynthesisRequest
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
 OPENAI_SPEEDS = (0.25, 4.0)  # what OpenAI's speech API takes (and so a long text's segments)
 SPECIAL = re.compile(r"<\|.{0,40}?\|>", re.DOTALL)
+WORD = re.compile(r"\w")  # a letter, digit or ideograph: something a voice can say
 FIELDS = ("text", "speed", "mode", "prompt_text", "instruct_text", "speaker", "seed", "stream", "voice")
 
 
@@ -108,6 +109,12 @@ def _text(text: Any, max_chars: int, name: str, required: bool) -> str:
         )
     if required and not text.strip():
         raise BadRequest(f'"{name}" is empty: send some text')
+    if required and not WORD.search(text):  # upstream would drop it, or (cross-lingual) speak its own prompt
+        raise BadRequest(
+            f'"{name}" has no word in it, only punctuation, symbols or spaces, for which the model makes no '
+            "audio: send words to speak",
+            status=422,
+        )
     if len(text) > max_chars:
         raise BadRequest(
             f'"{name}" has {len(text)} characters, more than the limit of {max_chars}: split it into shorter '

@@ -20,6 +20,8 @@ from typing import Iterator
 import pytest
 import requests
 
+from upstream_support import upstream  # noqa: F401 - the session fixture for tests marked upstream
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -70,3 +70,17 @@ def test_special_tokens_are_refused_in_every_text_field(field, value, shown):
 @pytest.mark.parametrize("value", ["a <| b", "c |> d", "x < | y | > z", "<b>bold</b> [breath] <strong>x</strong>"])
 def test_half_a_token_and_the_models_control_tags_pass(value):
     assert make_request({"text": value}, Limits(), ("sft",), [], has_prompt=False).text == value
+
+
+@pytest.mark.parametrize("value", ["。！？", "...", " * * * ", "😀🎉", "—"])
+def test_a_text_with_no_word_is_refused_before_the_model(value):
+    # upstream drops such a text (no audio), except in v3's cross-lingual form, where it skips
+    # its text handling and speaks from its own prompt
+    with pytest.raises(BadRequest, match="no word in it") as caught:
+        make_request({"text": value}, Limits(), ("sft",), [], has_prompt=False)
+    assert caught.value.status == 422
+
+
+@pytest.mark.parametrize("value", ["42", "x", "你", "¿Qué?", "…and then"])
+def test_one_letter_digit_or_ideograph_is_enough(value):
+    assert make_request({"text": value}, Limits(), ("sft",), [], has_prompt=False).text == value

@@ -215,7 +215,7 @@ HOSTILE = [
      "instruct"),
     ("speech-mode-unknown", "/v1/audio/speech", {"json": {**SPEECH, "mode": "sing"}}, 400, "unknown mode"),
     ("speech-seed-negative", "/v1/audio/speech", {"json": {**SPEECH, "seed": -1}}, 400, "seed"),
-    ("speech-punctuation-only", "/v1/audio/speech", {"json": {**SPEECH, "input": "..."}}, 422, "no audio"),
+    ("speech-punctuation-only", "/v1/audio/speech", {"json": {**SPEECH, "input": "..."}}, 422, "no word in it"),
     ("voices-json", "/v1/audio/voices", {"json": {"name": "x"}}, 400, "cannot speak saved voices"),
     ("voice-traversal", "/v1/audio/voices/..%2F..%2Fetc%2Fpasswd", {"method": "GET"}, 404, "no endpoint"),
     ("models-post", "/v1/models", {"json": {}}, 405, "use GET"),

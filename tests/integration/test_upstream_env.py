@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from conftest import ROOT, cli, free_port_block
 
 # upstream requirements.txt pins (torch: the CPU build this machine has; huggingface_hub:
@@ -85,3 +84,23 @@ def test_instances_run_in_upstreams_environment(upstream_python, state_dir):
     finally:
         down = cli("down", "--state-dir", str(state_dir), timeout=120)
     assert down.returncode == 0 and "stopped" in down.stdout
+
+    # What `up` must name before it starts anything. A gradio that is gone: pip leaves behind
+    # the files gradio wrote while it ran, a namespace package that find_spec calls found.
+    pip = [str(upstream_python), "-m", "pip"]
+    subprocess.run([*pip, "uninstall", "-y", "-q", "gradio"], check=True, timeout=300, capture_output=True)
+    site = subprocess.run([str(upstream_python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert (Path(site) / "gradio").is_dir()  # the leftovers
+    refused = cli("up", *args, timeout=300)
+    assert refused.returncode != 0 and "lacks gradio" in refused.stderr
+    assert f"{upstream_python} -m pip install gradio" in refused.stderr
+    assert not (state_dir / "run" / "supervisor.sock").exists()
+    # A pydantic whose API schema gradio 5.4 cannot read (its web UI would answer 500).
+    subprocess.run([*pip, "install", "-q", "gradio==5.4.0", "pydantic==2.11.7"], check=True, timeout=600,
+                   capture_output=True)
+    refused = cli("up", *args, timeout=300)
+    assert refused.returncode != 0, refused.stdout
+    assert "gradio 5.4.0 cannot read the API schema that pydantic 2.11.7 writes" in refused.stderr
+    assert f"{upstream_python} -m pip install pydantic==2.7.0" in refused.stderr
+    assert not (state_dir / "run" / "supervisor.sock").exists()

@@ -3,6 +3,7 @@ assertions; synthetic audio instead of a model."""
 
 import math
 import os
+import re
 import time
 
 import matcha  # noqa: F401  upstream's imports need third_party/Matcha-TTS on sys.path
@@ -32,8 +33,9 @@ def _load_prompt(prompt_wav, frontend=None):
     if frontend is not None:
         frontend.extractions += 1
     speech, rate = soundfile.read(prompt_wav, dtype="float32", always_2d=True)
-    # upstream load_wav: sources below 16 kHz fail (its message names the target rate)
-    assert rate >= 16000, "wav sample rate {} must be greater than {}".format(rate, 16000)
+    # upstream load_wav: sources below 16 kHz fail; its message names the rate it resamples
+    # to, and the first load of a prompt is for the 24 kHz features
+    assert rate >= 16000, "wav sample rate {} must be greater than {}".format(rate, 24000)
     seconds = speech.shape[0] / rate
     assert seconds <= 30, "do not support extract speech token for audio longer than 30s"
     return seconds
@@ -76,9 +78,11 @@ class CosyVoice:
         return self.frontend.spk2info[zero_shot_spk_id]["prompt_text"]  # KeyError, as upstream
 
     def _speech(self, text, stream, speed):
-        if stream:
-            assert speed == 1.0, "speed change only support non-stream inference mode"
         spoken = text.split(ENDOFPROMPT)[-1]
+        if not re.search(r"\w", spoken):  # upstream drops a text of punctuation only: nothing to say
+            return
+        if stream:  # upstream's streaming passes no speed to the vocoder: ignored, not refused
+            speed = 1.0
         seconds = max(0.2, 0.06 * len(spoken.strip())) / speed
         n = int(seconds * self.sample_rate)
         t = torch.arange(n, dtype=torch.float32) / self.sample_rate
