@@ -90,6 +90,16 @@ def test_seed_reproduces_and_speed_and_stream():
     assert len(chunks) > 1
 
 
+def test_every_stream_starts_with_the_first_chunk_size():
+    # upstream doubles its chunk size on the model after each streamed chunk and never resets it
+    engine = loaded("Fun-CosyVoice3-0.5B")
+    for _ in range(3):
+        list(engine.synthesize(SynthesisRequest(text="Stream these words.", mode="cross_lingual",
+                                                prompt_wav=PROMPT, stream=True)))
+        assert engine.model.model.token_hop_len == 100  # where upstream leaves it
+    assert engine.model.model.first_hops == [25, 25, 25]
+
+
 def test_v2_and_v1_model_dirs():
     v2 = loaded("CosyVoice2-0.5B")
     assert v2.version == 2 and v2.modes == ("zero_shot", "cross_lingual", "instruct")

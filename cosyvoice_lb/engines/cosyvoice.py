@@ -95,6 +95,10 @@ class CosyVoiceEngine:
         # Saved voices in upstream's speaker cache (add_zero_shot_spk): id -> its transcript.
         self.cached: dict[str, str] = {}
         self.cache_lock = threading.Lock()
+        # v2/v3 streaming chunk size (tokens) as loaded: upstream doubles it on the model after
+        # each streamed chunk, so every stream after the first would wait for 4x the tokens
+        # before its first audio; each stream starts from it again.
+        self.stream_hop: int | None = None
         self.voice_cache_hits = 0  # saved voices spoken from the cache / put in it (metrics)
         self.voice_cache_misses = 0
 
@@ -141,6 +145,7 @@ class CosyVoiceEngine:
         )
         model = self.model = AutoModel(**kwargs)
         self.sample_rate = int(model.sample_rate)
+        self.stream_hop = getattr(getattr(model, "model", None), "token_hop_len", None)
         self.modes = self._modes(self.speakers())
 
     def speakers(self) -> list[str]:
@@ -180,6 +185,8 @@ class CosyVoiceEngine:
             text, prompt_text, instruct_text = v2_prompt(mode, text, prompt_text, instruct_text)
         common = {"stream": request.stream, "speed": 1.0 if request.stream else request.speed}
         model = self.model
+        if request.stream and self.stream_hop is not None:
+            model.model.token_hop_len = self.stream_hop
         # A saved voice speaks from upstream's speaker cache: its prompt features were
         # extracted once, at its first use here. (Not for instruct: upstream's instruct2 with
         # a cached speaker ignores the instruction, so it gets the prompt audio instead.)

@@ -108,6 +108,31 @@ def test_a_stream_comes_in_chunks_and_frees_its_slot(cluster):
         assert ping["inflight"] == 0
 
 
+def first_chunk_seconds(log: str, text: str) -> float:
+    """The audio upstream yielded first for ``text`` (its own log: 'synthesis text ...', then
+    'yield speech len <seconds>' per chunk)."""
+    lines = log.splitlines()
+    start = max(i for i, line in enumerate(lines) if "synthesis text" in line and text in line)
+    return float(next(line for line in lines[start:] if "yield speech len" in line)
+                 .split("yield speech len")[1].split(",")[0])
+
+
+def test_every_stream_starts_with_a_first_chunk_as_short_as_the_first_streams(cluster):
+    # Upstream doubles its chunk size on the model after each streamed chunk (25 tokens, then
+    # 50, then 100) and keeps it: unchecked, every later stream would wait for 4x the audio
+    # before its first chunk. The adapter starts each stream from the loaded size.
+    url = f"http://127.0.0.1:{cluster['base']}"
+    texts = [f"Stream {n}: several chunks of audio, one after another." for n in ("one", "two", "three")]
+    for text in texts:
+        with tts(cluster, {"text": text, "mode": "cross_lingual", "stream": "true"}, PROMPT.read_bytes(), url=url,
+                 stream=True) as r:
+            assert r.status_code == 200
+            b"".join(r.iter_content(chunk_size=None))
+    log = next((cluster["state_dir"] / "logs").glob("instance-0*.log")).read_text()
+    firsts = [first_chunk_seconds(log, text) for text in texts]
+    assert max(firsts) - min(firsts) < 0.2 and max(firsts) < 2.5, firsts  # 25 tokens and the prompt's pad
+
+
 def test_speed_changes_the_length_without_streaming(cluster):
     fields = {"text": "Speak this at two speeds.", "mode": "cross_lingual", "seed": "5"}
     normal = decoded(tts(cluster, fields, PROMPT.read_bytes()))

@@ -75,5 +75,9 @@ def test_the_known_differences_are_the_only_ones(facts):
     assert fake["no_endofprompt_stream_hangs"] is False
     assert real["speed_2_length_ratio"] == 0.5 and real["punctuation_only"] == 0
     assert real["stream_with_speed"] == "ok"  # streaming ignores speed; the API refuses the pair
-    differing = {k for k in real if real[k] != fake[k]} - set(OUTPUTS) - {"no_endofprompt", "no_endofprompt_stream_hangs"}
+    for side in (real, fake):  # doubled after each chunk but the last, up to 4x, and left there
+        hop = side["stream_chunk_tokens"]
+        assert hop["loaded"] == 25 and hop["after"] == min(100, 25 * 2 ** (hop["chunks"] - 1)), hop
+    differing = {k for k in real if real[k] != fake[k]} - set(OUTPUTS) - {
+        "no_endofprompt", "no_endofprompt_stream_hangs", "stream_chunk_tokens"}
     assert differing == set()

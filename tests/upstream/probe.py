@@ -90,6 +90,7 @@ def probe(model_dir: str, prompt: str) -> dict:
     from cosyvoice.cli.cosyvoice import AutoModel
 
     model = AutoModel(model_dir=model_dir)
+    loaded_hop = getattr(model.model, "token_hop_len", None)
     cls = type(model)
     facts: dict = {
         "class": cls.__name__,
@@ -104,6 +105,10 @@ def probe(model_dir: str, prompt: str) -> dict:
     zero_shot = lambda **kw: model.inference_zero_shot(TEXT, TRANSCRIPT, prompt, **kw)  # noqa: E731
     facts["zero_shot"] = describe(zero_shot())
     facts["zero_shot_stream"] = describe(zero_shot(stream=True))
+    # the streaming chunk size (tokens) as loaded, then after one stream: upstream doubles it
+    # after every streamed chunk and leaves it there (the adapter resets it for each stream)
+    facts["stream_chunk_tokens"] = {"loaded": loaded_hop, "after": getattr(model.model, "token_hop_len", None),
+                                    "chunks": facts["zero_shot_stream"]["items"]}
     facts["cross_lingual"] = describe(model.inference_cross_lingual(f"{SYSTEM}{ENDOFPROMPT}{TEXT}", prompt))
     facts["instruct2"] = describe(
         model.inference_instruct2(TEXT, f"{SYSTEM} Speak slowly.{ENDOFPROMPT}", prompt))

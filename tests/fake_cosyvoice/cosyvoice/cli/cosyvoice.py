@@ -26,6 +26,17 @@ class _Frontend:
         self.extractions = 0  # prompt feature extractions (what a cached speaker skips)
 
 
+class _Model:
+    """upstream CosyVoice2Model/CosyVoice3Model: the streaming chunk size in tokens. Upstream's
+    tts() doubles it after every streamed chunk, up to 4x, on the model itself: it stays there
+    for every later stream."""
+
+    def __init__(self):
+        self.token_hop_len = 25
+        self.token_max_hop_len = 4 * self.token_hop_len
+        self.first_hops = []  # the chunk size each stream started with (what a test reads)
+
+
 def _load_prompt(prompt_wav, frontend=None):
     # upstream's frontend extracts speech tokens, features and an embedding from the prompt:
     # a large part of first-chunk time (modelled when a test asks for it)
@@ -55,6 +66,7 @@ class CosyVoice:
         self.options = dict(load_jit=load_jit, load_trt=load_trt, fp16=fp16, trt_concurrent=trt_concurrent)
         spk_file = os.path.join(model_dir, "spk2info.txt")  # upstream: spk2info.pt (torch.load)
         self.frontend = _Frontend(open(spk_file).read().split() if os.path.exists(spk_file) else [])
+        self.model = _Model()
         time.sleep(float(os.environ.get("FAKE_COSYVOICE_LOAD_SECONDS", "1")))  # loading weights
         self.sample_rate = 22050 if self.version == 1 else 24000
 
@@ -90,7 +102,11 @@ class CosyVoice:
         wave = 0.3 * torch.sin(2 * math.pi * pitch * t) * (0.6 + 0.4 * torch.sin(2 * math.pi * 3 * t))
         wave = (wave + 0.01 * torch.randn(n)).clamp(-0.99, 0.99).unsqueeze(0)  # [1, N]
         parts = torch.chunk(wave, 4, dim=1) if stream else (wave,)
-        for part in parts:
+        if stream:
+            self.model.first_hops.append(self.model.token_hop_len)
+        for i, part in enumerate(parts):
+            if stream and i < len(parts) - 1:  # upstream doubles it after each chunk but the last
+                self.model.token_hop_len = min(self.model.token_max_hop_len, self.model.token_hop_len * 2)
             # model the GPU's time per chunk (first-package latency) when a test asks for it
             time.sleep(float(os.environ.get("FAKE_COSYVOICE_CHUNK_SECONDS", "0")) * (1 if stream else 4))
             yield {"tts_speech": part}
