@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from . import processes
@@ -34,15 +35,19 @@ def find_nginx(name: str) -> str:
 # that its gradio can read the API schema its pydantic writes (gradio 5.4 cannot read
 # pydantic >= 2.11's: the web UI then answers 500).
 ENV_PROBE = """
-import importlib, json, sys
+import importlib, importlib.util, json, sys
 sys.path[:0] = [p for p in sys.argv[2:] if p]
 missing, broken, versions, schema = [], {}, {}, ""
 for name in sys.argv[1].split(","):
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        if (exc.name or name) not in missing:
-            missing.append(exc.name or name)
+        lacking = exc.name or name
+        top = lacking.split(".")[0]
+        if "." in lacking and top != name.split(".")[0] and importlib.util.find_spec(top) is not None:
+            broken[name] = f"{type(exc).__name__}: {exc} ({top} is there: a version that lacks it)"[:300]
+        elif lacking not in missing:
+            missing.append(lacking)
     except Exception as exc:
         broken[name] = f"{type(exc).__name__}: {exc}"[:300]
     else:
@@ -51,12 +56,15 @@ for name in sys.argv[1].split(","):
 try:
     import typing, pydantic, gradio, gradio_client.utils
     versions = {"gradio": gradio.__version__, "pydantic": pydantic.VERSION}
+    read, adapter = getattr(gradio_client.utils, "json_schema_to_python_type", None), getattr(pydantic, "TypeAdapter", None)
+except Exception:
+    read = adapter = None
+if read is not None and adapter is not None:
+    written = adapter(typing.Dict[str, typing.Any]).json_schema()
     try:
-        gradio_client.utils.json_schema_to_python_type(pydantic.TypeAdapter(typing.Dict[str, typing.Any]).json_schema())
+        read(written)
     except Exception as exc:
         schema = f"{type(exc).__name__}: {exc}"[:300]
-except Exception:
-    pass
 print(json.dumps({"missing": missing, "broken": broken, "python": sys.version.split()[0], "versions": versions,
                   "schema": schema}))
 """
@@ -73,6 +81,8 @@ INSTANCE_NEEDS = {
     "prometheus_client": "prometheus_client",
 }
 ENGINE_NEEDS = {"espeak": {"pypinyin": "pypinyin"}, "cosyvoice3": {"torch": "torch"}, "simulated": {}}
+# What upstream CosyVoice imports under another name than its package's (its requirements.txt)
+UPSTREAM_PACKAGES = {"whisper": "openai-whisper", "yaml": "pyyaml", "hydra": "hydra-core", "hyperpyyaml": "HyperPyYAML"}
 
 
 def env_problem(report: dict, needs: dict[str, str], python: str) -> str:
@@ -81,8 +91,11 @@ def env_problem(report: dict, needs: dict[str, str], python: str) -> str:
     where = f"the instances' Python ({python}, Python {report.get('python', '?')})"
     missing = [m for m in report.get("missing", []) if not m.startswith("cosyvoice")]
     if missing:  # the instance's own packages, or what importing upstream CosyVoice needed
-        packages = " ".join(sorted({needs.get(m, m.split(".")[0]) for m in missing}))
-        return f"{where} lacks {', '.join(missing)}: install with '{python} -m pip install {packages}'"
+        names = {**UPSTREAM_PACKAGES, **needs}
+        packages = " ".join(sorted({names.get(m.split(".")[0], m.split(".")[0]) for m in missing}))
+        upstreams = [m for m in missing if m not in needs]
+        hint = " (upstream CosyVoice's requirements.txt pins what it needs)" if upstreams else ""
+        return f"{where} lacks {', '.join(missing)}: install with '{python} -m pip install {packages}'{hint}"
     if report.get("missing"):  # cosyvoice itself: not on the path
         return (
             f"{where} cannot import upstream CosyVoice ({UPSTREAM_MODULE}): pass --cosyvoice-root with the "
@@ -118,17 +131,25 @@ def check_instance_env(settings: Settings) -> dict:
     if settings.cosyvoice_root:
         root = Path(settings.cosyvoice_root)
         roots = [str(root), str(root / "third_party" / "Matcha-TTS")]
-    try:
+    try:  # from a neutral dir: with -c the current one is on sys.path, and could shadow a package
         done = subprocess.run(
             [settings.python, "-c", ENV_PROBE, ",".join(modules), *roots],
             capture_output=True,
             text=True,
             timeout=180,
             check=False,
+            cwd=tempfile.gettempdir(),
         )
-        report = json.loads(done.stdout.strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
+    except (OSError, subprocess.TimeoutExpired) as exc:
         raise ClusterError(f"--python {settings.python} could not be run to check its packages ({exc})") from None
+    try:
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        said = " ".join(done.stderr.strip().splitlines()[-3:]) or "nothing on stderr"
+        raise ClusterError(
+            f"--python {settings.python} failed while importing what an instance needs (exit {done.returncode}: "
+            f"{said}): run it by hand with those imports to see why (nothing was started)"
+        ) from None
     problem = env_problem(report, needs, settings.python)
     if problem:
         raise ClusterError(f"{problem} (nothing was started)")

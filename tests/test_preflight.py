@@ -25,7 +25,7 @@ def test_missing_modules_are_named_with_the_packages_that_bring_them():
 
 def test_what_upstream_cosyvoice_needed_is_named_before_the_checkout():
     problem = env_problem(report(missing=["hyperpyyaml"]), NEEDS, PY)
-    assert f"'{PY} -m pip install hyperpyyaml'" in problem
+    assert f"'{PY} -m pip install HyperPyYAML'" in problem
 
 
 def test_cosyvoice_itself_missing_asks_for_the_checkout():
@@ -50,3 +50,10 @@ def test_a_gradio_that_cannot_read_pydantics_schema_is_refused_with_the_pin():
 def test_missing_comes_before_broken_and_schema():
     problem = env_problem(report(missing=["soundfile"], broken={"gradio": "x"}, schema="y"), NEEDS, PY)
     assert "lacks soundfile" in problem and "gradio" not in problem
+
+
+def test_upstreams_modules_are_named_by_the_packages_that_bring_them():
+    problem = env_problem(report(missing=["whisper", "hydra", "yaml"]), NEEDS, PY)
+    assert f"'{PY} -m pip install hydra-core openai-whisper pyyaml'" in problem
+    assert "upstream CosyVoice's requirements.txt" in problem
+    assert "requirements.txt" not in env_problem(report(missing=["gradio"]), NEEDS, PY)

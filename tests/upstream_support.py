@@ -5,8 +5,8 @@ CosyVoice3 model dir made for it (tests/upstream/).
 them out); without it the tests marked ``upstream`` skip and say so. The Python is
 ``CVLB_UPSTREAM_PYTHON`` when given (a CosyVoice environment of your own), otherwise a venv
 built from tests/upstream/requirements.txt: once, under the cache dir (``CVLB_UPSTREAM_CACHE``,
-by default ~/.cache/cosyvoice-lb/upstream), keyed by that file, and reused by every later run;
-never the launcher's venv. The model dir is built by tests/upstream/build_model.py with that
+by default $XDG_CACHE_HOME or ~/.cache, then cosyvoice-lb/upstream), keyed by that file, and
+reused by every later run (an older one is removed); never the launcher's venv. The model dir is built by tests/upstream/build_model.py with that
 Python and kept under the same cache, keyed by the builder, its config, the Python and the
 checkout's code.
 """
@@ -57,7 +57,7 @@ def checkout() -> Path | None:
 
 def cache_dir() -> Path:
     named = os.environ.get(CACHE_VAR, "").strip()
-    base = Path(named) if named else Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "cosyvoice-lb" / "upstream"
+    base = Path(named) if named else Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "cosyvoice-lb" / "upstream"
     path = base.expanduser()
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -112,7 +112,25 @@ def environment(cache: Path) -> Path:
                    INSTALL_SECONDS, f"installing upstream CosyVoice's dependencies into {env}")
         (env / ".complete").write_text(f"built in {time.monotonic() - started:.0f} s\n")
         print(f"\nbuilt the upstream environment {env} in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    retire(cache, "env-", env)
     return python
+
+
+def retire(cache: Path, prefix: str, current: Path) -> None:
+    """Remove what earlier requirements or code left (several GB each): one of each kind is
+    kept. A dir another run is building (its lock held) is left alone."""
+    for old in cache.glob(f"{prefix}*"):
+        if old == current or not old.is_dir():
+            continue
+        with open(cache / f"{old.name}.lock", "w") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            shutil.rmtree(old, ignore_errors=True)
+            for leftover in cache.glob(f"{old.name}.*"):
+                leftover.unlink(missing_ok=True)
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def small_model(root: Path, python: Path, cache: Path) -> Path:
@@ -122,10 +140,13 @@ def small_model(root: Path, python: Path, cache: Path) -> Path:
     model = cache / f"model-{key}"
     with locked(cache / f"model-{key}.lock"):
         if not (model / "llm.pt").is_file():
+            for partial in cache.glob(f".model-{key}.*"):  # what a killed build left
+                shutil.rmtree(partial, ignore_errors=True)
             log = cache / f"model-{key}.log"
             log.unlink(missing_ok=True)
             run_logged([str(python), str(builder), "--cosyvoice-root", str(root), "--out", str(model)], log, 600,
                        "building the small CosyVoice3 model")
+    retire(cache, "model-", model)
     return model
 
 

@@ -97,7 +97,9 @@ class CosyVoiceEngine:
         self.cache_lock = threading.Lock()
         # v2/v3 streaming chunk size (tokens) as loaded: upstream doubles it on the model after
         # each streamed chunk, so every stream after the first would wait for 4x the tokens
-        # before its first audio; each stream starts from it again.
+        # before its first audio; each stream starts from it again. (With --instance-concurrency
+        # above 1 this also shortens the chunks of a stream already running: upstream's own
+        # doubling crosses streams the same way.)
         self.stream_hop: int | None = None
         self.voice_cache_hits = 0  # saved voices spoken from the cache / put in it (metrics)
         self.voice_cache_misses = 0

@@ -58,7 +58,7 @@ def test_every_call_yields_what_the_adapter_reads(facts, call):
 
 @pytest.mark.parametrize("key", [
     "same_seed_same_audio", "other_seed_other_audio", "speed_2_length_ratio", "stream_with_speed",
-    "punctuation_only", "prompt_8khz", "prompt_31s", "add_zero_shot_spk", "speakers_after_add",
+    "punctuation_only", "punctuation_only_cross_lingual", "prompt_8khz", "prompt_31s", "add_zero_shot_spk", "speakers_after_add",
     "unknown_cached_id",
 ])
 def test_seeds_speed_prompts_and_the_speaker_cache_behave_alike(facts, key):
@@ -74,6 +74,7 @@ def test_the_known_differences_are_the_only_ones(facts):
     assert fake["no_endofprompt"].startswith("AssertionError: <|endofprompt|> not detected")
     assert fake["no_endofprompt_stream_hangs"] is False
     assert real["speed_2_length_ratio"] == 0.5 and real["punctuation_only"] == 0
+    assert real["punctuation_only_cross_lingual"] == 1  # spoken: the API refuses such a text (422)
     assert real["stream_with_speed"] == "ok"  # streaming ignores speed; the API refuses the pair
     for side in (real, fake):  # doubled after each chunk but the last, up to 4x, and left there
         hop = side["stream_chunk_tokens"]

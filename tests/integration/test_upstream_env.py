@@ -85,13 +85,19 @@ def test_instances_run_in_upstreams_environment(upstream_python, state_dir):
         down = cli("down", "--state-dir", str(state_dir), timeout=120)
     assert down.returncode == 0 and "stopped" in down.stdout
 
-    # What `up` must name before it starts anything. A gradio that is gone: pip leaves behind
-    # the files gradio wrote while it ran, a namespace package that find_spec calls found.
+
+def test_up_names_a_missing_gradio_and_a_pydantic_its_gradio_cannot_read(upstream_python, state_dir):
+    # After the test above: this environment has run gradio, and has prometheus_client.
+    args = ["--model-dir", str(V3), "--cosyvoice-root", str(FAKE), "--python", str(upstream_python), "--instances",
+            "1", "--host", "127.0.0.1", "--port", str(free_port_block(1)), "--base-port", str(free_port_block(1)),
+            "--state-dir", str(state_dir)]
+    # A gradio that is gone, with what a run of it leaves that pip's uninstall does not remove:
+    # a namespace package, which find_spec calls found.
     pip = [str(upstream_python), "-m", "pip"]
     subprocess.run([*pip, "uninstall", "-y", "-q", "gradio"], check=True, timeout=300, capture_output=True)
     site = subprocess.run([str(upstream_python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    assert (Path(site) / "gradio").is_dir()  # the leftovers
+    (Path(site) / "gradio" / "_frontend_code").mkdir(parents=True, exist_ok=True)
     refused = cli("up", *args, timeout=300)
     assert refused.returncode != 0 and "lacks gradio" in refused.stderr
     assert f"{upstream_python} -m pip install gradio" in refused.stderr

@@ -123,6 +123,9 @@ def probe(model_dir: str, prompt: str) -> dict:
     facts["stream_with_speed"] = failure(lambda: zero_shot(stream=True, speed=2.0))
 
     facts["punctuation_only"] = describe(model.inference_zero_shot("。！？", TRANSCRIPT, prompt))["items"]
+    # v3's cross-lingual form holds a special token: upstream's text frontend skips itself
+    facts["punctuation_only_cross_lingual"] = describe(
+        model.inference_cross_lingual(f"{SYSTEM}{ENDOFPROMPT}。！？", prompt))["items"]
     facts["no_endofprompt"] = failure(lambda: model.inference_zero_shot(TEXT, "希望你以后能够做的比我还好呦。", prompt))
     facts["no_endofprompt_stream_hangs"] = hangs(
         lambda: model.inference_zero_shot(TEXT, "希望你以后能够做的比我还好呦。", prompt, stream=True), 5.0)

@@ -66,7 +66,7 @@ class CosyVoice:
         self.options = dict(load_jit=load_jit, load_trt=load_trt, fp16=fp16, trt_concurrent=trt_concurrent)
         spk_file = os.path.join(model_dir, "spk2info.txt")  # upstream: spk2info.pt (torch.load)
         self.frontend = _Frontend(open(spk_file).read().split() if os.path.exists(spk_file) else [])
-        self.model = _Model()
+        self.model = _Model() if self.version >= 2 else None  # v1's model has no streaming chunk size
         time.sleep(float(os.environ.get("FAKE_COSYVOICE_LOAD_SECONDS", "1")))  # loading weights
         self.sample_rate = 22050 if self.version == 1 else 24000
 
@@ -91,7 +91,9 @@ class CosyVoice:
 
     def _speech(self, text, stream, speed):
         spoken = text.split(ENDOFPROMPT)[-1]
-        if not re.search(r"\w", spoken):  # upstream drops a text of punctuation only: nothing to say
+        # upstream's text frontend drops a text of punctuation only (nothing to say), but skips
+        # itself for a text that holds a special token (v3's cross-lingual form): that one speaks
+        if "<|" not in text and not re.search(r"\w", spoken):
             return
         if stream:  # upstream's streaming passes no speed to the vocoder: ignored, not refused
             speed = 1.0
@@ -102,10 +104,11 @@ class CosyVoice:
         wave = 0.3 * torch.sin(2 * math.pi * pitch * t) * (0.6 + 0.4 * torch.sin(2 * math.pi * 3 * t))
         wave = (wave + 0.01 * torch.randn(n)).clamp(-0.99, 0.99).unsqueeze(0)  # [1, N]
         parts = torch.chunk(wave, 4, dim=1) if stream else (wave,)
-        if stream:
+        hops = stream and self.model is not None
+        if hops:
             self.model.first_hops.append(self.model.token_hop_len)
         for i, part in enumerate(parts):
-            if stream and i < len(parts) - 1:  # upstream doubles it after each chunk but the last
+            if hops and i < len(parts) - 1:  # upstream doubles it after each chunk but the last
                 self.model.token_hop_len = min(self.model.token_max_hop_len, self.model.token_hop_len * 2)
             # model the GPU's time per chunk (first-package latency) when a test asks for it
             time.sleep(float(os.environ.get("FAKE_COSYVOICE_CHUNK_SECONDS", "0")) * (1 if stream else 4))
