@@ -19,7 +19,6 @@ import asyncio
 import base64
 import json
 import logging
-import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -34,7 +33,7 @@ from .metrics import outcome_of
 from .pipeline import Job, NoAudio, Pipeline, StorageFailed, describe
 from .problems import error_body
 from .segments import Joiner, split_text
-from .validation import BadRequest
+from .validation import WORD, BadRequest
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -65,7 +64,7 @@ def audio_source(
     size = fanout.balancer.segment_chars
     # A piece with no word in it ("* * *" between chapters) has nothing to say: the model
     # would answer "no audio" and fail the whole text.
-    segments = [piece for piece in split_text(text, size, first_chars=max(1, size // 2)) if re.search(r"\w", piece)]
+    segments = [piece for piece in split_text(text, size, first_chars=max(1, size // 2)) if WORD.search(piece)]
     if not segments:
         raise NoAudio()
     log.info("long text: %d characters in %d segments across the cluster", len(text), len(segments))

@@ -100,6 +100,16 @@ def unexpected_tracebacks(log: str) -> list[str]:
 
 # --- a running cluster ------------------------------------------------------------------
 
+def instance_samples(cluster: dict, index: int) -> dict[tuple[str, tuple], float]:
+    """An instance's /metrics as {(sample name, sorted labels): value}; ``cluster`` has the
+    requests session ("http") and the first instance's port ("base")."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = cluster["http"].get(f"http://127.0.0.1:{cluster['base'] + index}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def status(state_dir: Path) -> tuple[int, dict]:
     done = cli("status", "--state-dir", str(state_dir), "--json")
     return done.returncode, json.loads(done.stdout)

@@ -77,12 +77,17 @@ def code_of(root: Path) -> list[Path]:
 
 
 @contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """One builder at a time (two test runs at once wait for each other)."""
+def locked(path: Path, wait: bool = True) -> Iterator[bool]:
+    """One builder at a time (two test runs at once wait for each other). ``wait=False``:
+    yields False at once when another holds it."""
     with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -122,15 +127,11 @@ def retire(cache: Path, prefix: str, current: Path) -> None:
     for old in cache.glob(f"{prefix}*"):
         if old == current or not old.is_dir():
             continue
-        with open(cache / f"{old.name}.lock", "w") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
-            shutil.rmtree(old, ignore_errors=True)
-            for leftover in cache.glob(f"{old.name}.*"):
-                leftover.unlink(missing_ok=True)
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        with locked(cache / f"{old.name}.lock", wait=False) as held:
+            if held:
+                shutil.rmtree(old, ignore_errors=True)
+                for leftover in cache.glob(f"{old.name}.*"):
+                    leftover.unlink(missing_ok=True)
 
 
 def small_model(root: Path, python: Path, cache: Path) -> Path:

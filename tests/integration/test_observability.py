@@ -26,7 +26,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import cli, free_port_block, unexpected_tracebacks, wait_for
+from conftest import cli, free_port_block, instance_samples, unexpected_tracebacks, wait_for
 from cosyvoice_lb.metrics import OUTCOMES, ROUTES
 from cosyvoice_lb.monitoring import dashboard_exprs
 
@@ -50,12 +50,6 @@ def cluster():
            "scrape": (state_dir / "monitoring" / "scrape-token").read_text().strip()}
     cli("down", "--state-dir", str(state_dir), timeout=120)
     shutil.rmtree(state_dir, ignore_errors=True)
-
-
-def instance_samples(cluster, index: int) -> dict[tuple[str, tuple], float]:
-    text = cluster["http"].get(f"http://127.0.0.1:{cluster['base'] + index}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def totals(cluster) -> dict[tuple[str, tuple], float]:

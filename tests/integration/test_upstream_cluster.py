@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 import requests
 import soundfile
-from conftest import ROOT, clean_env, cli, free_port_block, unexpected_tracebacks
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import ROOT, clean_env, cli, free_port_block, instance_samples, unexpected_tracebacks
 
 pytestmark = [pytest.mark.integration, pytest.mark.upstream]
 
@@ -192,17 +191,16 @@ def voice(cluster) -> str:
     return r.json()["id"]
 
 
-def cache_counts(cluster, url: str) -> tuple[float, float]:
+def cache_counts(cluster, index: int) -> tuple[float, float]:
     """(misses, hits) of an instance's speaker cache."""
-    found = {sample.name: sample.value
-             for family in text_string_to_metric_families(cluster["http"].get(url + "/metrics", timeout=10).text)
-             for sample in family.samples}
-    return found["cosyvoice_voice_cache_misses_total"], found["cosyvoice_voice_cache_hits_total"]
+    found = instance_samples(cluster, index)
+    return found[("cosyvoice_voice_cache_misses_total", ())], found[("cosyvoice_voice_cache_hits_total", ())]
 
 
 def test_a_saved_voice_enters_each_instances_speaker_cache_once(cluster, voice):
-    for url in (f"http://127.0.0.1:{cluster['base'] + i}" for i in (0, 1)):
-        misses, hits = cache_counts(cluster, url)
+    for index in (0, 1):
+        url = f"http://127.0.0.1:{cluster['base'] + index}"
+        misses, hits = cache_counts(cluster, index)
         for mode in ("zero_shot", "cross_lingual", "zero_shot"):  # upstream's add_zero_shot_spk, then by id
             decoded(cluster["http"].post(url + "/v1/tts", json={"text": "你好，世界。", "voice": voice, "mode": mode},
                                          timeout=120))
@@ -210,7 +208,7 @@ def test_a_saved_voice_enters_each_instances_speaker_cache_once(cluster, voice):
         # speaker would drop the instruction)
         decoded(cluster["http"].post(url + "/v1/tts", json={"text": "Hello.", "voice": voice, "mode": "instruct",
                                                             "instruct_text": "Speak slowly."}, timeout=120))
-        after = cache_counts(cluster, url)
+        after = cache_counts(cluster, index)
         assert after[0] == 1  # put in this instance's cache once, whatever spoke it before
         assert (after[0] - misses) + (after[1] - hits) == 3  # every cloning call went through the cache
 
@@ -231,11 +229,8 @@ def test_a_long_text_is_spoken_across_both_instances(cluster, voice):
     r = cluster["http"].post(cluster["url"] + "/v1/tts", json={"text": text, "voice": voice}, timeout=300)
     audio = decoded(r)
     assert audio.size > 3 * RATE
-    served = [cluster["http"].get(f"http://127.0.0.1:{cluster['base'] + i}/metrics", timeout=10).text
-              for i in (0, 1)]
-    spoke = [sum(sample.value for family in text_string_to_metric_families(m) for sample in family.samples
-                 if sample.name == "cosyvoice_requests_total" and sample.labels == {"route": "segment", "outcome": "ok"})
-             for m in served]
+    segment_ok = ("cosyvoice_requests_total", (("outcome", "ok"), ("route", "segment")))
+    spoke = [instance_samples(cluster, i).get(segment_ok, 0.0) for i in (0, 1)]
     assert all(count >= 1 for count in spoke), spoke  # both instances spoke segments
 
 

@@ -69,13 +69,6 @@ def hangs(call, seconds: float) -> bool:
     return not done.wait(seconds)
 
 
-def seeded(seed: int, call):
-    from cosyvoice.utils.common import set_all_random_seed
-
-    set_all_random_seed(seed)
-    return call()
-
-
 def write_wav(path: str, rate: int, seconds: float) -> str:
     import numpy as np
     import soundfile
@@ -88,6 +81,7 @@ def write_wav(path: str, rate: int, seconds: float) -> str:
 def probe(model_dir: str, prompt: str) -> dict:
     import torch
     from cosyvoice.cli.cosyvoice import AutoModel
+    from cosyvoice.utils.common import set_all_random_seed
 
     model = AutoModel(model_dir=model_dir)
     loaded_hop = getattr(model.model, "token_hop_len", None)
@@ -113,10 +107,12 @@ def probe(model_dir: str, prompt: str) -> dict:
     facts["instruct2"] = describe(
         model.inference_instruct2(TEXT, f"{SYSTEM} Speak slowly.{ENDOFPROMPT}", prompt))
 
-    first = seeded(7, lambda: torch.cat([o["tts_speech"] for o in zero_shot()], dim=1))
-    again = seeded(7, lambda: torch.cat([o["tts_speech"] for o in zero_shot()], dim=1))
-    other = seeded(8, lambda: torch.cat([o["tts_speech"] for o in zero_shot()], dim=1))
-    fast = seeded(7, lambda: torch.cat([o["tts_speech"] for o in zero_shot(speed=2.0)], dim=1))
+    def seeded(seed: int, **kw):
+        """The whole zero-shot audio after upstream's own seeding."""
+        set_all_random_seed(seed)
+        return torch.cat([o["tts_speech"] for o in zero_shot(**kw)], dim=1)
+
+    first, again, other, fast = seeded(7), seeded(7), seeded(8), seeded(7, speed=2.0)
     facts["same_seed_same_audio"] = bool(first.shape == again.shape and torch.equal(first, again))
     facts["other_seed_other_audio"] = not (first.shape == other.shape and torch.equal(first, other))
     facts["speed_2_length_ratio"] = round(fast.shape[1] / first.shape[1], 1)
