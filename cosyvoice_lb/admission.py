@@ -138,7 +138,6 @@ class Admission:
         self._slots = threading.BoundedSemaphore(self.concurrency)
         # key -> [start, last chunk (inf: with the reader), estimated seconds]
         self._inflight: dict[str, list[float]] = {}
-        self._waiting = 0
         self._queued: list[float] = []  # the estimated seconds of each request waiting for a slot
         self._reserved: list[tuple[float, float]] = []  # (until, seconds): taken, not queued yet
         self._served = 0
@@ -202,13 +201,12 @@ class Admission:
         ``deadline`` (on this clock): no slot by then raises :class:`TimedOut`. ``cost``:
         the synthesis' estimated seconds (what it adds to this instance's load)."""
         with self._lock:
-            busy = len(self._inflight) + self._waiting
+            busy = len(self._inflight) + len(self._queued)
             if bounded and self.max_queue is not None and busy >= self.concurrency + self.max_queue:
                 raise Overloaded(
                     f"this instance is busy ({len(self._inflight)} synthesizing, "
-                    f"{self._waiting} waiting): retry, another instance may be free"
+                    f"{len(self._queued)} waiting): retry, another instance may be free"
                 )
-            self._waiting += 1
             self._queued.append(cost)
             if self._reserved:
                 self._reserved.pop(0)  # (the oldest reservation: this request's, or one like it)
@@ -225,7 +223,6 @@ class Admission:
         finally:
             key = uuid.uuid4().hex
             with self._lock:
-                self._waiting -= 1
                 self._queued.remove(cost)
                 if admitted:
                     now = self.clock()
@@ -267,7 +264,7 @@ class Admission:
             return Snapshot(
                 self._phase,
                 len(self._inflight),
-                self._waiting,
+                len(self._queued),
                 round(busy, 3),
                 tuple(stalled),
                 self._served,

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from .ledger import pid_alive
 from .routing import Backlog, Peer
 
 MAGIC = b"CVLBRT01"
@@ -40,22 +41,14 @@ _RING_POS = 28
 
 
 def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        return True
-    return True
+    return pid > 0 and pid_alive(pid)  # (an empty row's pid is 0: kill(0) would signal our group)
 
 
 class Board:
     """One open board. ``alive`` tells whether a pid still runs (injected in tests)."""
 
-    def __init__(self, path: Path, memory: mmap.mmap, alive: Callable[[int], bool] = _alive):
-        self.path, self.memory, self.alive = path, memory, alive
+    def __init__(self, memory: mmap.mmap, alive: Callable[[int], bool] = _alive):
+        self.memory, self.alive = memory, alive
 
     # --- opening -------------------------------------------------------------------------
 
@@ -66,14 +59,9 @@ class Board:
         board = cls.open(path)
         if board is not None:
             return board
-        temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, _HEAD.pack(MAGIC, 0, 0.0))
-            os.ftruncate(fd, SIZE)
-        finally:
-            os.close(fd)
-        os.replace(temporary, path)
+        from .files import write_atomic  # (the launcher's: an instance never creates the board)
+
+        write_atomic(path, _HEAD.pack(MAGIC, 0, 0.0).ljust(SIZE, b"\0"), mode=0o600)
         board = cls.open(path)
         if board is None:
             raise OSError(f"the routing board {path} could not be read back")
@@ -97,7 +85,7 @@ class Board:
         if memory[:8] != MAGIC:
             memory.close()
             return None
-        return cls(Path(path), memory)
+        return cls(memory)
 
     def close(self) -> None:
         self.memory.close()

@@ -203,7 +203,8 @@ class RequestMetrics:
     """ASGI middleware: counts each speech request once, by route and outcome, and logs one
     line for it with nginx's request id (the id in nginx's access log and the client's
     ``X-Request-Id``). A stream whose status went out before it broke off says its outcome
-    in ``scope["state"]["cvlb_outcome"]``."""
+    in ``scope["state"]["cvlb_outcome"]``, and so does a declined request ("declined": not
+    counted, the instance nginx sends it to counts it)."""
 
     def __init__(
         self, app: ASGIApp, metrics: Metrics, segment_header: str, clock: Callable[[], float] = time.monotonic
@@ -222,13 +223,10 @@ class RequestMetrics:
         status = 0
         started = self.clock()
 
-        declined = False
-
         async def sending(message: Message) -> None:
-            nonlocal status, declined
+            nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                declined = any(name.lower() == b"x-cvlb-declined" for name, _ in message.get("headers", []))
             await send(message)
 
         raised = False
@@ -242,7 +240,7 @@ class RequestMetrics:
             outcome = state.get("cvlb_outcome") or (
                 "failed" if raised else outcome_of(status) if status else "cancelled"
             )
-            if declined:  # routing by work sent it on: the instance that answers it counts it
+            if outcome == "declined":  # routing by work sent it on: the instance that answers it counts it
                 log.debug("request %s %s declined rid=%s", route, path, rid)
             else:
                 self.metrics.request(route, outcome)

@@ -86,7 +86,11 @@ class Router:
                 rates = [r for r in board.rates(self.slot) if r > 0]
                 self.rate.prior = statistics.median(rates) if rates else None
             key = request_key(try_id)
-            decision = decide(self.backlog(), board.peers(self.slot, key), now, slack, last)
+
+            def peers():  # read only if decide weighs them (not when this instance is free enough)
+                yield from board.peers(self.slot, key)
+
+            decision = decide(self.backlog(), peers(), now, slack, last)
             if decision.decline:
                 board.mark_declined(self.slot, key)
                 with self._lock:

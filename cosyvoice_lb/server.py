@@ -46,7 +46,7 @@ from .gate import Gate
 from .ledger import Ledger
 from .metrics import MISSING, Metrics, RequestMetrics
 from .openai_api import add_openai_routes
-from .pipeline import ERRORS, Pipeline, describe
+from .pipeline import ERRORS, Declined, Pipeline, describe
 from .planner import parse_size
 from .problems import error_body, error_headers
 from .router import Router
@@ -148,7 +148,9 @@ def build_app(
     started = time.time() if started is None else started
     app = FastAPI(title="cosyvoice-lb instance", docs_url=None, redoc_url=None)
 
-    def answer(_request: Request, exc: Exception) -> JSONResponse:
+    def answer(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, Declined):  # not an answer to count: another instance will give it
+            request.state.cvlb_outcome = "declined"
         failure = describe(exc)
         if failure is None:
             log.exception("unexpected error", exc_info=exc)
