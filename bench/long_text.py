@@ -25,7 +25,6 @@ import csv
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import load  # noqa: E402  (bench/load.py: SIGTERM stops the run as Ctrl-C does)
 
 from cosyvoice_lb.segments import split_text  # noqa: E402
 
@@ -124,7 +125,7 @@ def main() -> int:
     parser.add_argument("--segment-chars", type=int, default=200)
     parser.add_argument("--csv", default=str(ROOT / "bench" / "results" / "long_text.csv"))
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    load.stop_on_sigterm()
     text = text_of(args.chars)
     segments = split_text(text, args.segment_chars, first_chars=args.segment_chars // 2)
     typical = sorted(segments, key=len)[len(segments) // 2]
@@ -167,5 +168,5 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, load.Interrupted):
         sys.exit(130)

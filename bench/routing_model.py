@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cosyvoice_lb.routing import DEFAULT_SLACK, Backlog, Peer, decide  # noqa: E402  (what an instance decides)
+
 SHORT, LONG, LONG_SHARE = 0.040, 0.400, 0.2
 MEAN = (1 - LONG_SHARE) * SHORT + LONG_SHARE * LONG
-SLACK = 0.05  # --route-slack's default
+SLACK = DEFAULT_SLACK  # --route-slack's default
 HOP = 0.002  # a decline and nginx's next try, as measured on 127.0.0.1
 POLICIES = ("round-robin", "least-connections", "work", "least-work-left")
 
@@ -48,29 +53,23 @@ def simulate(policy: str, load: float, instances: int, requests: int, seed: int 
         for q in queued:
             while q and q[0] <= now:
                 q.popleft()
+        tried: list[int] = []  # instances that declined this request (routing by work)
         if policy == "round-robin":
             k, turn = turn, (turn + 1) % instances
         elif policy == "least-connections":  # ties broken at random
             k = min(range(instances), key=lambda j: (len(queued[j]), ties.random()))
-        elif policy == "work":
-            tried: list[int] = []
+        elif policy == "work":  # nginx tries by least connections; each instance decides as an instance does
             while True:
                 k = min((j for j in range(instances) if j not in tried), key=lambda j: (len(queued[j]), ties.random()))
-                untried = [max(free_at[j] - now, 0.0) for j in range(instances) if j != k and j not in tried]
-                wait = max(free_at[k] - now, 0.0)
-                if wait <= SLACK or not untried or min(untried) + SLACK >= wait:
+                peers = [Peer(j, Backlog(free_at[j]), declined=j in tried) for j in range(instances) if j != k]
+                if not decide(Backlog(free_at[k]), peers, now, SLACK).decline:
                     break
                 tried.append(k)  # declined: nginx tries the next by least connections
-            start = max(free_at[k], now + HOP * len(tried))
-            free_at[k] = start + service
-            queued[k].append(free_at[k])
-            latencies[i] = (free_at[k] - now) * 1000
-            continue
         elif policy == "least-work-left":
             k = min(range(instances), key=lambda j: max(free_at[j], now))
         else:
             raise ValueError(policy)
-        free_at[k] = max(free_at[k], now) + service
+        free_at[k] = max(free_at[k], now + HOP * len(tried)) + service
         queued[k].append(free_at[k])
         latencies[i] = (free_at[k] - now) * 1000
     return latencies

@@ -52,7 +52,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load  # noqa: E402  (bench/load.py)
 
-from cosyvoice_lb.board import Board  # noqa: E402  (the routing board: is a switch done?)
+from cosyvoice_lb.board import Opener  # noqa: E402  (the routing board: is a switch done?)
+from cosyvoice_lb.layout import Layout  # noqa: E402
 
 MS_PER_CHAR = 4.0
 SHORT = "a" * 10  # 40 ms of service
@@ -145,12 +146,11 @@ class Cluster:
     def switch(self, routing: str) -> None:
         """Routing by work or least connections, live; back once the board says so."""
         self.up(self.instances, routing=routing)
-        board_path = self.state_dir / "run" / "routing.board"
+        board = Opener(str(Layout(self.state_dir).routing_board), retry=0.2)  # (follows a board made anew)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:  # (the health loop turns work on once nginx has the last resort)
-            board = Board.open(board_path)
-            if board is not None and board.work()[0] == (routing == "work"):
-                board.close()
+            current = board()
+            if current is not None and current.work()[0] == (routing == "work"):
                 return
             time.sleep(0.2)
         raise RuntimeError(f"the routing board never showed --routing {routing}")

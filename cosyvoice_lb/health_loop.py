@@ -19,7 +19,7 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -142,7 +142,7 @@ class HealthLoop:
         self.published: frozenset[str] | None = None
         self.serving_before = frozenset(name for name, t in self.tracks.items() if t.in_rotation)
         self.board = self._open_board()
-        self.marked: frozenset[str] | None = None  # the rotation the board shows
+        self.board_current = False  # the board shows the published rotation
         self.pids: dict[str, int] = {}
         self.taken: list[str] = []
         self.probe_seconds: dict[str, float] = {}
@@ -161,20 +161,19 @@ class HealthLoop:
             board.configure(False, self.settings.route_slack)
         return board
 
-    def mark_rotation(self, names: Iterable[str]) -> None:
-        if self.board is not None:
-            chosen = set(names)
-            self.board.set_rotation(slot.index for slot in self.slots if slot.name in chosen)
+    def _serving(self, out: frozenset[str]) -> set[int]:
+        """The slots in rotation when ``out`` are out of it."""
+        return {slot.index for slot in self.slots if slot.name not in out}
 
     def mark_board(self) -> None:
         """A step after nginx's reload (which takes effect a moment after the signal): the
         board takes in what nginx now serves, and routing by work turns on once nginx has
         the last resort that serves what every instance declines."""
-        if self.board is None or self.published is None or self.marked == self.published:
+        if self.board is None or self.published is None or self.board_current:
             return
-        self.mark_rotation(slot.name for slot in self.slots if slot.name not in self.published)
+        self.board.set_rotation(self._serving(self.published))
         self.board.configure(self.settings.routing == "work", self.settings.route_slack)
-        self.marked = self.published
+        self.board_current = True
 
     def _load_tracks(self) -> dict[str, Track]:
         """Pick up where a previous loop left off (the loop itself may be restarted)."""
@@ -476,9 +475,8 @@ class HealthLoop:
             self.mark_board()
             return
         if self.board is not None:  # the leaving leave the board now
-            staying = {slot.index for slot in self.slots if slot.name not in out}
-            self.board.set_rotation(self.board.rotation() & staying)
-        self.marked = None
+            self.board.set_rotation(self.board.rotation() & self._serving(out))
+        self.board_current = False
         write_atomic(
             self.layout.upstreams_conf, render_upstreams(self.slots, out, overflow_of(self.settings, self.layout))
         )

@@ -259,10 +259,11 @@ def overflow_of(settings: Settings, layout: Layout) -> str:
     return str(layout.overflow_socket) if settings.routing == "work" else ""
 
 
-def api_tries(settings: Settings, slots: int) -> int:
-    """How many instances nginx tries for one API request: --retries, and under --routing
-    work at least every slot and then the last resort (each declining instance is a try)."""
-    return max(settings.retries, slots + 1) if settings.routing == "work" else settings.retries
+def api_tries(settings: Settings, slots: int, overflow: str) -> int:
+    """How many instances nginx tries for one API request: --retries, and with a last resort
+    (``overflow``: --routing work) at least every slot and then it (each declining instance
+    is a try)."""
+    return max(settings.retries, slots + 1) if overflow else settings.retries
 
 
 def render(
@@ -281,6 +282,7 @@ def render(
         )
     env = template_environment()
     timeouts = Timeouts(settings)
+    overflow = overflow_of(settings, layout)  # the last resort: routing by work on, or not
     context = dict(
         settings=settings,
         slots=plan.slots,
@@ -302,15 +304,14 @@ def render(
             [programs.launcher_python, "-m", "cosyvoice_lb.admin", "--state-dir", str(layout.root)]
         ),
         stub_status_allow=stub_status_allow(settings),
-        api_tries=api_tries(settings, len(plan.slots)),
+        api_tries=api_tries(settings, len(plan.slots), overflow),
+        overflow=overflow,
         nginx_command=shlex.join(nginx_command(programs, layout)),
     )
     return {
         layout.relative(layout.supervisord_conf): env.get_template("supervisord.conf.j2").render(**context),
         layout.relative(layout.nginx_conf): env.get_template("nginx.conf.j2").render(**context),
-        layout.relative(layout.upstreams_conf): render_upstreams(
-            plan.slots, out_of_rotation, overflow_of(settings, layout)
-        ),
+        layout.relative(layout.upstreams_conf): render_upstreams(plan.slots, out_of_rotation, overflow),
         layout.relative(layout.cluster_json): cluster_json(settings, plan),
         **monitoring_files(settings, layout, plan.slots),
     }
