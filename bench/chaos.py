@@ -6,7 +6,7 @@ at a time, and a table of what the clients saw.
                           [--keep-logs DIR]
 
 It starts its own cluster with the CLI (``cosyvoice-lb up --engine espeak``) on a free
-127.0.0.1 port block in 30000-39999 and a short state dir under /tmp, and always takes it
+127.0.0.1 port block below the kernel's ephemeral range and a short state dir under /tmp, and always takes it
 down again (``cosyvoice-lb down``) and removes the state dir, also on errors, Ctrl-C and
 SIGTERM (a process it SIGSTOPped is SIGKILLed first).
 

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import random
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +28,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+
+from cosyvoice_lb.ports import free_port_block  # noqa: F401 - the benches' port picker
 
 
 @dataclass(frozen=True)
@@ -86,23 +87,6 @@ def shielded() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def free_port_block(count: int) -> int:
-    """The first of ``count`` consecutive free ports on 127.0.0.1, in 30000-39999."""
-    def free(port: int) -> bool:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-                return True
-            except OSError:
-                return False
-
-    for _ in range(200):
-        base = random.randrange(30000, 40000 - count)
-        if all(free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no block of free ports found in 30000-39999")
 
 
 def loopback_only(url: str) -> str:

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import load  # noqa: E402  (bench/load.py: SIGTERM stops the run as Ctrl-C does)
 
+from cosyvoice_lb.ports import free_port_block  # noqa: E402
 from cosyvoice_lb.segments import split_text  # noqa: E402
 
 WORDS = "the a cluster splits long texts at sentence ends and speaks every segment at once on its instances".split()
@@ -54,21 +55,11 @@ def text_of(chars: int, seed: int = 1) -> str:
     return "".join(sentences)[:chars].rstrip() + "."
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Cluster:
     def __init__(self, instances: int, args: argparse.Namespace):
         self.state = Path(tempfile.mkdtemp(prefix="cvlb-lt-", dir="/tmp"))
-        self.port = free_port()
-        base = free_port()
-        while any(p in (self.port,) for p in range(base, base + instances)):
-            base = free_port()
+        self.port = free_port_block(instances + 1)
+        base = self.port + 1
         self.command = [
             sys.executable, "-m", "cosyvoice_lb.cli", "up", "--engine", "simulated", "--instances", str(instances),
             "--port", str(self.port), "--base-port", str(base), "--state-dir", str(self.state),

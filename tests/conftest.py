@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests
-
 from upstream_support import upstream  # noqa: F401 - the session fixture for tests marked upstream
+
+from cosyvoice_lb.ports import free_port_block, port_free  # noqa: F401 - the tests' port picker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,26 +39,6 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180,
     if check and done.returncode != 0:
         raise AssertionError(f"cosyvoice-lb {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return done
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def free_port_block(count: int) -> int:
-    """The first of ``count`` consecutive free loopback ports."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
-        if all(port_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no block of free ports found")
 
 
 @pytest.fixture
@@ -135,7 +114,7 @@ class Load:
         self.lock, self.stop_event = threading.Lock(), threading.Event()
         self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(threads)]
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for t in self.threads:
             t.start()
         return self

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -182,12 +181,6 @@ def test_drain_and_undrain_by_hand(cluster):
                     ["instances"][1]["in_rotation"], 10)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def prometheus(cluster, tmp_path):
     """A real Prometheus (Debian's) on loopback, on the config `up` wrote; only the scrape
@@ -199,7 +192,7 @@ def prometheus(cluster, tmp_path):
     monitoring = cluster["state"] / "monitoring"
     config = tmp_path / "prometheus.yml"
     config.write_text((monitoring / "prometheus.yml").read_text().replace("_interval: 15s", "_interval: 1s"))
-    port = free_port()
+    port = free_port_block(1)
     process = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
                                 f"--storage.tsdb.path={tmp_path / 'data'}"], stdout=subprocess.DEVNULL,
                                stderr=open(tmp_path / "prometheus.log", "w"))
