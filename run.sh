@@ -50,8 +50,11 @@ system_packages() {
     local missing=()
     # The tests drive the UI in a real headless browser, and check the rendered Prometheus
     # config and alert rules with promtool (Debian ships it in the prometheus package).
+    # With ffmpeg on the PATH Gradio changes how it delivers audio: the tests run with it,
+    # as most boxes that serve audio have it.
     if [ "${1:-}" = test ]; then
         command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+        command -v ffmpeg >/dev/null 2>&1 || missing+=(ffmpeg)
         command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
     fi
     command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx)
@@ -92,12 +95,14 @@ python_ok() {
 venv() {
     python_ok
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-    # Reinstall when the package's metadata changed (editable: code changes need nothing).
-    local stamp="$VENV/.cosyvoice-lb-installed"
-    if [ ! -f "$stamp" ] || [ "$HERE/setup.cfg" -nt "$stamp" ] || [ "$HERE/pyproject.toml" -nt "$stamp" ]; then
+    # Reinstall when the package's metadata or the dev tools' pins changed (editable: code
+    # changes need nothing).
+    local stamp="$VENV/.cosyvoice-lb-installed" constraints="$HERE/constraints-dev.txt"
+    if [ ! -f "$stamp" ] || [ "$HERE/setup.cfg" -nt "$stamp" ] || [ "$HERE/pyproject.toml" -nt "$stamp" ] ||
+       [ "$constraints" -nt "$stamp" ]; then
         say "installing cosyvoice-lb and its dependencies into $VENV (log: $VENV/install.log)"
         if ! { "$VENV/bin/python" -m pip install --upgrade pip &&
-               "$VENV/bin/python" -m pip install -e "$HERE[test]"; } >"$VENV/install.log" 2>&1; then
+               "$VENV/bin/python" -m pip install -c "$constraints" -e "$HERE[test]"; } >"$VENV/install.log" 2>&1; then
             tail -n 30 "$VENV/install.log" >&2
             say "pip could not install cosyvoice-lb; the full log is $VENV/install.log"
             exit 1
