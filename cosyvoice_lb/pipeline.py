@@ -425,7 +425,9 @@ class Pipeline:
             finally:
                 ticket.release(outcome if count else None)
                 if mark and ledger is not None:
-                    ledger.leave(mark)  # it ended, and this process lives: no evidence
+                    # it ended, and this process lives: no evidence; spoken to the end, it
+                    # clears the deaths its request was present at (see ``ledger``)
+                    ledger.leave(mark, spoken=outcome is True)
 
     def synthesize(
         self, job: Job, *, bounded: bool = False, deadline: float | None = None, count: bool = True
