@@ -5,7 +5,8 @@ nginx retries a request whose instance died under it on another one (synthesis h
 effects), and clients retry too; a request that deterministically crashes or hangs the
 model would cost an instance restart (a model load: minutes) per try. So every synthesis
 leaves a mark in a dir all instances share while it holds the engine (the request's
-fingerprint, the instance's pid, and how many deaths of it were known when it started) and
+fingerprint, the instance's pid, how many deaths of it were known when it started, and
+nginx's id of the client request, the same on each of its tries) and
 removes it when it ends, however it ends, as long as the process lives. A mark whose
 process is dead is a death the request was present at.
 
@@ -21,8 +22,10 @@ that *this* request kills instances. A death counts against request R only while
   seen to succeed is the least likely culprit; another one there is likelier);
 * the stop was not graceful: a drained stop clears its own marks.
 
-R is refused only when ``limit`` (2) such deaths stand *and* one of them was a run that
-started after an earlier death of R was known: the first run died and the retry died too.
+R is refused only when ``limit`` (2) such deaths stand *and* they are a repetition: one of
+them was a run that started after an earlier death of R was known, or two were tries of one
+client request (nginx tries one instance after another, never two at once): the first run
+died and the retry died too.
 Deaths at the same moment (a box-wide kill, an OOM cascade: every mark made before any
 death) are not repetition, so they never refuse a request on their own. A culprit is thus
 refused after at most one retry, and stays refused when sent again: it never succeeds, so
@@ -68,7 +71,7 @@ class Evidence:
     """The deaths that stand against one request."""
 
     deaths: int = 0  # dead instances whose death counts against it
-    repeated: bool = False  # one of them was a run that knew of an earlier death of it
+    repeated: bool = False  # one of them ran after another (see the module's rule)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class _Mark:
     print_: str
     pid: int
     known: int  # deaths of this request known when it started
+    attempt: str  # nginx's id of the client request ("-": none)
     path: str
 
 
@@ -88,9 +92,13 @@ def fingerprint(*parts: object) -> str:
     return digest.hexdigest()[:32]
 
 
+PF_EXITING = 0x4  # the kernel's flag of a task in do_exit (include/linux/sched.h)
+
+
 def pid_alive(pid: int) -> bool:
-    """The process runs (a zombie does not: a killed instance stays one until supervisord
-    reaps it, and nginx retries its request at once)."""
+    """The process runs. A zombie does not (a killed instance stays one until supervisord
+    reaps it), nor one that is exiting: its sockets close during the exit, before it is a
+    zombie, and nginx retries its request at once -- the retry must see the death."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -99,20 +107,27 @@ def pid_alive(pid: int) -> bool:
         return True
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):  # no /proc (not Linux): the signal said it exists
+            fields = stat.read().rpartition(")")[2].split()
+        return fields[0] not in ("Z", "X") and not int(fields[6]) & PF_EXITING
+    except (OSError, IndexError, ValueError):  # no /proc (not Linux): the signal said it exists
         return True
 
 
 def _parse(directory: str, name: str) -> _Mark | None:
-    """A mark's file name: ``PRINT.PID.KNOWN.RANDOM`` (``PRINT.PID.RANDOM`` before the
-    count of known deaths was kept: read as a first run)."""
+    """A mark's file name: ``PRINT.PID.KNOWN.ATTEMPT.RANDOM`` (``PRINT.PID.RANDOM`` before
+    the known deaths and the attempt were kept: read as a first run of its own)."""
     parts = name.split(".")
     if len(parts) == 3 and parts[1].isdigit():
-        return _Mark(parts[0], int(parts[1]), 0, os.path.join(directory, name))
-    if len(parts) == 4 and parts[1].isdigit() and parts[2].isdigit():
-        return _Mark(parts[0], int(parts[1]), int(parts[2]), os.path.join(directory, name))
+        return _Mark(parts[0], int(parts[1]), 0, "-", os.path.join(directory, name))
+    if len(parts) == 5 and parts[1].isdigit() and parts[2].isdigit():
+        return _Mark(parts[0], int(parts[1]), int(parts[2]), parts[3], os.path.join(directory, name))
     return None
+
+
+def _attempt(value: str) -> str:
+    """nginx's request id as a file name part (``-`` for none)."""
+    cleaned = "".join(c for c in value if c.isascii() and c.isalnum())[:64]
+    return cleaned or "-"
 
 
 class Ledger:
@@ -138,7 +153,8 @@ class Ledger:
         """The deaths that count against ``print_`` now (see the module's rule)."""
         now = self.clock()
         held: dict[int, set[str]] = {}  # dead pid -> the requests it was running
-        mine: dict[int, tuple[float, int]] = {}  # dead pid -> (its latest mark of print_, deaths known then)
+        mine: dict[int, _Mark] = {}  # dead pid -> its latest mark of print_
+        made_at: dict[str, float] = {}
         for name in os.listdir(self.dir):
             mark = _parse(self.dir, name)
             if mark is None or mark.pid == self.pid:
@@ -153,19 +169,22 @@ class Ledger:
                 self._remove(mark.path)  # stale evidence: forgotten
                 continue
             held.setdefault(mark.pid, set()).add(mark.print_)
-            if mark.print_ == print_ and made >= mine.get(mark.pid, (-1.0, 0))[0]:
-                mine[mark.pid] = (made, mark.known)
+            if mark.print_ == print_ and (mark.pid not in mine or made >= made_at[mine[mark.pid].path]):
+                mine[mark.pid] = mark
+                made_at[mark.path] = made
         if not mine:
             return Evidence()
         spoken = self._spoken(print_)
         recently = spoken is not None and now - spoken <= self.max_age
         counted = [
-            known
-            for pid, (made, known) in mine.items()
-            if not (spoken is not None and spoken >= made)  # spoken to the end since: cleared
+            mark
+            for pid, mark in mine.items()
+            if not (spoken is not None and spoken >= made_at[mark.path])  # spoken to the end since: cleared
             and not (len(held[pid]) > 1 and recently)  # shared, and it is known to succeed
         ]
-        return Evidence(len(counted), any(known > 0 for known in counted))
+        attempts = [mark.attempt for mark in counted if mark.attempt != "-"]
+        repeated = any(mark.known > 0 for mark in counted) or len(set(attempts)) < len(attempts)
+        return Evidence(len(counted), repeated)
 
     def deaths(self, print_: str) -> int:
         """How many deaths count against this request now."""
@@ -181,9 +200,10 @@ class Ledger:
             raise Poisoned(found.deaths)
         return found.deaths
 
-    def enter(self, print_: str, deaths: int | None = None) -> str:
+    def enter(self, print_: str, deaths: int | None = None, attempt: str = "") -> str:
         """Mark a synthesis of ``print_`` as running here; ``deaths``: what :meth:`check` said
-        just before (else it is checked now: one scan of the dir per request, not two)."""
+        just before (else it is checked now: one scan of the dir per request, not two);
+        ``attempt``: nginx's id of the client request (the same on each of its tries)."""
         if deaths is None:
             deaths = self.check(print_)
         if deaths and print_ not in self.warned:  # once per request here, not per repeat
@@ -191,7 +211,7 @@ class Ledger:
                 self.warned.clear()
             self.warned.add(print_)
             log.warning("request %s was running when an instance died: running it once more", print_)
-        mark = os.path.join(self.dir, f"{print_}.{self.pid}.{deaths}.{uuid.uuid4().hex[:8]}")
+        mark = os.path.join(self.dir, f"{print_}.{self.pid}.{deaths}.{_attempt(attempt)}.{uuid.uuid4().hex[:8]}")
         with open(mark, "w"):
             pass
         return mark

@@ -162,7 +162,7 @@ def add_openai_routes(
         encoder = Encoder(fmt, engine.sample_rate)  # (before any synthesis: it may refuse)
         loop = asyncio.get_running_loop()
         job = await loop.run_in_executor(
-            None, lambda: pipeline.prepare(payload, None, speeds=OPENAI_SPEEDS, route="openai")
+            None, lambda: pipeline.prepare(payload, None, speeds=OPENAI_SPEEDS, route="openai", headers=request.headers)
         )
         deadline = pipeline.deadline(request.headers.get("x-request-start"))
         source = audio_source(pipeline, fanout, job, payload, None, request.headers, deadline)

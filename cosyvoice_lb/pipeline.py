@@ -113,6 +113,7 @@ class Job:
     notices: list[str] = field(default_factory=list)
     prompt_path: str = ""
     fingerprint: str = ""  # the same request on any instance (see ``ledger``)
+    attempt: str = ""  # nginx's id of the client request, the same on each of its tries
     route: str = "api"  # where it came in (see ``metrics.ROUTES``)
     arrived: float = 0.0  # on the admission clock: its first package is timed from here
 
@@ -227,9 +228,11 @@ class Pipeline:
         prompt_data: bytes | None = None,
         speeds: tuple[float, float] = (MIN_SPEED, MAX_SPEED),
         route: str = "api",
+        headers: Any = None,
     ) -> Job:
         """Validate, refuse when not ready, write the prompt file, fill in the defaults.
-        ``route``: where the request came in, for its metrics."""
+        ``route``: where the request came in, for its metrics; ``headers``: the request's
+        (lower-case keys), for nginx's id of its tries."""
         arrived = self.admission.clock()
         payload = dict(payload)
         voice = self.voice(payload.pop("voice", None))
@@ -253,7 +256,11 @@ class Pipeline:
         # (the voice's file, not the per-request copy, so the same request has one fingerprint)
         voice_file = self.registry.audio_path(voice) if voice is not None and self.registry is not None else ""
         job = Job(
-            request, fingerprint=fingerprint(request, voice_file, prompt_data or b""), route=route, arrived=arrived
+            request,
+            fingerprint=fingerprint(request, voice_file, prompt_data or b""),
+            attempt=headers.get(TRY_HEADER.lower(), "") if headers is not None else "",
+            route=route,
+            arrived=arrived,
         )
         try:
             if voice is not None and self.registry is not None:
@@ -378,7 +385,7 @@ class Pipeline:
         samples, working = 0, 0.0  # audio made; seconds spent in the engine (not with the reader)
         # Marked only while it holds the engine: a request queued behind a culprit is no suspect.
         try:
-            mark = ledger.enter(job.fingerprint, deaths) if ledger is not None else ""
+            mark = ledger.enter(job.fingerprint, deaths, job.attempt) if ledger is not None else ""
         except BaseException:
             ticket.release(None)
             raise

@@ -226,7 +226,7 @@ def build_app(
         speeds = OPENAI_SPEEDS if segment else (MIN_SPEED, MAX_SPEED)
         route = "segment" if segment else "api"
         job = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: pipeline.prepare(payload, prompt_data, speeds=speeds, route=route)
+            None, lambda: pipeline.prepare(payload, prompt_data, speeds=speeds, route=route, headers=request.headers)
         )
         headers = {"X-Instance-Port": str(port), "X-Sample-Rate": str(engine.sample_rate)}
         if job.notices:

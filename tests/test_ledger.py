@@ -115,12 +115,13 @@ def test_the_pipeline_marks_while_synthesizing_and_refuses_a_poisoned_request(tm
     list(chunks)
     assert marks(tmp_path) == []
     assert os.listdir(os.path.join(tmp_path, SPOKEN)) == [job.fingerprint]  # spoken to the end
-    # A first run and its retry died with another request: refused before the engine or a slot.
+    # Two tries of one client request died (nginx's id on both): refused before the engine or a slot.
     other = p.prepare({"text": "Another."})
-    for pid, known in ((1, 0), (2, 1)):
-        open(os.path.join(tmp_path, f"{other.fingerprint}.{pid}.{known}.abcd"), "w").close()
+    for pid in (1, 2):
+        open(os.path.join(tmp_path, f"{other.fingerprint}.{pid}.0.nginx42.abcd"), "w").close()
     with pytest.raises(Poisoned):
-        p.synthesize(p.prepare({"text": "Another."}))
+        p.synthesize(p.prepare({"text": "Another."}, headers={"x-cvlb-try": "nginx7"}))
+    assert p.prepare({"text": "Hi."}, headers={"x-cvlb-try": "nginx7"}).attempt == "nginx7"
     assert admission.snapshot().inflight == 0 and marks(tmp_path) != []
     assert p.synthesize(p.prepare({"text": "Something else."})).size > 0
 
@@ -272,3 +273,22 @@ def test_old_successes_are_swept(tmp_path):
     one.clock = lambda: 10_000.0  # the next success comes long after the sweep before it
     one.leave(one.enter("new", 0), spoken=True)
     assert os.listdir(os.path.join(tmp_path, SPOKEN)) == ["new"]
+
+
+def test_two_tries_of_one_request_are_a_repetition_even_when_the_first_death_went_unseen(tmp_path):
+    """nginx retries the moment the instance's socket closes: the retry may find the first
+    process still exiting, start as a first run, and die too. Its attempt id tells."""
+    world = Processes(1, 2, 3)
+    ledger(tmp_path, 1, world).enter("culprit", 0, attempt="req-1")
+    ledger(tmp_path, 2, world).enter("culprit", 0, attempt="req-1")  # did not see 1's death yet
+    world.living.difference_update({1, 2})
+    with pytest.raises(Poisoned):
+        ledger(tmp_path, 3, world).check("culprit")
+
+
+def test_tries_of_different_requests_at_one_moment_are_not(tmp_path):
+    world = Processes(1, 2, 3)
+    ledger(tmp_path, 1, world).enter("common", 0, attempt="req-1")
+    ledger(tmp_path, 2, world).enter("common", 0, attempt="req-2")
+    world.living.difference_update({1, 2})
+    assert ledger(tmp_path, 3, world).check("common") == 2
