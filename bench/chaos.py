@@ -2,8 +2,8 @@
 """Chaos run: a real espeak cluster under a bounded API load while faults are injected one
 at a time, and a table of what the clients saw.
 
-    python bench/chaos.py [--instances 3] [--clients 4] [--only NAME[,NAME]] [--csv PATH]
-                          [--keep-logs DIR]
+    python bench/chaos.py [--instances 3] [--clients 4] [--traffic both|varied|common]
+                          [--only NAME[,NAME]] [--csv PATH] [--keep-logs DIR]
 
 It starts its own cluster with the CLI (``cosyvoice-lb up --engine espeak``) on a free
 127.0.0.1 port block below the kernel's ephemeral range and a short state dir under /tmp, and always takes it
@@ -26,6 +26,12 @@ Scenarios, in this order, each on its own:
   recycling         ``cosyvoice-lb up`` again with --max-requests 40 --max-requests-jitter 10,
                     until two recycling restarts were seen (D/run/instance-N.starts); last,
                     since the cluster keeps recycling afterwards
+
+Traffic: ``varied`` clients cycle through a dozen different sentences; ``common`` clients
+all send one sentence, as real traffic often does (an IVR prompt, a greeting, a UI's
+default text), so most faults strike with that text in flight on the instance hit: the
+poison rule must never refuse it (see cosyvoice_lb/ledger.py). ``both`` (the default) makes
+two whole runs, each on a fresh cluster, and one table with a row per scenario and traffic.
 
 Per scenario: wait until the cluster is fully serving (what ``cosyvoice-lb status`` exits 0
 on); K clients POST /v1/tts through nginx; 2 s of baseline; inject; poll
@@ -114,6 +120,8 @@ SENTENCES = (
     "Your order number is four five six seven.",
     "Keep calm and carry on speaking clearly.",
 )
+COMMON_TEXT = "Thank you for calling, how can I help you today?"
+TRAFFIC = {"varied": SENTENCES, "common": (COMMON_TEXT,)}
 
 # --- the cluster -------------------------------------------------------------------------
 
@@ -129,6 +137,7 @@ class Run:
     cli: list[str]
     instances: int
     clients: int
+    texts: tuple[str, ...]
     state_dir: Path
     port: int
     base_port: int
@@ -159,11 +168,11 @@ class Run:
         proc.suspend()
 
 
-def prepare(instances: int, clients: int) -> Run:
+def prepare(instances: int, clients: int, texts: tuple[str, ...] = SENTENCES) -> Run:
     base = free_port_block(instances + 1)
     state_dir = Path(tempfile.mkdtemp(prefix="cx", dir="/tmp"))  # short: supervisord's socket lives in it
-    run = Run(cli=cli_command(), instances=instances, clients=clients, state_dir=state_dir, port=base,
-              base_port=base + 1)
+    run = Run(cli=cli_command(), instances=instances, clients=clients, texts=texts, state_dir=state_dir,
+              port=base, base_port=base + 1)
     # --request-timeout bounds each request's total wait (all retries included), so a
     # client never waits on a stuck instance longer than that.
     run.up_args = ["up", "--engine", "espeak", "--instances", str(instances), "--host", "127.0.0.1",
@@ -675,6 +684,7 @@ SCENARIOS = (
 @dataclass
 class ScenarioResult:
     name: str
+    traffic: str = "varied"
     requests: int = 0
     failed: int = 0
     p50_ms: float | None = None
@@ -687,13 +697,14 @@ class ScenarioResult:
     notes: list[str] = field(default_factory=list)
     missed: list[str] = field(default_factory=list)
 
-    COLUMNS = ("scenario", "requests", "failed", "p50 ms", "p99 ms", "out of rotation s", "back serving s", "note")
+    COLUMNS = ("scenario", "traffic", "requests", "failed", "p50 ms", "p99 ms", "out of rotation s", "back serving s",
+               "note")
 
     def row(self) -> list[str]:
         def num(value: float | None, digits: int) -> str:
             return "—" if value is None else f"{value:.{digits}f}"
 
-        return [self.name, str(self.requests), str(self.failed), num(self.p50_ms, 0), num(self.p99_ms, 0),
+        return [self.name, self.traffic, str(self.requests), str(self.failed), num(self.p50_ms, 0), num(self.p99_ms, 0),
                 num(self.out_s, 1), num(self.back_s, 1) if self.recovered else "not back",
                 "; ".join(self.notes)]
 
@@ -766,7 +777,7 @@ def run_scenario(run: Run, scenario: Scenario) -> ScenarioResult:
     began = time.monotonic()
     observations: list[Observation] = []
     back = None
-    with Load(run.url, run.clients) as load:
+    with Load(run.url, run.clients, texts=run.texts) as load:
         time.sleep(BASELINE_S)
         try:
             fault = scenario.inject(run, before)
@@ -816,6 +827,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      epilog="scenarios: " + ", ".join(names))
     parser.add_argument("--instances", type=int, default=3, help="instances in the cluster (default 3)")
     parser.add_argument("--clients", type=int, default=4, help="client threads of the load (default 4)")
+    parser.add_argument("--traffic", choices=("both", *TRAFFIC), default="both",
+                        help="what the clients send: a dozen different sentences, one common sentence, or a run "
+                             "of each (default both)")
     parser.add_argument("--only", default="", help="comma-separated scenarios to run (default: all, in order)")
     parser.add_argument("--csv", help="also write the table's rows to this CSV file")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the cluster's logs here before its state dir goes")
@@ -836,27 +850,41 @@ def main(argv: list[str] | None = None) -> int:
     print("command: " + shlex.join([sys.executable, *sys.argv]))
     results: list[ScenarioResult] = []
     setup_missed: list[str] = []
-    run = prepare(args.instances, args.clients)
+    kinds = list(TRAFFIC) if args.traffic == "both" else [args.traffic]
+    print(f"settings: {args.instances} instances, {args.clients} clients, traffic {', '.join(kinds)}, scenarios "
+          f"{','.join(s.name for s in args.scenarios)}; per scenario at most {MAX_REQUESTS} requests and "
+          f"{SCENARIO_CAP_S:.0f} s, client timeout {CLIENT_TIMEOUT_S:.0f} s")
+    for kind in kinds:
+        if not chaos_run(args, kind, results, setup_missed):
+            break
+    return report(results, setup_missed, args.csv)
+
+
+def chaos_run(args: argparse.Namespace, kind: str, results: list[ScenarioResult], setup_missed: list[str]) -> bool:
+    """Every scenario on a fresh cluster whose clients send ``kind`` of traffic; False when
+    interrupted."""
+    run = prepare(args.instances, args.clients, TRAFFIC[kind])
+    keep_logs = os.path.join(args.keep_logs, kind) if args.keep_logs else None
     try:
-        print(f"settings: {args.instances} instances, {args.clients} clients, scenarios "
-              f"{','.join(s.name for s in args.scenarios)}; per scenario at most {MAX_REQUESTS} requests and "
-              f"{SCENARIO_CAP_S:.0f} s, client timeout {CLIENT_TIMEOUT_S:.0f} s")
-        print("cluster: " + shlex.join(["cosyvoice-lb", *run.up_args]))
+        print(f"cluster ({kind} traffic): " + shlex.join(["cosyvoice-lb", *run.up_args]))
         sys.stdout.flush()
-        log(f"starting the cluster in {run.state_dir}")
+        log(f"{kind} traffic: starting the cluster in {run.state_dir}")
         start_cluster(run)
         for scenario in args.scenarios:
             try:
-                results.append(run_scenario(run, scenario))
+                result = run_scenario(run, scenario)
             except Exception as exc:  # a harness bug must not leave the cluster up or hide the rest
-                results.append(not_run(scenario.name, f"harness error: {type(exc).__name__}: {exc}"))
+                result = not_run(scenario.name, f"harness error: {type(exc).__name__}: {exc}")
+            result.traffic = kind
+            results.append(result)
     except Exception as exc:
-        setup_missed.append(f"setup: {exc}")
+        setup_missed.append(f"setup ({kind} traffic): {exc}")
     except (KeyboardInterrupt, Interrupted):
         setup_missed.append(f"interrupted after {len(results)} scenario(s)")
+        return False
     finally:
-        teardown(run, args.keep_logs)
-    return report(results, setup_missed, args.csv)
+        teardown(run, keep_logs)
+    return True
 
 
 def report(results: list[ScenarioResult], setup_missed: list[str], csv_path: str | None) -> int:
@@ -865,7 +893,7 @@ def report(results: list[ScenarioResult], setup_missed: list[str], csv_path: str
     print(markdown(rows))
     if csv_path:
         write_csv(csv_path, rows)
-    missed = setup_missed + [f"{r.name}: {m}" for r in results for m in r.missed]
+    missed = setup_missed + [f"{r.name} ({r.traffic} traffic): {m}" for r in results for m in r.missed]
     print()
     for item in missed:
         print(f"missed: {item}")

@@ -4,7 +4,9 @@ and a client that sends it again is refused before it reaches a model."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import cli, free_port_block, status, wait_for
+from conftest import Load, cli, free_port_block, status, wait_for
 
 INSTANCES = 3
 
@@ -63,3 +65,32 @@ def test_a_poison_request_costs_one_retry_then_a_clear_422(cluster, text):
     time.sleep(3)  # a death would show as a restart within a probe or two
     assert restarts(state_dir) == before + 2
     assert post(url, "Something harmless.").status_code == 200
+
+
+def synthesizing(port: int) -> bool:
+    try:
+        return requests.get(f"http://127.0.0.1:{port}/ping", timeout=2).json().get("inflight", 0) > 0
+    except (requests.RequestException, ValueError):
+        return False
+
+
+def test_unrelated_deaths_with_the_common_text_in_flight_refuse_nothing(cluster):
+    """Clients all send one sentence, and instance after instance is SIGKILLed while it
+    synthesizes it: each death has that text in flight, none is its fault, and no request of
+    it is refused (nginx retries the cut ones; the copies spoken elsewhere clear the deaths)."""
+    state_dir, url = cluster["state_dir"], cluster["url"]
+    assert wait_for(lambda: all_serving(state_dir), timeout=60)
+    before = restarts(state_dir)
+    kills = 4
+    with Load(url, threads=3, limit=20000, seconds=150, text="Thank you for calling, how can I help you?") as load:
+        for n in range(kills):
+            assert wait_for(lambda: all_serving(state_dir), timeout=60), "the cluster did not come back"
+            target = status(state_dir)[1]["instances"][n % INSTANCES]
+            assert wait_for(lambda: synthesizing(target["port"]), timeout=10, interval=0.005)
+            os.kill(target["pid"], signal.SIGKILL)
+            assert wait_for(lambda: restarts(state_dir) >= before + n + 1, timeout=30)
+        assert wait_for(lambda: all_serving(state_dir), timeout=60)
+        time.sleep(1)  # requests of the text after the last death
+    assert load.failures == [], load.failures[:5]
+    assert load.ok > 0
+    assert restarts(state_dir) == before + kills  # only the kills: nothing was refused as poison either
