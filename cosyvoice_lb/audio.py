@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import soundfile
 
+from .validation import MIN_PROMPT_SECONDS, prompt_span
+
 MIN_PROMPT_RATE = 16000  # upstream's load_wav refuses anything below
 FORMATS = "WAV, FLAC, MP3 or OGG"
 
@@ -39,10 +41,12 @@ def read_prompt(data: bytes, max_seconds: float) -> Prompt:
     """Decode an upload into a mono prompt of at most ``max_seconds`` (trimmed, with a notice).
 
     Refuses, with what to do: nothing sent, not audio or corrupt, below 16 kHz (upsampling
-    cannot add the detail cloning needs, so it is refused rather than upsampled), silence.
+    cannot add the detail cloning needs, so it is refused rather than upsampled), shorter
+    than MIN_PROMPT_SECONDS, silence.
     """
+    span = prompt_span(max_seconds)
     if not data:
-        raise PromptError(f"prompt_audio is empty: upload a {FORMATS} file of 3-{max_seconds:g} s of speech")
+        raise PromptError(f"prompt_audio is empty: upload a {FORMATS} file of {span} of speech")
     try:
         # Decode no more than is kept: a small compressed upload can hold hours of audio.
         info = soundfile.info(io.BytesIO(data))
@@ -54,11 +58,17 @@ def read_prompt(data: bytes, max_seconds: float) -> Prompt:
         raise PromptError(f"prompt_audio is not audio this server can read ({reason}): upload {FORMATS}") from None
     total_seconds = info.frames / info.samplerate if info.frames > 0 else audio.shape[0] / rate
     if audio.size == 0:
-        raise PromptError("prompt_audio has no samples: upload a recording of 3 s or more")
+        raise PromptError(f"prompt_audio has no samples: upload a recording of {span} of speech")
     if rate < MIN_PROMPT_RATE:
         raise PromptError(
             f"prompt_audio is sampled at {rate} Hz: CosyVoice needs 16 kHz or more "
             "(record or export it at 16 kHz, 24 kHz or 44.1 kHz)"
+        )
+    # Judged as shown (to 0.1 s): a 3.0 s file whose decoder reports 2.97 s is not refused.
+    if round(total_seconds, 1) < MIN_PROMPT_SECONDS:
+        raise PromptError(
+            f"prompt_audio is {total_seconds:.1f} s long: cloning a voice needs {span} of speech; "
+            "upload a longer recording"
         )
     mono = audio.mean(axis=1).astype(np.float32)
     if not np.isfinite(mono).all() or float(np.abs(mono).max()) < 1e-4:
@@ -79,7 +89,11 @@ def write_wav(path: Path, audio: np.ndarray, rate: int) -> None:
     """Write a WAV file whole or not at all: encoded in memory first (libsndfile reports a
     full disk only as "System error." and leaves half a file), then written through a temp
     file; an OSError (ENOSPC, EACCES, EROFS...) leaves nothing behind."""
-    data = wav_bytes(audio, rate)
+    write_file(path, wav_bytes(audio, rate))
+
+
+def write_file(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` whole or not at all (see ``write_wav``)."""
     path = Path(path)
     temp = path.with_name(f".{path.name}.part")
     try:
@@ -103,6 +117,49 @@ def wav_bytes(audio: np.ndarray, rate: int) -> bytes:
 
 def pcm16(audio: np.ndarray) -> bytes:
     return (np.clip(audio, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+
+
+class WavBuilder:
+    """A 16-bit mono WAV file built chunk by chunk as the audio comes.
+
+    A long text's audio is hundreds of MB as float32: kept as float chunks, joined, clipped
+    and encoded it was held four times over. Here each chunk is encoded as it arrives, so
+    the whole is held once, at half the float size, and ``data`` hands it out uncopied.
+    """
+
+    HEADER = 44
+
+    def __init__(self, rate: int):
+        self.rate = rate
+        self._buffer = bytearray(self.HEADER)  # (the header is written once the size is known)
+        self._view: memoryview | None = None
+
+    def feed(self, audio: np.ndarray) -> None:
+        self._buffer += pcm16(audio)
+
+    @property
+    def samples(self) -> int:
+        return (len(self._buffer) - self.HEADER) // 2
+
+    @property
+    def seconds(self) -> float:
+        return self.samples / self.rate
+
+    @property
+    def data(self) -> memoryview:
+        """The whole WAV file (no more chunks may be fed after this)."""
+        if self._view is None:
+            size = len(self._buffer) - self.HEADER
+            self._buffer[: self.HEADER] = (
+                b"RIFF"
+                + struct.pack("<I", 36 + size)
+                + b"WAVEfmt "
+                + struct.pack("<IHHIIHH", 16, 1, 1, self.rate, self.rate * 2, 2, 16)
+                + b"data"
+                + struct.pack("<I", size)
+            )
+            self._view = memoryview(self._buffer)
+        return self._view
 
 
 def streaming_wav_header(rate: int) -> bytes:
@@ -156,12 +213,16 @@ class Outputs:
     def name(self, suffix: str = ".wav") -> str:
         return f"{time.strftime('%Y%m%d-%H%M%S')}-{self.port}-{uuid.uuid4().hex[:12]}{suffix}"
 
-    def save(self, audio: np.ndarray, rate: int) -> str:
-        """Write one result; returns its file name ("" without an outputs dir)."""
+    def save(self, audio: np.ndarray | WavBuilder, rate: int) -> str:
+        """Write one result (samples, or a built WAV file); returns its file name ("" without
+        an outputs dir)."""
         if not self.dir:
             return ""
         name = self.name()
-        write_wav(self.dir / name, audio, rate)
+        if isinstance(audio, WavBuilder):
+            write_file(self.dir / name, audio.data)
+        else:
+            write_wav(self.dir / name, audio, rate)
         self.sweep()
         return name
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .validation import BadRequest, multipart_problem
+from .validation import MIN_PROMPT_SECONDS, BadRequest, multipart_problem
 
 
 async def read_form(request: Any, file_field: str, fields: int, max_bytes: int) -> tuple[dict[str, str], bytes | None]:
@@ -31,7 +31,11 @@ async def read_form(request: Any, file_field: str, fields: int, max_bytes: int) 
     if upload is not None and not isinstance(upload, str):
         data = await upload.read(max_bytes + 1)
         if len(data) > max_bytes:
-            raise BadRequest(f"{file_field} is larger than {max_bytes // 2**20} MiB: send 3-15 s of speech", status=413)
+            raise BadRequest(
+                f"{file_field} is larger than {max_bytes // 2**20} MiB: send a smaller file "
+                f"({MIN_PROMPT_SECONDS:g} s of speech is enough to clone a voice)",
+                status=413,
+            )
     elif isinstance(upload, str) and upload:
         raise BadRequest(f"{file_field} must be a file upload, not a text field")
     return values, data

@@ -122,8 +122,9 @@ async def read_voice_form(request: Request, max_bytes: int) -> dict[str, Any]:
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "multipart/form-data":
         raise BadRequest(
-            "send multipart/form-data with name, audio_sample (the file) and prompt_text (its transcript), "
-            "e.g. curl -F name=narrator -F audio_sample=@voice.wav -F prompt_text='...'"
+            "send multipart/form-data with name, audio_sample (the file), prompt_text (its transcript) and "
+            "consent=yes (the speaker agreed), e.g. curl -F name=narrator -F audio_sample=@voice.wav "
+            "-F prompt_text='...' -F consent=yes"
         )
     fields, data = await read_form(request, "audio_sample", len(VOICE_FORM) - 1, max_bytes)
     unknown = sorted(set(fields) - set(VOICE_FORM))

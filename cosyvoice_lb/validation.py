@@ -11,12 +11,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engines import MODES, SynthesisRequest
+from .settings import MIN_PROMPT_SECONDS
 
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
 OPENAI_SPEEDS = (0.25, 4.0)  # what OpenAI's speech API takes (and so a long text's segments)
 SPECIAL = re.compile(r"<\|.{0,40}?\|>", re.DOTALL)
 WORD = re.compile(r"\w")  # a letter, digit or ideograph: something a voice can say
 FIELDS = ("text", "speed", "mode", "prompt_text", "instruct_text", "speaker", "seed", "stream", "voice")
+
+
+def prompt_span(max_seconds: float) -> str:
+    """The prompt length every message and label asks for, e.g. "3-15 s"."""
+    return f"{MIN_PROMPT_SECONDS:g}-{max_seconds:g} s"
 
 
 def request_schema(max_chars: int, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
@@ -199,7 +205,7 @@ def make_request(
     if mode and needs_prompt and not has_prompt:
         raise BadRequest(
             f"mode {mode} needs prompt_audio: send a multipart form with the file prompt_audio "
-            "(3-15 s of the voice to clone)"
+            f"({prompt_span(limits.max_prompt_seconds)} of the voice to clone)"
         )
     if effective == "zero_shot" and (mode or has_prompt) and not prompt_text.strip():
         raise BadRequest("mode zero_shot needs prompt_text: the exact transcript of prompt_audio")

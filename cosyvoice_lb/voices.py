@@ -35,6 +35,7 @@ MAX_VOICES = 1000
 META, AUDIO = "voice.json", "prompt.wav"
 CLAIM_ID = "id"  # in a name's claim: the id of the voice that has the name
 CLAIM_SECONDS = 60.0  # a name claimed this long ago with no voice behind it was abandoned
+CONSENT_YES = ("yes", "true")  # an explicit yes: a voice is someone's, and cloning it needs their agreement
 
 
 class VoiceNotFound(LookupError):
@@ -81,6 +82,17 @@ def check_name(name: object) -> str:
     if VOICE_ID.fullmatch(name):
         raise BadRequest(f'"name" {name!r} has the form of a voice id: choose another name')
     return name
+
+
+def check_consent(consent: object) -> str:
+    """The speaker's consent as stored ("yes"); anything but an explicit yes is refused."""
+    if isinstance(consent, str) and consent.strip().lower() in CONSENT_YES:
+        return "yes"
+    given = "is missing" if consent is None or consent == "" else f"is {safe(consent)!r}, not yes"
+    raise BadRequest(
+        f'"consent" {given}: a voice is saved only with its speaker\'s agreement to be cloned; '
+        "send consent=yes once they have agreed"
+    )
 
 
 class Registry:
@@ -167,6 +179,7 @@ class Registry:
     def create(self, name: str, audio: np.ndarray, rate: int, prompt_text: str, consent: str = "") -> Voice:
         """Store a voice whole (OSError when the disk refuses; nothing half-written stays)."""
         name = check_name(name)
+        consent = check_consent(consent)
         if len(self.ids()) >= MAX_VOICES:
             raise RegistryFull()
         voice = Voice(

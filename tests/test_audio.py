@@ -37,16 +37,33 @@ def test_long_prompts_are_trimmed_with_a_notice():
     assert any("trimmed from 20.0 s" in n for n in prompt.notices)
 
 
-@pytest.mark.parametrize("data, words", [
-    (b"", "empty"),
-    (b"this is not audio at all", "not audio this server can read"),
-    (encoded("WAV")[:40], "not audio|no samples"),
-    (encoded("WAV", rate=8000), "8000 Hz: CosyVoice needs 16 kHz"),
-    (encoded("WAV", silent=True), "silent"),
-])
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"", "empty"),
+        (b"this is not audio at all", "not audio this server can read"),
+        (encoded("WAV")[:40], "not audio|no samples"),
+        (encoded("WAV", rate=8000), "8000 Hz: CosyVoice needs 16 kHz"),
+        (encoded("WAV", silent=True), "silent"),
+    ],
+)
 def test_bad_prompts_are_refused_with_what_to_do(data, words):
     with pytest.raises(PromptError, match=words):
         read_prompt(data, max_seconds=15)
+
+
+@pytest.mark.parametrize("seconds", [0.5, 2.9])
+def test_too_short_prompts_are_refused_saying_how_long_they_are_and_what_is_needed(seconds):
+    with pytest.raises(PromptError) as refused:
+        read_prompt(encoded("WAV", seconds=seconds, rate=16000), max_seconds=15)
+    assert f"prompt_audio is {seconds:.1f} s long" in str(refused.value)
+    assert "needs 3-15 s of speech" in str(refused.value) and "upload a longer recording" in str(refused.value)
+
+
+def test_the_shortest_prompt_taken_is_3_s():
+    assert read_prompt(encoded("WAV", seconds=3.0, rate=16000), max_seconds=15).seconds == pytest.approx(3.0)
+    # (judged to the 0.1 s it is shown with: a decoder's few samples short are not "too short")
+    assert read_prompt(encoded("WAV", seconds=2.96, rate=16000), max_seconds=15).seconds == pytest.approx(2.96)
 
 
 def test_a_refusal_names_the_reason_not_an_in_memory_file():
@@ -62,12 +79,15 @@ def test_streaming_header_announces_16_bit_mono_of_unknown_length():
     assert (fmt, channels, rate, byte_rate, align, bits) == (1, 1, 24000, 48000, 2, 16)
 
 
-@pytest.mark.parametrize("files, max_age, max_bytes, doomed", [
-    ([StoredFile("a", 0, 10), StoredFile("b", 50, 10), StoredFile("c", 90, 10)], 60, 100, ["a"]),
-    ([StoredFile("a", 80, 10), StoredFile("b", 85, 10), StoredFile("c", 90, 10)], 60, 15, ["a", "b"]),
-    ([StoredFile("a", 80, 10), StoredFile("b", 85, 10)], 60, 20, []),
-    ([], 60, 0, []),
-])
+@pytest.mark.parametrize(
+    "files, max_age, max_bytes, doomed",
+    [
+        ([StoredFile("a", 0, 10), StoredFile("b", 50, 10), StoredFile("c", 90, 10)], 60, 100, ["a"]),
+        ([StoredFile("a", 80, 10), StoredFile("b", 85, 10), StoredFile("c", 90, 10)], 60, 15, ["a", "b"]),
+        ([StoredFile("a", 80, 10), StoredFile("b", 85, 10)], 60, 20, []),
+        ([], 60, 0, []),
+    ],
+)
 def test_retention_by_age_then_by_total_size(files, max_age, max_bytes, doomed):
     assert expired(files, now=100, max_age=max_age, max_bytes=max_bytes) == doomed
 
@@ -91,3 +111,26 @@ def test_written_audio_is_readable_by_the_service_only(tmp_path):
     name = outputs.save(np.zeros(1600, dtype=np.float32), 16000)
     assert stat.S_IMODE((tmp_path / "out" / name).stat().st_mode) == 0o600
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o700
+
+
+def test_a_wav_built_chunk_by_chunk_is_the_audio_whole():
+    from cosyvoice_lb.audio import WavBuilder
+
+    chunks = [0.5 * np.sin(np.arange(n, dtype=np.float32) / 7) for n in (1000, 1, 2400)] + [np.full(10, 2.0)]
+    wav = WavBuilder(24000)
+    for chunk in chunks:
+        wav.feed(chunk)
+    assert wav.samples == 3411 and wav.seconds == pytest.approx(3411 / 24000)
+    audio, rate = soundfile.read(io.BytesIO(bytes(wav.data)), dtype="float32")
+    assert rate == 24000 and audio.size == 3411  # the header's sizes are the data's
+    assert np.allclose(audio, np.clip(np.concatenate(chunks), -1, 1), atol=1 / 16000)  # clipped, not wrapped
+    assert soundfile.info(io.BytesIO(bytes(wav.data))).subtype == "PCM_16"
+
+
+def test_a_built_wav_is_kept_as_it_is(tmp_path):
+    from cosyvoice_lb.audio import WavBuilder
+
+    wav = WavBuilder(16000)
+    wav.feed(np.full(1600, 0.25, dtype=np.float32))
+    name = Outputs(str(tmp_path), port=7860, max_age=3600, max_bytes=10**6).save(wav, 16000)
+    assert (tmp_path / name).read_bytes() == bytes(wav.data)

@@ -34,6 +34,7 @@ def test_defaults_have_no_problems():
     ({"max_queue": -1}, "--max-queue cannot be negative"),
     ({"instance_concurrency": 0}, "--instance-concurrency must be at least 1"),
     ({"max_prompt_seconds": 31}, "at most 30 (upstream refuses longer prompts)"),
+    ({"max_prompt_seconds": 2}, "must be at least 3 (shorter prompts are refused)"),
     ({"max_upload": "lots"}, "--max-upload: cannot read size 'lots'"),
     ({"max_memory": "12 bananas"}, "--max-memory: cannot read size"),
     ({"engine": "cosyvoice3"}, "--engine cosyvoice3 needs --model-dir"),

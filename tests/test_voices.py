@@ -10,7 +10,7 @@ import pytest
 import soundfile
 
 from cosyvoice_lb.validation import BadRequest
-from cosyvoice_lb.voices import MAX_VOICES, Registry, VoiceNotFound
+from cosyvoice_lb.voices import MAX_VOICES, Registry, VoiceNotFound, check_consent
 
 TONE = (0.3 * np.sin(np.linspace(0, 2000, 48000))).astype(np.float32)
 
@@ -40,9 +40,35 @@ def test_a_voice_round_trips_and_every_reader_sees_it(tmp_path):
     assert [v.id for v in other.all()] == [voice.id]
 
 
+@pytest.mark.parametrize(
+    "consent, words",
+    [
+        (None, '"consent" is missing'),
+        ("", '"consent" is missing'),
+        ("no", "\"consent\" is 'no', not yes"),
+        ("maybe", "'maybe', not yes"),
+        ("1", "'1', not yes"),
+        (True, "'True', not yes"),  # a JSON true, not a form's text
+    ],
+)
+def test_a_voice_is_saved_only_with_an_explicit_yes(tmp_path, consent, words):
+    registry = Registry(tmp_path)
+    with pytest.raises(BadRequest, match=words) as refused:
+        registry.create("narrator", TONE, 16000, "text", consent=consent)
+    assert refused.value.status == 400 and "send consent=yes" in str(refused.value)
+    assert registry.all() == [] and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("consent", ["yes", "YES", " Yes ", "true", "True"])
+def test_yes_and_true_are_consent_stored_as_yes(tmp_path, consent):
+    assert check_consent(consent) == "yes"
+    voice = Registry(tmp_path).create("narrator", TONE, 16000, "text", consent=consent)
+    assert Registry(tmp_path).require("narrator").consent == "yes" == voice.consent
+
+
 def test_delete_makes_it_unknown_everywhere(tmp_path):
     one, other = Registry(tmp_path), Registry(tmp_path)
-    voice = one.create("narrator", TONE, 16000, "text")
+    voice = one.create("narrator", TONE, 16000, "text", consent="yes")
     assert other.delete("narrator") == voice
     with pytest.raises(VoiceNotFound, match="none saved yet"):
         one.require(voice.id)
@@ -51,13 +77,13 @@ def test_delete_makes_it_unknown_everywhere(tmp_path):
 
 def test_names_are_unique_checked_and_ids_are_not_names(tmp_path):
     registry = Registry(tmp_path)
-    registry.create("narrator", TONE, 16000, "text")
+    registry.create("narrator", TONE, 16000, "text", consent="yes")
     with pytest.raises(BadRequest, match="exists") as taken:
-        registry.create(" narrator ", TONE, 16000, "text")
+        registry.create(" narrator ", TONE, 16000, "text", consent="yes")
     assert taken.value.status == 409
     for bad in ("", "   ", "x" * 65, "tab\there", "voice_0123456789abcdef01234567", None):
         with pytest.raises(BadRequest):
-            registry.create(bad, TONE, 16000, "text")  # type: ignore[arg-type]
+            registry.create(bad, TONE, 16000, "text", consent="yes")  # type: ignore[arg-type]
     with pytest.raises(VoiceNotFound, match="narrator"):  # the message lists what is saved
         registry.require("nobody")
 
@@ -70,19 +96,19 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr("cosyvoice_lb.voices.write_wav", disk_full)
     with pytest.raises(OSError, match="No space"):
-        registry.create("narrator", TONE, 16000, "text")
+        registry.create("narrator", TONE, 16000, "text", consent="yes")
     assert registry.all() == [] and leftovers(tmp_path) == []
     monkeypatch.undo()
-    assert registry.create("narrator", TONE, 16000, "text").name == "narrator"  # the name was released
+    assert registry.create("narrator", TONE, 16000, "text", consent="yes").name == "narrator"  # the name was released
 
 
 def test_the_registry_is_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr("cosyvoice_lb.voices.MAX_VOICES", 2)
     registry = Registry(tmp_path)
-    registry.create("a", TONE, 16000, "text")
-    registry.create("b", TONE, 16000, "text")
+    registry.create("a", TONE, 16000, "text", consent="yes")
+    registry.create("b", TONE, 16000, "text", consent="yes")
     with pytest.raises(BadRequest, match="holds 2 voices") as full:
-        registry.create("c", TONE, 16000, "text")
+        registry.create("c", TONE, 16000, "text", consent="yes")
     assert full.value.status == 409 and MAX_VOICES == 1000
 
 
@@ -91,7 +117,7 @@ def test_one_name_saved_at_once_from_many_instances_gives_one_voice(tmp_path):
 
     def save(_):
         try:
-            return Registry(tmp_path).create("narrator", TONE, 16000, "text").id  # each its own reader
+            return Registry(tmp_path).create("narrator", TONE, 16000, "text", consent="yes").id  # each its own reader
         except BadRequest as exc:
             return exc.status
 
@@ -106,14 +132,14 @@ def test_an_abandoned_claim_is_taken_over(tmp_path):
     claim = registry.claim("narrator")  # an instance died while saving
     os.utime(claim, (1000.0, 1000.0))
     with pytest.raises(BadRequest, match="being saved right now"):
-        registry.create("narrator", TONE, 16000, "text")
+        registry.create("narrator", TONE, 16000, "text", consent="yes")
     now[0] += 61
-    assert registry.create("narrator", TONE, 16000, "text").name == "narrator"
+    assert registry.create("narrator", TONE, 16000, "text", consent="yes").name == "narrator"
 
 
 def test_a_borrowed_prompt_outlives_the_voice(tmp_path):
     registry = Registry(tmp_path / "voices")
-    voice = registry.create("narrator", TONE, 16000, "text")
+    voice = registry.create("narrator", TONE, 16000, "text", consent="yes")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     path = registry.borrow(voice, str(scratch))

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import requests
 import soundfile
-
-from conftest import ROOT, cli, clean_env, free_port_block
+from conftest import ROOT, clean_env, cli, free_port_block
 
 pytest.importorskip("torch", reason="the contract fake yields torch tensors, like upstream")
 
@@ -97,6 +96,8 @@ def test_seed_reproduces_the_same_audio(cluster):
     ({"text": "hi", "mode": "cross_lingual"}, b"not audio", 400, "not audio this server can read"),
     ({"text": "hi", "mode": "cross_lingual"}, b"", 400, "empty"),
     ({"text": "hi", "mode": "cross_lingual"}, "8k", 400, "8000 Hz"),
+    ({"text": "hi", "mode": "cross_lingual"}, "0.5s", 400, "is 0.5 s long: cloning a voice needs 3-15 s"),
+    ({"text": "hi", "mode": "cross_lingual"}, "2.9s", 400, "is 2.9 s long: cloning a voice needs 3-15 s"),
     ({"text": "hi", "mode": "cross_lingual", "stream": "true", "speed": "1.5"}, "prompt", 400, "only without streaming"),
     ({"text": "hi", "mode": "cross_lingual"}, "huge", 413, "larger than 10 MiB"),
 ])
@@ -109,6 +110,11 @@ def test_bad_prompts_and_modes_are_4xx(cluster, fields, prompt, status, words):
         prompt = buffer.getvalue()
     elif prompt == "huge":
         prompt = b"RIFF" + b"\0" * (11 * 2**20)
+    elif prompt in ("0.5s", "2.9s"):  # the start of the bundled prompt: real speech, too little of it
+        buffer = io.BytesIO()
+        speech, rate = soundfile.read(PROMPT, dtype="float32")
+        soundfile.write(buffer, speech[: int(float(prompt[:-1]) * rate)], rate, format="WAV")
+        prompt = buffer.getvalue()
     r = post(cluster, fields, prompt)
     assert r.status_code == status, r.text
     assert words in r.json()["error"]["message"]

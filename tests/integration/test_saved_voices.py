@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import requests
 import soundfile
-
-from conftest import ROOT, cli, clean_env, free_port_block, unexpected_tracebacks
+from conftest import ROOT, clean_env, cli, free_port_block, unexpected_tracebacks
 
 pytest.importorskip("torch", reason="the contract fake yields torch tensors, like upstream")
 openai = pytest.importorskip("openai")
@@ -135,12 +134,12 @@ def test_with_streaming_response_the_first_bytes_come_long_before_the_last(clust
     client = openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="none-configured")
     text = "这是一个很长的句子，用来测试长文本的切分。" * 12  # 7 segments of 0.4 s on 2 instances
     t0 = time.monotonic()
-    arrivals = []
+    arrivals, data = [], b""
     with client.audio.speech.with_streaming_response.create(model="tts-1", voice="narrator", input=text,
                                                             response_format="mp3") as response:
         for chunk in response.iter_bytes():
             arrivals.append(time.monotonic() - t0)
-            data = chunk if len(arrivals) == 1 else data + chunk
+            data += chunk
     assert arrivals[0] < arrivals[-1] / 2, arrivals
     audio, rate = soundfile.read(io.BytesIO(data), dtype="float32")
     assert rate == 24000 and audio.size / rate > 0.06 * len(text) * 0.9
@@ -168,10 +167,26 @@ def test_registration_applies_the_prompt_rules(cluster):
     silent = io.BytesIO()
     soundfile.write(silent, np.zeros(48000, dtype=np.float32), 16000, format="WAV")
     r = cluster["http"].post(cluster["url"] + "/v1/audio/voices", timeout=30,
-                             data={"name": "quiet", "prompt_text": "x"},
+                             data={"name": "quiet", "prompt_text": "x", "consent": "yes"},
                              files={"audio_sample": ("q.wav", silent.getvalue(), "audio/wav")})
     assert r.status_code == 400 and "silent" in r.json()["error"]["message"]
     assert r.headers["x-should-retry"] == "false"
+    for seconds in (0.5, 2.9):  # what the README and the UI say: 3-15 s
+        short = io.BytesIO()
+        soundfile.write(short, soundfile.read(PROMPT, dtype="float32")[0][: int(seconds * 16000)], 16000, format="WAV")
+        r = cluster["http"].post(cluster["url"] + "/v1/audio/voices", timeout=30,
+                                 data={"name": "short", "prompt_text": TRANSCRIPT, "consent": "yes"},
+                                 files={"audio_sample": ("s.wav", short.getvalue(), "audio/wav")})
+        assert r.status_code == 400, r.text
+        assert f"is {seconds:.1f} s long: cloning a voice needs 3-15 s" in r.json()["error"]["message"]
+    for consent in ({}, {"consent": "no"}, {"consent": "ok"}):  # only an explicit yes saves someone's voice
+        with open(PROMPT, "rb") as prompt:
+            r = cluster["http"].post(cluster["url"] + "/v1/audio/voices", timeout=30,
+                                     data={"name": "unasked", "prompt_text": TRANSCRIPT, **consent},
+                                     files={"audio_sample": ("me.wav", prompt, "audio/wav")})
+        assert r.status_code == 400 and "send consent=yes" in r.json()["error"]["message"], r.text
+    names = [v["name"] for v in cluster["http"].get(cluster["url"] + "/v1/audio/voices", timeout=10).json()["data"]]
+    assert "short" not in names and "unasked" not in names
     r = register(cluster, "no-transcript", prompt_text="")
     assert r.status_code == 400 and "prompt_text" in r.json()["error"]["message"]
     r = register(cluster, "narrator")
