@@ -10,8 +10,10 @@ order, each as soon as it and all before it are done.
 
 A segment that fails for a reason a retry can change (no instance answered, overloaded,
 a connection lost) is sent again, at most ``RETRIES`` more times, while the request has
-time left; any other failure (the input, a poison request) ends the whole request with that
-segment's answer. No segment is sent twice once it succeeded.
+time left; any other failure (the input, a poison request, a text the engine cannot speak)
+ends the whole request with that segment's answer, naming the segment and its first words:
+audio with a sentence silently missing would pass for the whole. No segment is sent twice
+once it succeeded.
 
 Instance side: standard library, numpy, soundfile and httpx (which gradio brings).
 """
@@ -71,6 +73,12 @@ def forwarded(headers: Any) -> dict[str, str]:
 
 def segment_payload(payload: dict, text: str, seed: int) -> dict:
     return {**{k: v for k, v in payload.items() if v not in (None, "")}, "text": text, "seed": seed, "stream": False}
+
+
+def opening(text: str, chars: int = 60) -> str:
+    """A segment's first words, quoted, to name it in a message."""
+    text = " ".join(text.split())
+    return json.dumps(text if len(text) <= chars else text[:chars] + "...", ensure_ascii=False)
 
 
 def message_of(body: bytes, status: int) -> str:
@@ -177,7 +185,10 @@ class FanOut:
                     break
         message = message_of(body, status) if body else "the balancer did not answer"
         keep = {k: v for k, v in answer.items() if k.lower() in ("retry-after", "x-should-retry")}
-        raise SegmentFailed(status, f"segment {index + 1} of {count} of the long text failed: {message}", keep)
+        where = f"segment {index + 1} of {count} of the long text"
+        if 400 <= status < 500:  # the input's fault: say which words, so they can be fixed
+            where += f" (it begins {opening(payload.get('text', ''))})"
+        raise SegmentFailed(status, f"{where} failed: {message}", keep)
 
     @staticmethod
     def body(payload: dict, prompt_data: bytes | None) -> dict[str, Any]:

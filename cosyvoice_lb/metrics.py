@@ -67,8 +67,8 @@ def available() -> bool:
 
 class Metrics:
     """One instance's metrics. ``live`` is read at each scrape: a callable returning
-    {"ready", "inflight", "waiting", "long_texts", "voice_cache_hits", "voice_cache_misses",
-    "seconds_per_char", "queued_seconds", "declined", "last_resort"};
+    {"ready", "inflight", "waiting", "long_texts", "outputs_failing", "voice_cache_hits",
+    "voice_cache_misses", "seconds_per_char", "queued_seconds", "declined", "last_resort"};
     it is set by :meth:`watch` once the pipeline exists."""
 
     def __init__(self, engine: str = "", version: str = ""):
@@ -113,6 +113,11 @@ class Metrics:
             ["route", "outcome"],
             registry=self.registry,
         )
+        self.results_not_kept = Counter(
+            "cosyvoice_results_not_kept",
+            "Results (streamed or not) that could not be written to the outputs dir (disk full, unwritable).",
+            registry=self.registry,
+        )
         for route in ROUTES:  # every series from the start: rate() sees the first request
             for outcome in OUTCOMES:
                 self.requests.labels(route, outcome)
@@ -132,6 +137,11 @@ class Metrics:
                     ("cosyvoice_syntheses_in_flight", "inflight", "Syntheses holding an engine slot."),
                     ("cosyvoice_queue_depth", "waiting", "Requests waiting for an engine slot."),
                     ("cosyvoice_long_texts_in_flight", "long_texts", "Long texts this instance coordinates."),
+                    (
+                        "cosyvoice_outputs_failing",
+                        "outputs_failing",
+                        "1 while results cannot be kept: the last write to the outputs dir failed.",
+                    ),
                     (
                         "cosyvoice_seconds_per_char",
                         "seconds_per_char",
@@ -186,6 +196,10 @@ class Metrics:
         self.synthesis.labels(route).observe(max(0.0, engine_seconds))
         if audio_seconds > 0:
             self.rtf.labels(route).observe(max(0.0, engine_seconds) / audio_seconds)
+
+    def not_kept(self) -> None:
+        if self.enabled:
+            self.results_not_kept.inc()
 
     def request(self, route: str, outcome: str) -> None:
         if self.enabled:

@@ -27,16 +27,16 @@ from typing import Any
 import numpy as np
 
 from .admission import Admission, Cancelled, Clock, NotReady, Overloaded, TimedOut, deadline_for
-from .audio import Outputs, PromptError, read_prompt, wav_bytes, write_wav
-from .engines import Engine, EngineError, SynthesisRequest, clones
+from .audio import Outputs, PromptError, WavBuilder, read_prompt, wav_bytes, write_wav
+from .engines import Engine, EngineError, SynthesisRequest, Unspeakable, clones
 from .fanout import SegmentFailed
 from .ledger import Ledger, Poisoned, fingerprint
 from .metrics import Metrics
 from .router import Router
 from .routing import LAST_HEADER, TRY_HEADER, Rate
 from .timeouts import WORKER_GRACE
-from .validation import MAX_SPEED, MIN_SPEED, BadRequest, Limits, check_text, make_request, safe
-from .voices import Registry, Voice, VoiceNotFound
+from .validation import MAX_SPEED, MIN_SPEED, BadRequest, Limits, check_text, make_request, prompt_span, safe
+from .voices import Registry, Voice, VoiceNotFound, check_consent
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -58,8 +58,9 @@ class StorageFailed(OSError):
     def __init__(self, what: str, directory: str, cause: OSError, setting: str = "--outputs-dir"):
         reason = cause.strerror or str(cause)
         super().__init__(
-            f"{what} could not be written to {directory} ({reason}): the instance is fine, its disk is not; "
-            f"free space there or point {setting} at a writable disk, then retry"
+            f"{what} could not be written to {directory} ({reason}): the instance is fine, its disk is not, and "
+            f"a retry fails the same way until the operator frees space there or points {setting} at a "
+            "writable disk ('cosyvoice-lb status' shows it)"
         )
 
 
@@ -85,6 +86,8 @@ ERRORS: tuple[tuple[type[BaseException], Callable[[Any], Failure]], ...] = (
     (NoAudio, lambda e: Failure(422, "the model produced no audio for this text: send words to speak")),
     # upstream checks its input with assert
     (AssertionError, lambda e: Failure(422, f"the model refused this input: {e}", level=logging.ERROR)),
+    # (the same text crashes it again: x-should-retry false, as for every 4xx)
+    (Unspeakable, lambda e: Failure(422, str(e), level=logging.WARNING)),
     (EngineError, lambda e: Failure(500, f"synthesis failed: {e}", level=logging.ERROR)),
     (StorageFailed, lambda e: Failure(507, str(e), level=logging.ERROR)),
     (Cancelled, lambda e: Failure(499, "the client went away", level=logging.INFO)),
@@ -148,6 +151,7 @@ class Pipeline:
         self.metrics = metrics or Metrics(engine.name)
         self.rate = Rate()  # this engine's seconds per character, measured
         self.router: Router | None = None  # routing by work (see ``routing``); None: never declines
+        self.storage_problem = ""  # why the last result could not be kept; "" once one was
         self.metrics.watch(self.live)
         self.coordinating = 0  # long texts this instance is fanning out (a drain waits for them)
         self.coordinating_lock = threading.Lock()  # (from the event loop and the UI's threads)
@@ -163,6 +167,7 @@ class Pipeline:
             "inflight": snapshot.inflight,
             "waiting": snapshot.waiting,
             "long_texts": self.coordinating,
+            "outputs_failing": float(bool(self.storage_problem)),
             "voice_cache_hits": getattr(self.engine, "voice_cache_hits", 0),
             "voice_cache_misses": getattr(self.engine, "voice_cache_misses", 0),
             **self.routing(),
@@ -302,9 +307,11 @@ class Pipeline:
     def save_voice(self, name: Any, data: bytes | None, prompt_text: Any, consent: str = "") -> tuple[Voice, list[str]]:
         """Check a prompt by the prompt rules and store it as a voice: (voice, notices)."""
         registry = self.voices()
+        consent = check_consent(consent)  # (before the upload is decoded: nothing to do without it)
         transcript = check_text(prompt_text, self.limits.max_chars, "prompt_text")
         if data is None:
-            raise BadRequest("audio_sample is missing: upload 3-15 s of the voice as the file audio_sample")
+            span = prompt_span(self.limits.max_prompt_seconds)
+            raise BadRequest(f"audio_sample is missing: upload {span} of the voice as the file audio_sample")
         prompt = read_prompt(data, self.limits.max_prompt_seconds)
         try:
             voice = registry.create(name, prompt.audio, prompt.rate, transcript, consent)
@@ -465,10 +472,20 @@ class Pipeline:
             raise NoAudio()
         return wav_bytes(audio, self.engine.sample_rate)
 
-    def keep(self, audio: np.ndarray) -> str:
+    def problems(self) -> list[str]:
+        """What is wrong with this instance although it serves (``/ping`` says it)."""
+        return [self.storage_problem] if self.storage_problem else []
+
+    def keep(self, audio: np.ndarray | WavBuilder) -> str:
         """Save a result in the outputs dir (whole or not at all); StorageFailed when the
-        disk is full or the dir unwritable."""
+        disk is full or the dir unwritable. A failure is counted and reported as a problem
+        of the instance until a result is kept again."""
         try:
-            return self.outputs.save(audio, self.engine.sample_rate)
+            path = self.outputs.save(audio, self.engine.sample_rate)
         except OSError as exc:
-            raise StorageFailed("the result", str(self.outputs.dir), exc) from None
+            failed = StorageFailed("the result", str(self.outputs.dir), exc)
+            self.storage_problem = f"results are not being kept: {failed}"
+            self.metrics.not_kept()
+            raise failed from None
+        self.storage_problem = ""
+        return path

@@ -51,8 +51,9 @@ from .planner import parse_size
 from .problems import error_body, error_headers
 from .router import Router
 from .settings import Settings, parse_instance_args, parse_voice_map
-from .streams import AudioStream, audio_source, collect, first_of, streaming_headers
+from .streams import AudioStream, audio_source, collect_wav, first_of, streaming_headers
 from .timeouts import GRACEFUL_SHUTDOWN
+from .ui_errors import UIErrors
 from .validation import (
     FIELDS,
     MAX_SPEED,
@@ -61,6 +62,7 @@ from .validation import (
     BadRequest,
     Limits,
     form_payload,
+    prompt_span,
     request_schema,
     safe,
 )
@@ -69,18 +71,34 @@ from .voices import Registry
 log = logging.getLogger("cosyvoice_lb.instance")
 
 
+# The staged tree's digest (resources.CODE_FILE beside the package; "" run from a checkout):
+# `status` compares it with what is staged now, so a half-done roll-out shows.
+try:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "CODE")) as _code:
+        CODE = _code.read().strip()
+except OSError:
+    CODE = ""
+
+
 def ping_body(
-    snapshot: Snapshot, engine: str, port: int, started: float, routing: dict[str, float] | None = None
+    snapshot: Snapshot,
+    engine: str,
+    port: int,
+    started: float,
+    routing: dict[str, float] | None = None,
+    problems: list[str] | None = None,
 ) -> dict[str, Any]:
     """What ``/ping`` says: readiness, and per synthesis the seconds since its last chunk (a
     synthesis making no progress is what "hung" means to the health loop); ``routing``: what
-    routing by work sees here (measured seconds per character, queued seconds, declines)."""
+    routing by work sees here (measured seconds per character, queued seconds, declines);
+    ``problems``: what is wrong although it serves (e.g. results not kept on a full disk)."""
     return {
         "ready": snapshot.ready,
         "state": snapshot.phase.value,
         "engine": engine,
         "port": port,
         "pid": os.getpid(),
+        "code": CODE,
         "inflight": snapshot.inflight,
         "waiting": snapshot.waiting,
         "busy_seconds": snapshot.busy_seconds,
@@ -89,6 +107,7 @@ def ping_body(
         "failed": snapshot.failed,
         "uptime": round(time.time() - started, 3),
         **({"routing": routing} if routing is not None else {}),
+        **({"problems": problems} if problems else {}),
         **({"error": snapshot.error} if snapshot.error else {}),
     }
 
@@ -174,7 +193,7 @@ def build_app(
         if pipeline.router is not None:
             pipeline.router.publish()  # (the health loop's probe keeps the board fresh, e.g. a new board)
         snapshot = admission.snapshot()
-        body = ping_body(snapshot, engine_name or engine.name, port, started, pipeline.routing())
+        body = ping_body(snapshot, engine_name or engine.name, port, started, pipeline.routing(), pipeline.problems())
         return JSONResponse(body, status_code=200 if snapshot.ready else 503)
 
     # What nginx answers a public /ping with: ready or not, no process details.
@@ -201,7 +220,11 @@ def build_app(
         "type": "object",
         "properties": {
             **{k: {"type": "string"} for k in schema["properties"]},
-            "prompt_audio": {"type": "string", "format": "binary", "description": "3-15 s of the voice to clone."},
+            "prompt_audio": {
+                "type": "string",
+                "format": "binary",
+                "description": f"{prompt_span(pipeline.limits.max_prompt_seconds)} of the voice to clone.",
+            },
         },
         "required": ["text"],
     }
@@ -242,12 +265,11 @@ def build_app(
 
             return AudioStream(pipeline, first, source, encode, bytes, "audio/wav", streaming_headers(headers))
         # (a long text is stopped when its client goes; one synthesis here runs to its end)
-        audio = await collect(source, request if pipeline.limits.long(job.request.text) else None)
-        data = await pipeline.run(None, pipeline.encode_wav, audio)
-        headers["X-Audio-Seconds"] = f"{audio.size / engine.sample_rate:.3f}"
+        wav = await collect_wav(source, engine.sample_rate, request if pipeline.limits.long(job.request.text) else None)
+        headers["X-Audio-Seconds"] = f"{wav.seconds:.3f}"
         if not segment:
-            headers["X-Output-File"] = await pipeline.run(None, pipeline.keep, audio)
-        return Response(data, media_type="audio/wav", headers=headers)
+            headers["X-Output-File"] = await pipeline.run(None, pipeline.keep, wav)
+        return Response(wav.data, media_type="audio/wav", headers=headers)
 
     add_openai_routes(app, pipeline, fanout, voice_map or {}, port)
 
@@ -276,6 +298,7 @@ def build_app(
     from .ui import mount_ui
 
     app = mount_ui(app, pipeline, port, fanout)
+    app.add_middleware(UIErrors)  # (Gradio's refusals in the one shape)
     app.add_middleware(RequestMetrics, metrics=pipeline.metrics, segment_header=SEGMENT_HEADER)
     if policy is not None:
         app.add_middleware(Gate, policy=policy)

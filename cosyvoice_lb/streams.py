@@ -28,7 +28,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from .admission import Cancelled
+from .audio import WavBuilder
 from .fanout import SEGMENT_HEADER, FanOut, forwarded
+from .memory import release
 from .metrics import outcome_of
 from .pipeline import Job, NoAudio, Pipeline, StorageFailed, describe
 from .problems import error_body
@@ -83,6 +85,8 @@ async def coordinated(pipeline: Pipeline, source: AsyncIterator[np.ndarray]) -> 
         with pipeline.coordinating_lock:
             pipeline.coordinating -= 1
         await source.aclose()  # type: ignore[attr-defined]
+        # its segments went through the heap: give those pages back (off the loop: tens of ms)
+        await asyncio.get_running_loop().run_in_executor(None, release)
 
 
 async def local_audio(pipeline: Pipeline, job: Job, deadline: float | None, stream: bool) -> AsyncIterator[np.ndarray]:
@@ -144,13 +148,17 @@ async def joined(source: AsyncIterator[np.ndarray], rate: int) -> AsyncIterator[
         await source.aclose()  # type: ignore[attr-defined]
 
 
-async def collect(source: AsyncIterator[np.ndarray], request: Any = None) -> np.ndarray:
-    """The whole audio. With the client's ``request``, a client that goes away stops it
-    (a long text's segments are cancelled, not made for nobody): Cancelled (499)."""
+async def collect_wav(source: AsyncIterator[np.ndarray], rate: int, request: Any = None) -> WavBuilder:
+    """The whole audio as a WAV file, encoded chunk by chunk (never held as float). With
+    the client's ``request``, a client that goes away stops it (a long text's segments are
+    cancelled, not made for nobody): Cancelled (499). No audio at all: NoAudio."""
+    wav = WavBuilder(rate)
 
-    async def gather() -> list[np.ndarray]:
+    async def gather() -> WavBuilder:
         try:
-            return [chunk async for chunk in source]
+            async for chunk in source:
+                wav.feed(chunk)
+            return wav
         finally:
             await source.aclose()  # type: ignore[attr-defined]
 
@@ -161,8 +169,10 @@ async def collect(source: AsyncIterator[np.ndarray], request: Any = None) -> np.
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             raise Cancelled()
-    chunks = await work
-    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+    await work
+    if wav.samples == 0:  # e.g. text of punctuation only: the model says nothing
+        raise NoAudio()
+    return wav
 
 
 async def first_of(source: AsyncIterator[np.ndarray]) -> np.ndarray:
@@ -224,7 +234,8 @@ class AudioStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
         gone = asyncio.Event()
-        chunks = [self.first]
+        whole = WavBuilder(self.pipeline.engine.sample_rate)  # the copy kept, as it goes out
+        whole.feed(self.first)
         complete = False
 
         async def watch() -> None:
@@ -264,7 +275,7 @@ class AudioStream(Response):
                     if event is not None:
                         await body(event, more=False)
                     return  # a raw stream ends without its last chunk: the client sees it cut off
-                chunks.append(chunk)
+                whole.feed(chunk)
                 await body(self.framing.data(await loop.run_in_executor(self.pipeline.workers, self.encode, chunk)))
             if not gone.is_set():
                 tail = await loop.run_in_executor(self.pipeline.workers, self.finish)
@@ -277,13 +288,13 @@ class AudioStream(Response):
             if gone.is_set() and not complete:  # (its status said 200; the client left before the end)
                 scope.setdefault("state", {}).setdefault("cvlb_outcome", "cancelled")
             if complete:
-                await loop.run_in_executor(self.pipeline.workers, self.keep, chunks)
+                await loop.run_in_executor(self.pipeline.workers, self.keep, whole)
 
-    def keep(self, chunks: list[np.ndarray]) -> None:
+    def keep(self, whole: WavBuilder) -> None:
         try:
-            self.pipeline.keep(np.concatenate(chunks))
+            self.pipeline.keep(whole)
         except StorageFailed as exc:  # the client has its audio already: only the copy is lost
-            log.error("%s", exc)
+            log.error("a streamed result was sent but not kept: %s", exc)
 
 
 def streaming_headers(extra: dict[str, str] | None = None) -> dict[str, Any]:

@@ -8,8 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from cosyvoice_lb.engines import SynthesisRequest, create_engine
-from cosyvoice_lb.engines.espeak import EspeakEngine, split_runs
+from cosyvoice_lb.engines import SynthesisRequest, Unspeakable, create_engine
+from cosyvoice_lb.engines.espeak import EspeakEngine, speakable, split_runs
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,35 @@ def test_create_engine_refuses_unknown_names():
     assert create_engine("espeak").name == "espeak"
     with pytest.raises(ValueError, match="unknown engine 'nope'"):
         create_engine("nope")
+
+
+# --- texts espeak-ng crashes on --------------------------------------------------------------
+
+CRASHES = "a." * 100  # a long chain of dotted letters: espeak-ng aborts ("stack smashing detected")
+
+
+def test_espeak_ng_itself_crashes_on_a_long_chain_of_dotted_letters():
+    done = subprocess.run(["espeak-ng", "-q", "-v", "en"], input=CRASHES.encode(), capture_output=True)
+    assert done.returncode < 0  # killed by a signal: what the engine rewrites the text against
+
+
+@pytest.mark.parametrize("text", [CRASHES, "A." * 100, "a.b." * 60, "x " + "a." * 200 + "b end"])
+def test_a_long_chain_of_dotted_letters_is_spoken_letter_by_letter(engine, text):
+    assert ". " in speakable(text)
+    audio = speak(engine, text)
+    assert np.sqrt(np.mean(audio**2)) > 0.01
+
+
+@pytest.mark.parametrize("text", ["U.S.A. is big.", "e.g. this, i.e. that.", "a.b.c.d.e.f.g.", "v1.2.3 and 3.14"])
+def test_short_abbreviations_and_numbers_are_left_as_they_are(text):
+    assert speakable(text) == text
+
+
+def test_a_crash_is_unspeakable_with_a_message_for_the_client_and_the_details_in_the_log(engine, caplog):
+    with caplog.at_level("WARNING", logger="cosyvoice_lb.instance"), pytest.raises(Unspeakable) as caught:
+        engine._speak("en", CRASHES, 175)  # (past the rewrite: what an unknown crash does)
+    message = str(caught.value)
+    assert "cannot speak this text" in message and "reword" in message
+    assert "stack smashing" not in message  # (stderr is for the log, not the client)
+    assert "stack smashing" in caplog.text and "crashed (signal" in caplog.text
+    assert len(speak(engine, "Still speaking.")) > 0  # the engine lives on

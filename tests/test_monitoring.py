@@ -56,6 +56,8 @@ CONTRACT = HISTOGRAMS | {
     "cosyvoice_voice_cache_misses_total",
     "cosyvoice_instance_ready",
     "cosyvoice_instance_info",
+    "cosyvoice_outputs_failing",
+    "cosyvoice_results_not_kept_total",
     "cosyvoice_lb_instances",
     "cosyvoice_lb_instance_up",
     "cosyvoice_lb_instance_ready",
@@ -83,6 +85,8 @@ CONTRACT = HISTOGRAMS | {
 # Not charted: info gauges (their labels are for joins) and the instance's own ready gauge
 # (the dashboard charts the cluster's view, cosyvoice_lb_instance_ready).
 NOT_CHARTED = {"cosyvoice_instance_info", "cosyvoice_lb_gpu_info", "cosyvoice_instance_ready"}
+# (and the outputs dir's state: an alert, not a chart)
+NOT_CHARTED |= {"cosyvoice_outputs_failing", "cosyvoice_results_not_kept_total"}
 
 ALERTS = {  # name: (expr, for, severity)
     "CosyVoiceFirstPackageSlow": (
@@ -109,6 +113,7 @@ ALERTS = {  # name: (expr, for, severity)
         "critical",
     ),
     "CosyVoiceNoInstanceInRotation": ("sum(cosyvoice_lb_instance_in_rotation) == 0", "1m", "critical"),
+    "CosyVoiceResultsNotKept": ("cosyvoice_outputs_failing == 1", "1m", "critical"),
     "CosyVoiceClusterMetricsDown": ('up{job="cosyvoice-lb"} == 0', "2m", "critical"),
     "CosyVoiceHealthLoopStale": ("cosyvoice_lb_health_report_age_seconds > 30", "1m", "critical"),
 }

@@ -333,8 +333,11 @@ def test_nginx_conf_balancing_and_proxy_settings():
     headers = server.values("proxy_set_header")
     for header in (["Upgrade", "$http_upgrade"], ["Connection", "$connection_upgrade"],
                    ["X-Forwarded-Host", "$http_host"], ["X-Forwarded-Proto", "$cvlb_forwarded_proto"],
-                   ["X-Forwarded-For", "$proxy_add_x_forwarded_for"], ["Host", "$http_host"]):
+                   ["X-Forwarded-For", "$proxy_add_x_forwarded_for"], ["Host", "$cvlb_host"]):
         assert header in headers
+    # (an HTTP/1.0 request without Host still sends the instance one: HTTP/1.1 needs it)
+    host = http.one("map", "$http_host", "$cvlb_host")
+    assert host.values("") == [["$server_addr:$server_port"]] and host.values("default") == [["$http_host"]]
     assert server.values("proxy_http_version") == [["1.1"]]
     assert server.values("proxy_next_upstream_tries") == [["4"]]
 
@@ -648,6 +651,11 @@ def test_rate_limit_on_what_synthesizes_with_json_429(auth):
     # (/v1/ has error_pages of its own, which replace the server's: 429 must be among them)
     assert ["429", "=", "@rate_limited"] in server.one("location", "/v1/").values("error_page")
     assert ["429", "=", "@rate_limited"] in server.values("error_page")
+    # every location with error_pages of its own repeats all of nginx's refusals
+    refusals = server.values("error_page")
+    assert {r[0] for r in refusals} >= {"400", "405", "413", "414", "429", "494", "501", "505"}
+    for location in (("/v1/",), ("=", "/ping"), ("=", "/nginx_status")):
+        assert all(r in server.one("location", *location).values("error_page") for r in refusals), location
     assert not server.one("location", "/").values("limit_req")  # the page and its assets are not counted
     answer = server.one("location", "@rate_limited")
     assert ["Retry-After", "1", "always"] in answer.values("add_header")

@@ -576,6 +576,79 @@ def test_a_prompt_that_cannot_be_written_is_a_507(loaded, small_disk):
     assert describe(caught.value).status == 507
 
 
+def metric(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(url + "/metrics", timeout=10).text
+    found = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    assert len(found) == 1, (name, found)
+    return found[0]
+
+
+def test_a_full_disk_is_a_problem_of_the_instance_until_a_result_is_kept_again(loaded, small_disk):
+    directory = small_disk["full"]
+    filler = directory / "filler"
+    filler.write_bytes(b"\0" * 60 * 1024)
+    p = Pipeline(loaded.engine, loaded.admission, Limits(max_chars=400), port=7872)
+    p.outputs = Outputs("", 7872, 3600, 2**30)
+    p.outputs.dir = directory
+    text = "A sentence long enough to need more than the disk has left. " * 3
+    web = requests.Session()
+    web.trust_env = False
+    with serving(p) as url:
+        assert "problems" not in web.get(url + "/ping", timeout=10).json()
+        assert metric(url, "cosyvoice_outputs_failing") == 0
+
+        refused = web.post(url + "/v1/tts", json={"text": text}, timeout=60)
+        assert refused.status_code == 507, refused.text
+        message = refused.json()["error"]["message"]
+        # the answer and its header agree: a retry cannot help until the disk is fixed
+        assert refused.headers["x-should-retry"] == "false"
+        assert "a retry fails the same way" in message and "then retry" not in message
+
+        ping = web.get(url + "/ping", timeout=10)
+        assert ping.status_code == 200 and ping.json()["ready"] is True  # it still speaks
+        (problem,) = ping.json()["problems"]
+        assert "results are not being kept" in problem and "No space left on device" in problem
+        assert metric(url, "cosyvoice_outputs_failing") == 1
+        assert metric(url, "cosyvoice_results_not_kept_total") == 1
+
+        streamed = web.post(url + "/v1/tts", json={"text": text, "stream": True}, timeout=60)
+        assert streamed.status_code == 200 and len(streamed.content) > 44  # the client has its audio
+        time.sleep(0.5)  # (kept, or not, after the last byte went out)
+        assert metric(url, "cosyvoice_results_not_kept_total") == 2  # the lost copy is counted
+        assert web.get(url + "/ping", timeout=10).json()["problems"] == [problem]
+
+        filler.unlink()  # space again: the next result is kept and the problem goes
+        kept = web.post(url + "/v1/tts", json={"text": "Kept again."}, timeout=60)
+        assert kept.status_code == 200 and (directory / kept.headers["X-Output-File"]).is_file()
+        assert "problems" not in web.get(url + "/ping", timeout=10).json()
+        assert metric(url, "cosyvoice_outputs_failing") == 0
+
+
+class Unsanitised(EspeakEngine):
+    """espeak-ng given the text as it came, past the engine's rewrite: what a text it
+    crashes on that nobody knows of yet does."""
+
+    def synthesize(self, request):
+        yield self._speak("en", request.text, 175)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_text_the_engine_crashes_on_is_a_422_that_asks_for_other_words(stream):
+    engine = Unsanitised()
+    engine.load()
+    p = pipeline(engine, port=7873)
+    with TestClient(app(p), raise_server_exceptions=False) as c:
+        r = c.post("/v1/tts", json={"text": "a." * 100, "stream": stream})
+        assert r.status_code == 422, r.text
+        message = r.json()["error"]["message"]
+        assert "cannot speak this text" in message and "stack smashing" not in message
+        assert r.headers["x-should-retry"] == "false"
+        assert c.post("/v1/tts", json={"text": "Still here."}).status_code == 200
+        assert c.get("/ping").status_code == 200
+
+
 class FailsMidway:
     """Two chunks, then the engine fails (a CUDA error half-way through a text)."""
 

@@ -37,6 +37,12 @@ class EngineError(RuntimeError):
     """A synthesis failed for a reason the caller should hear about (answered as 5xx)."""
 
 
+class Unspeakable(EngineError):
+    """The engine broke on this very text (e.g. its process crashed on it): the same text
+    fails the same way, so it is answered as a 422 that asks for other wording. The
+    message is for the client; the engine logs its own diagnostics."""
+
+
 class Engine(Protocol):
     name: str
     sample_rate: int

@@ -9,6 +9,7 @@ espeak-ng's ``cmn`` voice reads the tone digits of its own transliteration as En
 from __future__ import annotations
 
 import io
+import logging
 import re
 import shutil
 import subprocess
@@ -17,7 +18,9 @@ from collections.abc import Iterator
 import numpy as np
 import soundfile
 
-from . import EngineError, SynthesisRequest
+from . import EngineError, SynthesisRequest, Unspeakable
+
+log = logging.getLogger("cosyvoice_lb.instance")
 
 BASE_WPM = 175  # espeak-ng's default rate; speed 1.0 maps to it
 SAMPLE_RATE = 22050
@@ -25,7 +28,15 @@ SAMPLE_RATE = 22050
 _CJK = r"\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
 _RUNS = re.compile(rf"[{_CJK}]+|[^{_CJK}]+")
 _HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+# A long chain of dotted single letters ("a.b.c.d....") overflows a buffer in espeak-ng
+# (it aborts: "stack smashing detected"); spaced out, the same letters are spoken one by one.
+_INITIALS = re.compile(r"(?<!\w)(?:[^\W\d_]\.){8,}(?:[^\W\d_](?!\w))?")
 _CJK_PUNCT = str.maketrans("，。！？；：、（）《》“”‘’「」【】…—", ',.!?;:,()""""\'\'""[]. ')
+
+
+def speakable(text: str) -> str:
+    """``text`` with what espeak-ng is known to crash on rewritten into what it speaks."""
+    return _INITIALS.sub(lambda m: m.group(0).replace(".", ". ").rstrip(), text)
 
 
 def split_runs(text: str) -> list[tuple[str, str]]:
@@ -39,7 +50,7 @@ def split_runs(text: str) -> list[tuple[str, str]]:
             spoken = " ".join(s.translate(_CJK_PUNCT) for s in syllables)
             runs.append(("cmn-latn-pinyin", re.sub(r"\s+([,.!?;:])", r"\1", spoken)))
         elif re.search(r"\w", run):  # skip runs of only spaces or punctuation
-            runs.append(("en", run.translate(_CJK_PUNCT)))
+            runs.append(("en", speakable(run.translate(_CJK_PUNCT))))
     return runs
 
 
@@ -83,6 +94,17 @@ class EspeakEngine:
             )
         except subprocess.TimeoutExpired as exc:
             raise EngineError(f"espeak-ng took longer than {self.timeout:.0f}s") from exc
+        if done.returncode < 0:  # killed by a signal: it crashed on this text
+            log.warning(
+                "espeak-ng crashed (signal %d) on a %d-character text: %s",
+                -done.returncode,
+                len(text),
+                done.stderr.decode(errors="replace").strip()[-300:],
+            )
+            raise Unspeakable(
+                "the engine cannot speak this text (espeak-ng crashed on it): reword it, e.g. write out "
+                "long runs of letters, dots or symbols, then send it again"
+            )
         if done.returncode != 0 or not done.stdout:
             raise EngineError(
                 f"espeak-ng failed (exit {done.returncode}): {done.stderr.decode(errors='replace')[-300:]}"

@@ -228,7 +228,9 @@ API_CASES = [
     tts("prompt-html-named-wav", form(prompt=b"<html><body>hi</body></html>"), 400, "not audio"),
     tts("prompt-empty-file", form(prompt=b""), 400, "is empty"),
     tts("prompt-wav-truncated-in-header", form(prompt=GOOD_WAV[:30]), 400, "not audio"),
-    tts("prompt-wav-truncated-mid-data", form(prompt=GOOD_WAV[: len(GOOD_WAV) // 2]), 200),
+    tts("prompt-wav-truncated-mid-data", form(prompt=wav(8, 16000)[: len(wav(8, 16000)) // 2]), 200),  # 4 s left
+    tts("prompt-wav-truncated-to-too-short", form(prompt=GOOD_WAV[: len(GOOD_WAV) // 2]), 400,
+        "is 2.0 s long: cloning a voice needs 3-15 s"),
     tts("prompt-wav-0-frames", form(prompt=wav(0, 16000)), 400, "no samples"),
     tts("prompt-wav-silent", form(prompt=wav(4, 16000, silent=True)), 400, "silent"),
     tts("prompt-wav-header-says-1Hz", form(prompt=with_rate(wav(1, 16000), 1)), 400, "1 Hz"),
@@ -335,6 +337,105 @@ def test_path_traversal_never_returns_the_file(cluster, path):
     answer = json.loads(body)
     if not path.startswith(("/gradio_api/", "/file=", "/static/")):  # nginx's own refusals: the API's shape
         assert isinstance(answer.get("error", {}).get("message"), str), answer
+
+
+# --- nginx's own refusals, unknown routes and methods: the one error shape --------------------
+
+
+def raw(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send bytes as they are (no client library would send most of these) and read the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(data)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def one_shape(code: int, headers: dict[str, str], body: bytes) -> str:
+    """The error's message, once the answer is checked to be the one shape (``problems``)."""
+    assert headers.get("content-type", "").startswith("application/json"), (code, headers, body[:200])
+    answer = json.loads(body)
+    assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code", "status"}, answer
+    assert answer["error"]["status"] == code and answer["error"]["message"].strip(), answer
+    return answer["error"]["message"]
+
+
+def request_bytes(line: str, *headers: str, body: bytes = b"") -> bytes:
+    return "\r\n".join([line, "Host: 127.0.0.1", *headers, "Connection: close", "", ""]).encode() + body
+
+
+REFUSALS = [
+    pytest.param(request_bytes("TRACE / HTTP/1.1"), 405, "method", id="TRACE"),
+    pytest.param(request_bytes("TRACE /v1/tts HTTP/1.1"), 405, "method", id="TRACE-api"),
+    pytest.param(request_bytes("CONNECT example.com:443 HTTP/1.1"), 400, "request", id="CONNECT"),
+    pytest.param(request_bytes("POST /ping HTTP/1.1", "Content-Length: 999999999"), 413, "--max-body", id="413-ping"),
+    pytest.param(request_bytes("POST /v1/tts HTTP/1.1", "Content-Length: 999999999"), 413, "--max-body", id="413-api"),
+    pytest.param(request_bytes("GET /" + "a" * 20_000 + " HTTP/1.1"), 414, "URI is too long", id="414"),
+    pytest.param(request_bytes("GET /ping HTTP/1.1", "X-Big: " + "a" * 20_000), 431, "headers", id="431-ping"),
+    pytest.param(request_bytes("POST /v1/tts HTTP/1.1", "Transfer-Encoding: gzip"), 501, "Transfer-Encoding",
+                 id="501"),
+    pytest.param(request_bytes("GET / HTTP/2.0"), 505, "HTTP version", id="505"),
+    pytest.param(request_bytes("GET /ping HTTP/3.1"), 505, "HTTP version", id="505-ping"),
+    pytest.param(request_bytes("FOO / HTTP/1.1"), 405, "FOO is not allowed", id="unknown-method-ui"),
+    pytest.param(request_bytes("FOO /v1/tts HTTP/1.1"), 405, "FOO is not allowed", id="unknown-method-api"),
+    pytest.param(request_bytes("DELETE / HTTP/1.1"), 405, "DELETE is not allowed", id="DELETE-ui"),
+    pytest.param(request_bytes("PUT /v1/tts HTTP/1.1"), 405, "use POST", id="PUT-api"),
+    pytest.param(request_bytes("GET /%ff%fe HTTP/1.1"), 404, "no such path", id="undecodable-path"),
+    pytest.param(request_bytes("GET /no/such/page HTTP/1.1"), 404, "no such path", id="unknown-path"),
+]
+
+
+@pytest.mark.parametrize("data,code,words", REFUSALS)
+def test_every_refusal_and_unknown_route_is_the_one_error_shape(cluster, data, code, words):
+    status, headers, body = raw(cluster["port"], data)
+    assert status == code, (status, body[:300])
+    assert words in one_shape(status, headers, body)
+    assert headers.get("x-should-retry") == "false"
+
+
+@pytest.mark.parametrize("path", ["/ping", "/ping/brief"])
+def test_ping_answers_an_http_1_0_health_check_without_host(cluster, path):
+    # (HAProxy's default httpchk: "OPTIONS / HTTP/1.0" style, no Host header)
+    status, headers, body = raw(cluster["port"], f"GET {path} HTTP/1.0\r\n\r\n".encode())
+    assert status == 200 and json.loads(body)["ready"] is True, (status, body[:300])
+    status, headers, body = raw(cluster["base"], f"GET {path} HTTP/1.0\r\n\r\n".encode())
+    assert status == 200 and json.loads(body)["ready"] is True, (status, body[:300])
+
+
+@pytest.mark.parametrize("port_key", ["port", "base"])
+def test_gradio_queue_join_with_an_unknown_fn_index_is_a_4xx_in_the_one_shape(cluster, web, port_key):
+    url = f"http://127.0.0.1:{cluster[port_key]}/gradio_api/queue/join"
+    r = web.post(url, json={"fn_index": 999, "data": [], "session_hash": "hostile01"}, timeout=30)
+    assert r.status_code == 400, describe(r)
+    message = one_shape(r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content)
+    assert "fn_index" in message and "999" in message
+    # a valid call still goes through to Gradio untouched
+    assert web.get(f"http://127.0.0.1:{cluster[port_key]}/config", timeout=30).json()["components"]
+
+
+# --- texts espeak-ng crashes on ------------------------------------------------------------------
+
+DOTTED = "a." * 100  # espeak-ng alone aborts on it ("stack smashing detected")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_text_espeak_ng_crashes_on_is_spoken(cluster, web, stream):
+    r = web.post(cluster["url"] + "/v1/tts", json={"text": DOTTED, "stream": stream}, timeout=120)
+    assert r.status_code == 200 and r.content[:4] == b"RIFF", describe(r)
+    assert len(r.content) > 48_000  # a hundred letters, each spoken
+
+
+def test_a_long_text_with_such_a_sentence_is_spoken_whole(cluster, web):
+    sentence = "This sentence is here so that the text is long enough to be split. "
+    text = sentence * 5 + DOTTED + " " + sentence * 5  # past --max-chars 500: segments
+    r = web.post(cluster["url"] + "/v1/tts", json={"text": text}, timeout=300)
+    assert r.status_code == 200 and r.content[:4] == b"RIFF", describe(r)
+    alone = web.post(cluster["url"] + "/v1/tts", json={"text": sentence * 5}, timeout=120)
+    assert len(r.content) > 2 * len(alone.content)  # both halves and the letters between
 
 
 # --- the UI ------------------------------------------------------------------------------------
