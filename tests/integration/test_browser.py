@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
-import time
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
-
 from conftest import cli, free_port_block
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -64,6 +64,42 @@ def test_two_browsers_generate_speech_through_nginx(cluster):
     assert len(upstreams) >= 4
     assert all(len(servers) == 1 for servers in upstreams.values()), upstreams
     print(f"browser visitors served by: {sorted(served_by)}")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_download_button_gives_the_whole_result_as_a_wav(cluster, tmp_path, stream):
+    """What the page plays, its download gives whole: a WAV that decodes, as long as the
+    API's answer for the same text, streamed or not (with ffmpeg, Gradio streams as HLS)."""
+    import requests
+    import soundfile
+
+    text = "The whole result, downloaded. It has two sentences."
+    api = requests.post(cluster["url"] + "v1/tts", json={"text": text}, timeout=60)
+    assert api.status_code == 200, api.text
+    expected = soundfile.info(io.BytesIO(api.content)).frames
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_context(accept_downloads=True).new_page()
+            page.goto(cluster["url"], wait_until="networkidle")
+            page.get_by_label("Text").fill(text)
+            if stream:
+                page.get_by_label("Stream", exact=True).check()
+            page.get_by_role("button", name="Generate").click()
+            download = page.get_by_role("button", name="Download")
+            download.wait_for(timeout=30000)
+            assert download.count() == 1  # the live player has none: its stream is not a file
+            assert page.get_by_text("Speech, as it is made").is_visible() == stream
+            with page.expect_download() as got:
+                download.click()
+            saved = tmp_path / got.value.suggested_filename
+            got.value.save_as(saved)
+        finally:
+            browser.close()
+    audio, rate = soundfile.read(saved, dtype="float32")
+    assert saved.suffix == ".wav" and rate == 22050
+    assert abs(len(audio) - expected) <= rate // 10, (len(audio), expected)
+    assert float(abs(audio).max()) > 0.01  # speech, not silence
 
 
 @pytest.fixture(scope="module")

@@ -164,10 +164,10 @@ def test_gradio_client_works_through_nginx_with_several_instances(cluster):
 
     for _ in range(3):  # each client gets its own route cookie, so calls land on different instances
         client = Client(cluster["url"] + "/", verbose=False)
-        for _ in range(3):
-            path = client.predict("Hello from the browser side.", 1.0, api_name="/generate")
+        for stream in (False, True, False):  # a WAV file either way (with ffmpeg, the page's stream is HLS)
+            path = client.predict("Hello from the browser side.", 1.0, -1, stream, api_name="/generate")
             audio, rate = soundfile.read(path, dtype="float32")
-            assert rate == 22050 and len(audio) > rate // 2
+            assert path.endswith(".wav") and rate == 22050 and len(audio) > rate // 2
 
 
 def test_ui_has_a_primary_generate_button(cluster):

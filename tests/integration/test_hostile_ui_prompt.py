@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import soundfile
 from conftest import ROOT, clean_env, cli, free_port_block, status, unexpected_tracebacks
 
@@ -44,6 +45,12 @@ def cluster():
         shutil.rmtree(state_dir, ignore_errors=True)
 
 
+def session() -> requests.Session:
+    web = requests.Session()
+    web.trust_env = False  # (loopback: no proxy from the environment)
+    return web
+
+
 def wav(seconds: float, rate: int, silent: bool = False) -> bytes:
     t = np.arange(int(seconds * rate)) / rate
     audio = np.zeros_like(t) if silent else 0.3 * np.sin(2 * np.pi * 220 * t)
@@ -52,10 +59,58 @@ def wav(seconds: float, rate: int, silent: bool = False) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.parametrize("name, content", [
+    pytest.param("prompt.wav", b"this is not audio at all\n" * 40, id="upload-text-named-wav"),
+    pytest.param("notes.txt", b"this is not audio at all\n" * 40, id="upload-txt-file"),
+    pytest.param("prompt.wav", b"", id="upload-empty-file"),
+    pytest.param("run.sh", b"#!/bin/sh\necho uploaded\n", id="upload-shell-script"),
+])
+def test_the_upload_route_takes_audio_only(cluster, name, content):
+    """Gradio's upload route takes prompt audio, not any file: the rest is a 4xx JSON
+    answer that says what to send, and never reaches the instance's disk."""
+    web = session()
+    answer = web.post(cluster["url"] + "/gradio_api/upload", files={"files": (name, content)}, timeout=30)
+    assert answer.status_code == 415, (answer.status_code, answer.text)
+    error = answer.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and "not audio" in error["message"], error
+    assert "WAV" in error["message"]
+    stored = [f.name for f in (cluster["state_dir"] / "run" / "gradio").rglob("*") if f.is_file()]
+    assert name not in stored, stored
+
+
+def test_the_upload_route_refuses_a_prompt_over_the_size_limit(cluster):
+    big = wav(4, 16000) + b"\0" * (11 * 2**20)  # audio by its first bytes, past --max-upload (10 MiB)
+    answer = session().post(cluster["url"] + "/gradio_api/upload", files={"files": ("big.wav", big)}, timeout=60)
+    assert answer.status_code == 413 and "larger than" in answer.json()["error"]["message"], answer.text
+
+
+def test_an_upload_is_served_back_to_its_session_only_and_no_answer_names_a_server_path(cluster):
+    state = str(cluster["state_dir"].resolve())
+    owner, other = session(), session()
+    for web in (owner, other):  # each gets its own route cookie from nginx
+        assert web.get(cluster["url"] + "/", timeout=10).status_code == 200
+    assert owner.cookies["cvlb_route"] != other.cookies["cvlb_route"]
+    uploaded = owner.post(cluster["url"] + "/gradio_api/upload", files={"files": ("voice.wav", wav(4, 16000))},
+                          timeout=30)
+    assert uploaded.status_code == 200, uploaded.text
+    assert state not in uploaded.text and not uploaded.json()[0].startswith("/"), uploaded.text
+    url = cluster["url"] + "/gradio_api/file=" + uploaded.json()[0]
+    assert owner.get(url, timeout=10).content == wav(4, 16000)  # the prompt player's preview
+    for stranger in (other, session()):  # another visitor, and one without any cookie
+        refused = stranger.get(url, timeout=10)
+        assert refused.status_code == 404 and refused.json()["error"]["message"], refused.text
+    # A synthesis from that prompt: its answer names no server path, and its file decodes.
+    prompt = {"path": uploaded.json()[0], "meta": {"_type": "gradio.FileData"}}
+    done = owner.post(cluster["url"] + "/gradio_api/run/generate", timeout=60, json={
+        "data": ["Hello there.", "cross_lingual", prompt, "", "", None, 1.0, -1, False, None]})
+    assert done.status_code == 200 and state not in done.text, done.text
+    result = done.json()["data"][0]
+    assert not result["path"].startswith("/"), result
+    audio, rate = soundfile.read(io.BytesIO(owner.get(result["url"], timeout=10).content))
+    assert rate == 24000 and len(audio) > rate // 4
+
+
 @pytest.mark.parametrize("name, content, words", [
-    pytest.param("prompt.wav", b"this is not audio at all\n" * 40, "not audio", id="ui-prompt-text-named-wav"),
-    pytest.param("notes.txt", b"this is not audio at all\n" * 40, "not audio", id="ui-prompt-txt-file"),
-    pytest.param("prompt.wav", b"", "empty", id="ui-prompt-empty-file"),
     pytest.param("prompt.wav", wav(4, 16000)[:30], "not audio", id="ui-prompt-truncated-wav"),
     pytest.param("prompt.wav", wav(4, 8000), "8000 Hz", id="ui-prompt-8000Hz"),
     pytest.param("prompt.wav", wav(4, 16000, silent=True), "silent", id="ui-prompt-silent"),
