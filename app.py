@@ -10,7 +10,8 @@ import sys
 
 if __name__ == "__main__":
     # Run from a checkout, the package sits beside this file.
-    here = os.path.dirname(os.path.abspath(__file__))
+    # (realpath: a staged tree is reached through a symlink that a roll-out swaps; keep this one)
+    here = os.path.dirname(os.path.realpath(__file__))
     if os.path.isdir(os.path.join(here, "cosyvoice_lb")):
         sys.path.insert(0, here)
     from cosyvoice_lb.server import main

@@ -199,9 +199,11 @@ def start_cluster(settings: Settings, stop_on_failure: bool = False) -> None:
             def report(progress: lifecycle.Progress) -> None:
                 bar.update(task, total=progress.total, completed=progress.ready, detail=progress.detail[:80])
 
-            current = lifecycle.up(settings, report)
+            current = lifecycle.up(
+                settings, report, say=lambda line: bar.console.print(line, markup=False, highlight=False)
+            )
     else:  # a log, not a screen
-        current = lifecycle.up(settings, line_reporter(started))
+        current = lifecycle.up(settings, line_reporter(started), say=lambda line: click.echo(line, err=True))
     elapsed = time.monotonic() - started
     layout = layout_for(settings)
     failed = [i for i in current.instances if i.failed]
@@ -362,7 +364,7 @@ def status_tables(current: ClusterStatus) -> list[Table]:
         return []
     with_gpus = bool(current.gpus)
     table = Table(title=f"cosyvoice-lb at {current.url}")
-    columns = ["name", "port", "device", "pid", "state", "ready", "in rotation", "restarts", "uptime"]
+    columns = ["name", "port", "device", "pid", "state", "ready", "in rotation", "restarts", "uptime", "code"]
     columns += ["GPU memory"] if with_gpus else []  # no empty GPU column on a box without one
     for column in [*columns, "note"]:
         table.add_column(column)
@@ -377,6 +379,7 @@ def status_tables(current: ClusterStatus) -> list[Table]:
             "yes" if i.in_rotation else "no",
             str(i.restarts),
             f"{i.uptime:.0f}s",
+            code_cell(i.code, current.code),
         ]
         row += [format_size(i.gpu_memory) if i.gpu_memory else NONE] if with_gpus else []
         table.add_row(*row, i.reason)
@@ -388,6 +391,13 @@ def status_tables(current: ClusterStatus) -> list[Table]:
     if not with_gpus:
         return [table]
     return [table, gpu_table(current)]
+
+
+def code_cell(runs: str, staged: str) -> str:
+    """The code an instance runs: its digest, marked when it is not the one staged now."""
+    if not runs:  # (not answering: nothing to say)
+        return ""
+    return runs[:8] if runs == staged or not staged else f"{runs[:8]} (old)"
 
 
 def gpu_table(current: ClusterStatus) -> Table:
@@ -423,6 +433,8 @@ def status_lines(current: ClusterStatus, root: Path) -> list[str]:
             f"access: nginx on {access['listen']} ({who}); credentials "
             + ("required" if access["credentials"] else "not required")
         )
+        if current.code:
+            lines.append(f"instance code staged: {current.code}")
         if access.get("admin"):
             lines.append(
                 f"control panel: {access['admin']} (and the cluster's /metrics), admin token in "

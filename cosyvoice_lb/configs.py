@@ -21,7 +21,7 @@ from .planner import Plan, Pool, Slot
 from .preflight import check_model, check_settings, check_state_dir, find_nginx
 from .protocol import out_of_rotation
 from .render import Programs, read_cluster_json, read_pool, render
-from .resources import instance_files
+from .resources import CODE_FILE, stage
 from .settings import Settings
 from .supervision import Supervisor
 
@@ -96,12 +96,13 @@ def render_to_disk(
     write_admin_access(settings, layout)
     write_segment_key(layout)
     changed = []
-    staged = {layout.relative(layout.instance_lib / name): text for name, text in instance_files().items()}
-    for relative, text in {**files, **staged}.items():
+    for relative, text in files.items():
         path = layout.root / relative
         if not path.exists() or path.read_text() != text:
             write_atomic(path, text)
             changed.append(path)
+    if stage(layout.instance_lib)[1]:  # (new instance code: a path under run/lib says so)
+        changed.append(layout.instance_lib / CODE_FILE)
     return result, layout, changed
 
 

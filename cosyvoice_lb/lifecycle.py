@@ -19,11 +19,14 @@ from typing import Literal, Protocol
 
 import psutil
 
-from . import processes
+from . import nginx_apply, processes
+from .changes import described, guard_step
 from .configs import recorded, render_to_disk
+from .credentials import generated_token
 from .errors import ClusterError
 from .footprint import make_plan
 from .layout import Layout, layout_for
+from .listeners import wanted
 from .planner import Pool, Slot
 from .preflight import check_ports, check_tools
 from .protocol import (
@@ -36,6 +39,7 @@ from .protocol import (
     end_rollout,
     undrain,
 )
+from .resources import prune, stage
 from .rollout import Slots, surge_rollout, surge_room
 from .settings import Settings
 from .status import NO_TELEMETRY, SERVICES, ClusterStatus, failure_report, status
@@ -46,8 +50,11 @@ from .waits import Progress, Report, drain, loop_reported, others_serving, servi
 # --- up --------------------------------------------------------------------------------
 
 
-def up(settings: Settings, on_progress: Report = lambda p: None) -> ClusterStatus:
-    """Start the cluster, or bring a running one to these settings; wait until all ready."""
+def up(
+    settings: Settings, on_progress: Report = lambda p: None, say: Callable[[str], None] = lambda line: None
+) -> ClusterStatus:
+    """Start the cluster, or bring a running one to these settings (the ones given, defaults
+    included: see ``changes``); wait until all ready. ``say``: what changes, before it does."""
     layout = layout_for(settings)
     check_tools(settings)
     supervisor = Supervisor(layout, wait_timeout=Timeouts(settings).supervisor_wait)
@@ -55,9 +62,31 @@ def up(settings: Settings, on_progress: Report = lambda p: None) -> ClusterStatu
     if previous is None:
         current = _start(settings, layout, supervisor, on_progress)
     else:
-        current = _update(settings, layout, supervisor, previous, on_progress)
+        for line in described(previous[0], settings):
+            say(f"changing: {line}")
+        guard = guard_step(previous[0], settings, str(layout.api_token))
+        if guard is not None:  # access and listener change together: two steps, the safe way round
+            if not guard.api_token_file or guard.api_token_file == str(layout.api_token):
+                generated_token(layout)  # (made once; the final settings use the same one)
+            say(
+                "credentials stay in force while nginx listens beyond loopback: "
+                + ("credentials first, then nginx moves" if settings.auth_required else "nginx moves first")
+            )
+            _update(guard, layout, supervisor, previous, on_progress, say)
+            previous = recorded(layout) or previous
+        current = _update(settings, layout, supervisor, previous, on_progress, say)
+    pruned(layout, current)
     current.report = failure_report(layout, current)
     return current
+
+
+def pruned(layout: Layout, current: ClusterStatus) -> list[str]:
+    """Remove staged code trees no instance runs any more (none while one still loads:
+    it may import from its tree yet)."""
+    running = [i for i in current.instances if i.state in ("RUNNING", "STARTING")]
+    if any(not i.code for i in running):
+        return []
+    return prune(layout.instance_lib, {i.code for i in running})
 
 
 def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progress: Report) -> ClusterStatus:
@@ -102,8 +131,10 @@ def _update(
     supervisor: Supervisor,
     previous: tuple[Settings, tuple[Slot, ...]],
     on_progress: Report,
+    say: Callable[[str], None] = lambda line: None,
 ) -> ClusterStatus:
-    """Apply new settings to a running cluster, one instance at a time."""
+    """Apply new settings to a running cluster, one instance at a time; nginx takes its new
+    config checked (``nginx_apply``): early when it narrows, last when it widens."""
     old_settings, old_slots = previous
     if settings.mps != old_settings.mps:
         raise ClusterError(
@@ -114,6 +145,7 @@ def _update(
     result, _ = make_plan(settings, own=own)
     check_ports(settings, result.slots, held={old_settings.port, *(s.port for s in old_slots)})
     result, layout, changed = render_to_disk(settings, own=own, planned=result, live=True)
+    nginx_log = layout.log("nginx-error")
     if changed:
         added, groups_changed, removed = supervisor.reload()
         # Slots the plan no longer has may be serving (roles move between slots): parked
@@ -143,11 +175,22 @@ def _update(
             clear_cordons(layout, name)
         for name in added:
             supervisor.add_group(name)
-        # Credentials turned on: the instances get them first, and only then does nginx take
-        # its new (maybe public) listener. Otherwise nginx first (e.g. back to loopback).
-        tightening = settings.auth_required and not old_settings.auth_required
-        if not tightening:
-            supervisor.signal("nginx", "HUP")
+        # Credentials turned on, or a wider listener: the instances get them first, and only then
+        # does nginx take its new config. Otherwise nginx first (e.g. back to loopback).
+        moves = (settings.listen_host, settings.port) != (old_settings.listen_host, old_settings.port)
+        late = (settings.auth_required and not old_settings.auth_required) or (moves and settings.exposed)
+        nginx_group = "nginx" in groups_changed
+
+        def take_nginx() -> None:
+            if nginx_group:  # (its program changed: supervisord starts the new one)
+                supervisor.remove_group("nginx")
+                supervisor.add_group("nginx")
+                nginx_apply.wait_listening(supervisor, nginx_log, wanted(settings.listen_host, settings.port))
+            else:
+                nginx_apply.apply(supervisor, nginx_log, settings.listen_host, settings.port, say)
+
+        if not late:
+            take_nginx()
         # New instance code (staged in run/lib) means every instance is "changed".
         slot_names = [s.name for s in result.slots]
         if any(layout.instance_lib in path.parents for path in changed):
@@ -181,11 +224,11 @@ def _update(
             regroup(name)
             supervisor.start(name)
             serving_or_fail(layout, settings, [name], on_progress, old)
-        if tightening:
-            supervisor.signal("nginx", "HUP")
-        if "nginx" in groups_changed:
-            supervisor.remove_group("nginx")
-            supervisor.add_group("nginx")
+        if late:
+            take_nginx()
+    elif nginx_apply.lagging(supervisor, layout, wanted(settings.listen_host, settings.port)):
+        # (nothing to render, yet nginx does not run its config: an earlier failed move or reload)
+        nginx_apply.apply(supervisor, nginx_log, settings.listen_host, settings.port, say)
     # (also with nothing changed: a slot stopped by hand, or an interrupted restart, is started)
     settle_count(layout, settings, supervisor, result.slots, result.roles, on_progress)
     names = [s.name for s in Slots.read(layout, supervisor, result.slots).running]
@@ -268,8 +311,17 @@ def restart(
         on_progress(Progress(0, 1, f"restarting {name}"))
         supervisor.stop(name)
         supervisor.start(name)
+        if name == "nginx":  # (back where its config says, or an error)
+            nginx_apply.wait_listening(
+                supervisor, layout.log("nginx-error"), wanted(settings.listen_host, settings.port)
+            )
     done = [f"restarted {n}" for n in names if n in SERVICES]
     targets = [n for n in names if n in instances]
+    if targets:  # a restarted instance runs the code installed now (e.g. after a git pull)
+        digest, moved = stage(layout.instance_lib)
+        if moved:
+            on_progress(Progress(0, len(targets), f"staged new instance code {digest}"))
+            done.append(f"staged new instance code {digest}; the instances restarted below run it")
     surge = settings.surge if surge is None else surge
     if targets and rolling and surge:
         now = grown(layout, settings, supervisor, surge, done)
@@ -298,6 +350,8 @@ def restart(
                 supervisor.start(name)
         serving_or_fail(layout, settings, group, on_progress, old)
         done += [f"restarted {name}" for name in group]
+    if targets or any(line.startswith("replaced") for line in done):
+        pruned(layout, status(layout, telemetry=NO_TELEMETRY))
     return done
 
 

@@ -15,10 +15,12 @@ from .configs import recorded, recorded_pool
 from .credentials import admin_token_path, open_warning
 from .gpu import GpuReading, gpu_readings, process_gpu_memory
 from .layout import Layout
+from .listeners import beyond_loopback, config_behind, describe, nginx_listening, nginx_processes, wanted
 from .planner import Pool, Slot
 from .pool import OCCUPIED, PARKED, SPARE, is_parked
 from .probe import Prober
 from .protocol import drained_by_hand, read_report, starts_count
+from .resources import staged_digest
 from .settings import Settings
 from .supervision import SupervisionError, Supervisor, read_tail
 from .timeouts import SUPERVISOR_POLL, Timeouts
@@ -47,6 +49,7 @@ class InstanceStatus:
     drained: bool = False  # drained by hand: out of rotation on purpose until undrained
     spare: bool = False  # a warm spare: ready, out of rotation until an instance is taken out
     parked: bool = False  # a slot not started on purpose (for surges; scaled in)
+    code: str = ""  # the digest of the staged code it runs (its /ping); "" while it does not answer
 
     @property
     def serving(self) -> bool:
@@ -75,6 +78,7 @@ class ClusterStatus:
     gpus: list[GpuReading] = field(default_factory=list)  # the cards visible here, read now; none without NVML
     pool: dict = field(default_factory=dict)  # wanted in rotation, spares, surge, elastic scale (health.json)
     daemons: dict = field(default_factory=dict)  # CUDA MPS control daemons (--mps): name -> state, pid
+    code: str = ""  # the digest of the instance code staged now (what a restart runs)
 
     @property
     def exit_code(self) -> int:
@@ -102,6 +106,7 @@ class ClusterStatus:
             "gpus": [g.as_dict() for g in self.gpus],
             "pool": self.pool,
             "daemons": self.daemons,
+            "code": self.code,
         }
 
 
@@ -209,10 +214,13 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
             drained=drained_by_hand(layout, slot.name),
             spare=ready and not in_rotation and track.get("reason") == SPARE,
             parked=parked,
+            code=str(body.get("code", "")),
         )
         if parked:
             item.reason = PARKED
         result.instances.append(item)
+        # (it serves, yet something is wrong there: e.g. its results are not kept, disk full)
+        result.problems.extend(f"{slot.name}: {problem}" for problem in body.get("problems", []) if ready)
         if failed:
             result.problems.append(
                 f"{slot.name} {failed}; see 'cosyvoice-lb logs {slot.name}', fix the cause, "
@@ -247,6 +255,14 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
             "coming: 'cosyvoice-lb up' with the cluster's settings starts parked slots"
         )
     result.nginx.update(port=settings.port, url=result.url, answers=answer)
+    read_listeners(result, settings, layout)
+    result.code = staged_digest(layout.instance_lib)
+    behind = [i.name for i in result.instances if i.code and result.code and i.code != result.code]
+    if behind:
+        result.warnings.append(
+            f"roll-out not finished: {', '.join(behind)} run(s) older code than staged ({result.code}): "
+            "'cosyvoice-lb restart --all' replaces them"
+        )
     if result.nginx["state"] == "RUNNING" and answer == 0:
         result.problems.append(f"nginx does not answer on {result.url}")
     age = time.time() - float(health.get("updated", 0))
@@ -256,6 +272,37 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
     result.report = failure_report(layout, result)
     read_gpus(result, telemetry)
     return result
+
+
+def read_listeners(result: ClusterStatus, settings: Settings, layout: Layout) -> None:
+    """What nginx really does (in place): the addresses its processes listen on (``access``
+    says those, not the config's), and a problem where they or its config lag what is on disk."""
+    configured = wanted(settings.listen_host, settings.port)
+    procs = nginx_processes(result.nginx["pid"]) if result.nginx.get("state") == "RUNNING" else []
+    actual = nginx_listening(result.nginx["pid"]) if procs else set()
+    result.access.update(listen=describe(actual), public=beyond_loopback(actual))
+    result.nginx["listening"] = sorted(describe({address}) for address in actual)
+    result.nginx["configured"] = f"{settings.listen_host}:{settings.port}"
+    if not procs:
+        return
+    if actual != configured:
+        result.problems.append(
+            f"nginx listens on {describe(actual)}, not on {describe(configured)} as its config says: "
+            "'cosyvoice-lb up' with the cluster's settings (or 'cosyvoice-lb restart nginx') moves it"
+        )
+    if beyond_loopback(actual) and not settings.auth_required and not settings.exposed:
+        result.problems.append(
+            f"nginx listens on {describe(actual)} while the cluster requires no credentials: anyone who reaches it "
+            "can synthesize; 'cosyvoice-lb restart nginx' puts it back on loopback"
+        )
+    behind = config_behind(procs, (layout.nginx_conf, layout.upstreams_conf))
+    if behind:
+        result.problems.append(
+            "nginx still runs a config older than the one on disk ("
+            + time.strftime("%H:%M:%S", time.localtime(behind))
+            + "): a reload failed, so rotation changes do not reach it; see 'cosyvoice-lb logs nginx-error', "
+            "then 'cosyvoice-lb up' with the cluster's settings (or 'cosyvoice-lb restart nginx')"
+        )
 
 
 def pool_summary(pool: Pool, reported: dict, instances: list[InstanceStatus]) -> dict:
