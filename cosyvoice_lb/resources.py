@@ -56,6 +56,7 @@ INSTANCE_MODULES = (
     "gate.py",
     "uploads.py",
     "ui_errors.py",
+    "memory.py",
     "ledger.py",
     "audio.py",
     "problems.py",
