@@ -158,8 +158,9 @@ class Run:
 
     def spawn(self, *args: str) -> subprocess.Popen:
         """A CLI command in the background; its output is kept for the notes."""
-        proc = subprocess.Popen(self.command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=clean_env())
+        proc = subprocess.Popen(
+            self.command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env()
+        )
         self.children.append(proc)
         return proc
 
@@ -171,19 +172,43 @@ class Run:
 def prepare(instances: int, clients: int, texts: tuple[str, ...] = SENTENCES) -> Run:
     base = free_port_block(instances + 1)
     state_dir = Path(tempfile.mkdtemp(prefix="cx", dir="/tmp"))  # short: supervisord's socket lives in it
-    run = Run(cli=cli_command(), instances=instances, clients=clients, texts=texts, state_dir=state_dir,
-              port=base, base_port=base + 1)
+    run = Run(
+        cli=cli_command(),
+        instances=instances,
+        clients=clients,
+        texts=texts,
+        state_dir=state_dir,
+        port=base,
+        base_port=base + 1,
+    )
     # --request-timeout bounds each request's total wait (all retries included), so a
     # client never waits on a stuck instance longer than that.
-    run.up_args = ["up", "--engine", "espeak", "--instances", str(instances), "--host", "127.0.0.1",
-                   "--port", str(run.port), "--base-port", str(run.base_port), "--state-dir", str(state_dir),
-                   "--hang-timeout", HANG_TIMEOUT, "--request-timeout", REQUEST_TIMEOUT]
+    run.up_args = [
+        "up",
+        "--engine",
+        "espeak",
+        "--instances",
+        str(instances),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(run.port),
+        "--base-port",
+        str(run.base_port),
+        "--state-dir",
+        str(state_dir),
+        "--hang-timeout",
+        HANG_TIMEOUT,
+        "--request-timeout",
+        REQUEST_TIMEOUT,
+    ]
     return run
 
 
 def start_cluster(run: Run) -> None:
-    done = subprocess.run(run.command(*run.up_args), capture_output=True, text=True, timeout=UP_TIMEOUT_S,
-                          env=clean_env(), check=False)
+    done = subprocess.run(
+        run.command(*run.up_args), capture_output=True, text=True, timeout=UP_TIMEOUT_S, env=clean_env(), check=False
+    )
     if done.returncode != 0:
         raise RuntimeError(f"cosyvoice-lb up exited {done.returncode}:\n{tail(done.stdout + done.stderr, 20)}")
 
@@ -203,8 +228,14 @@ def _teardown(run: Run, keep_logs: str | None) -> None:
             child.kill()
         child.wait(timeout=30)
     try:
-        down = subprocess.run(run.command("down", "--state-dir", str(run.state_dir)), capture_output=True,
-                              text=True, timeout=DOWN_TIMEOUT_S, env=clean_env(), check=False)
+        down = subprocess.run(
+            run.command("down", "--state-dir", str(run.state_dir)),
+            capture_output=True,
+            text=True,
+            timeout=DOWN_TIMEOUT_S,
+            env=clean_env(),
+            check=False,
+        )
         log(f"down: {(down.stdout + down.stderr).strip()}")
     except subprocess.TimeoutExpired:
         log(f"down did not finish within {DOWN_TIMEOUT_S:.0f}s")
@@ -368,8 +399,9 @@ def observe(layout: Layout, t0: float) -> Observation | None:
         return None
 
 
-def watch(layout: Layout, t0: float, recovered: Callable[[ClusterStatus], bool],
-          within: float) -> tuple[list[Observation], float | None]:
+def watch(
+    layout: Layout, t0: float, recovered: Callable[[ClusterStatus], bool], within: float
+) -> tuple[list[Observation], float | None]:
     """Poll the cluster every POLL_S (calls may overlap) until ``recovered`` holds or
     ``within`` seconds after the fault passed; returns the observations in time order and
     when (seconds after the fault) the first recovered one was taken."""
@@ -440,6 +472,7 @@ def pick(before: ClusterStatus, index: int) -> InstanceStatus:
 def instance_fault(target: InstanceStatus, leftover: psutil.Process | None = None, what: str = "") -> Fault:
     """One instance hit: out when not in rotation or replaced; back with a new pid, ready
     and in rotation. ``leftover``: a process we stopped, killed after recovery if it lives."""
+
     def current(status: ClusterStatus) -> InstanceStatus | None:
         return status.instance(target.name)
 
@@ -460,6 +493,7 @@ def instance_fault(target: InstanceStatus, leftover: psutil.Process | None = Non
 
 def service_fault(name: str, old_pid: int, healthy: Callable[[ClusterStatus, int], bool]) -> Fault:
     """nginx or the health loop killed: back when RUNNING with a new pid and ``healthy``."""
+
     def disturbed(status: ClusterStatus) -> bool:
         info = getattr(status, name)
         return info.get("state") != "RUNNING" or info.get("pid") != old_pid or not healthy(status, old_pid)
@@ -569,8 +603,9 @@ def poison_request(run: Run, before: ClusterStatus) -> Fault:
             session.trust_env = False
             for _ in range(2):  # as a client that retries what failed
                 try:
-                    answers.append(session.post(run.url + "/v1/tts", json={"text": POISON_TEXT},
-                                                timeout=CLIENT_TIMEOUT_S + 10))
+                    answers.append(
+                        session.post(run.url + "/v1/tts", json={"text": POISON_TEXT}, timeout=CLIENT_TIMEOUT_S + 10)
+                    )
                 except requests.RequestException as exc:
                     answers.append(exc)
         done.set()
@@ -589,8 +624,7 @@ def poison_request(run: Run, before: ClusterStatus) -> Fault:
         shown = [a.status_code if isinstance(a, requests.Response) else type(a).__name__ for a in answers]
         fault.notes.append(f"poison answers {shown}, {restarts()} restart(s)")
         if len(answers) != 2 or not all(
-            isinstance(a, requests.Response) and a.status_code == 422 and "crashed or hung" in a.text
-            for a in answers
+            isinstance(a, requests.Response) and a.status_code == 422 and "crashed or hung" in a.text for a in answers
         ):
             fault.problems.append(f"the poison request's answers were {shown}, not 422 twice")
         if restarts() != 2:
@@ -599,10 +633,17 @@ def poison_request(run: Run, before: ClusterStatus) -> Fault:
     return Fault(lambda status: not all(i.serving for i in status.instances), recovered, finish=finish)
 
 
-def fleet_fault(proc: subprocess.Popen, label: str, settled: Callable[[ClusterStatus], bool],
-                within: float = RECOVERY_S, may_be_out: int = 0, counted: Callable[[], str] = lambda: "") -> Fault:
+def fleet_fault(
+    proc: subprocess.Popen,
+    label: str,
+    settled: Callable[[ClusterStatus], bool],
+    within: float = RECOVERY_S,
+    may_be_out: int = 0,
+    counted: Callable[[], str] = lambda: "",
+) -> Fault:
     """A CLI command that restarts instances: back when it exited, ``settled`` holds and
     every instance but ``may_be_out`` serves; it must exit 0. ``counted``: a note."""
+
     def recovered(status: ClusterStatus) -> bool:
         out = sum(not i.serving for i in status.instances)
         return proc.poll() is not None and settled(status) and out <= may_be_out
@@ -617,15 +658,17 @@ def fleet_fault(proc: subprocess.Popen, label: str, settled: Callable[[ClusterSt
         if note:
             fault.notes.append(note)
 
-    return Fault(lambda status: not all(i.serving for i in status.instances), recovered, within=within,
-                 fleet=True, finish=finish)
+    return Fault(
+        lambda status: not all(i.serving for i in status.instances), recovered, within=within, fleet=True, finish=finish
+    )
 
 
 def rolling_restart(run: Run, before: ClusterStatus) -> Fault:
     proc = run.spawn("restart", "--all", "--rolling", "--state-dir", str(run.state_dir))
     old = {i.name: i.pid for i in before.instances}
-    return fleet_fault(proc, "restart --all --rolling",
-                       lambda status: all(i.pid != old[i.name] for i in status.instances))
+    return fleet_fault(
+        proc, "restart --all --rolling", lambda status: all(i.pid != old[i.name] for i in status.instances)
+    )
 
 
 def recycling(run: Run, before: ClusterStatus) -> Fault:
@@ -697,20 +740,43 @@ class ScenarioResult:
     notes: list[str] = field(default_factory=list)
     missed: list[str] = field(default_factory=list)
 
-    COLUMNS = ("scenario", "traffic", "requests", "failed", "p50 ms", "p99 ms", "out of rotation s", "back serving s",
-               "note")
+    COLUMNS = (
+        "scenario",
+        "traffic",
+        "requests",
+        "failed",
+        "p50 ms",
+        "p99 ms",
+        "out of rotation s",
+        "back serving s",
+        "note",
+    )
 
     def row(self) -> list[str]:
         def num(value: float | None, digits: int) -> str:
             return "—" if value is None else f"{value:.{digits}f}"
 
-        return [self.name, self.traffic, str(self.requests), str(self.failed), num(self.p50_ms, 0), num(self.p99_ms, 0),
-                num(self.out_s, 1), num(self.back_s, 1) if self.recovered else "not back",
-                "; ".join(self.notes)]
+        return [
+            self.name,
+            self.traffic,
+            str(self.requests),
+            str(self.failed),
+            num(self.p50_ms, 0),
+            num(self.p99_ms, 0),
+            num(self.out_s, 1),
+            num(self.back_s, 1) if self.recovered else "not back",
+            "; ".join(self.notes),
+        ]
 
 
-def summarize(scenario: Scenario, records: list[Request], fault: Fault, observations: list[Observation],
-              back: float | None, t0: float) -> ScenarioResult:
+def summarize(
+    scenario: Scenario,
+    records: list[Request],
+    fault: Fault,
+    observations: list[Observation],
+    back: float | None,
+    t0: float,
+) -> ScenarioResult:
     result = ScenarioResult(scenario.name, requests=len(records), recovered=back is not None, back_s=back)
     if records:
         durations = np.array([(r.end - r.start) * 1000 for r in records])
@@ -738,8 +804,10 @@ def log_failures(name: str, failed: list[Request], t0: float, first: int = 5) ->
     wall = time.time() - time.monotonic()
     for r in sorted(failed, key=lambda r: r.end)[:first]:
         stamp = time.strftime("%H:%M:%S", time.localtime(wall + r.end)) + f".{int((wall + r.end) % 1 * 1000):03d}"
-        log(f"{name}: failed at {stamp} (+{r.end - t0:.2f} s after the fault, "
-            f"{(r.end - r.start) * 1000:.0f} ms): {r.outcome}")
+        log(
+            f"{name}: failed at {stamp} (+{r.end - t0:.2f} s after the fault, "
+            f"{(r.end - r.start) * 1000:.0f} ms): {r.outcome}"
+        )
 
 
 def judge(scenario: Scenario, result: ScenarioResult, fault: Fault) -> None:
@@ -790,8 +858,11 @@ def run_scenario(run: Run, scenario: Scenario) -> ScenarioResult:
         if fault.within:
             observations, back = watch(run.layout, t0, fault.recovered, fault.within)
         fault.finish(fault)
-        log(f"{scenario.name}: " + (f"back after {back:.1f} s" if back is not None else "NOT back") +
-            f", {TAIL_S:g} s more load")
+        log(
+            f"{scenario.name}: "
+            + (f"back after {back:.1f} s" if back is not None else "NOT back")
+            + f", {TAIL_S:g} s more load"
+        )
         time.sleep(TAIL_S)
     records = list(load.records)
     if load.issued >= load.limit:
@@ -823,13 +894,17 @@ def write_csv(path: str, rows: list[list[str]]) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     names = [s.name for s in SCENARIOS]
-    parser = argparse.ArgumentParser(description="Chaos run against a real espeak cluster on 127.0.0.1.",
-                                     epilog="scenarios: " + ", ".join(names))
+    parser = argparse.ArgumentParser(
+        description="Chaos run against a real espeak cluster on 127.0.0.1.", epilog="scenarios: " + ", ".join(names)
+    )
     parser.add_argument("--instances", type=int, default=3, help="instances in the cluster (default 3)")
     parser.add_argument("--clients", type=int, default=4, help="client threads of the load (default 4)")
-    parser.add_argument("--traffic", choices=("both", *TRAFFIC), default="both",
-                        help="what the clients send: a dozen different sentences, one common sentence, or a run "
-                             "of each (default both)")
+    parser.add_argument(
+        "--traffic",
+        choices=("both", *TRAFFIC),
+        default="both",
+        help="what the clients send: a dozen different sentences, one common sentence, or a run of each (default both)",
+    )
     parser.add_argument("--only", default="", help="comma-separated scenarios to run (default: all, in order)")
     parser.add_argument("--csv", help="also write the table's rows to this CSV file")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the cluster's logs here before its state dir goes")
@@ -851,9 +926,11 @@ def main(argv: list[str] | None = None) -> int:
     results: list[ScenarioResult] = []
     setup_missed: list[str] = []
     kinds = list(TRAFFIC) if args.traffic == "both" else [args.traffic]
-    print(f"settings: {args.instances} instances, {args.clients} clients, traffic {', '.join(kinds)}, scenarios "
-          f"{','.join(s.name for s in args.scenarios)}; per scenario at most {MAX_REQUESTS} requests and "
-          f"{SCENARIO_CAP_S:.0f} s, client timeout {CLIENT_TIMEOUT_S:.0f} s")
+    print(
+        f"settings: {args.instances} instances, {args.clients} clients, traffic {', '.join(kinds)}, scenarios "
+        f"{','.join(s.name for s in args.scenarios)}; per scenario at most {MAX_REQUESTS} requests and "
+        f"{SCENARIO_CAP_S:.0f} s, client timeout {CLIENT_TIMEOUT_S:.0f} s"
+    )
     for kind in kinds:
         if not chaos_run(args, kind, results, setup_missed):
             break

@@ -151,11 +151,34 @@ def json_values(max_leaves: int = 12) -> st.SearchStrategy[Any]:
 
 def edge_literals() -> st.SearchStrategy[str]:
     """Raw JSON text that json.dumps would never write, or that parsers treat specially."""
-    fixed = st.sampled_from([
-        "NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1e-999", "-0", "-0.0", "0e0", "1E+2",
-        "4294967296", "-1", "18446744073709551616", '"\\ud800"', '"\\udfff"', '"\\u0000"',
-        '"\\u202e\\u200b\\ufeff"', '"\\ud83d\\ude00"', "true", "null", "[]", "{}", '""', '" "',
-    ])
+    fixed = st.sampled_from(
+        [
+            "NaN",
+            "Infinity",
+            "-Infinity",
+            "1e999",
+            "-1e999",
+            "1e-999",
+            "-0",
+            "-0.0",
+            "0e0",
+            "1E+2",
+            "4294967296",
+            "-1",
+            "18446744073709551616",
+            '"\\ud800"',
+            '"\\udfff"',
+            '"\\u0000"',
+            '"\\u202e\\u200b\\ufeff"',
+            '"\\ud83d\\ude00"',
+            "true",
+            "null",
+            "[]",
+            "{}",
+            '""',
+            '" "',
+        ]
+    )
     # lengths at the edges: past int64, past a float's range (309 digits), past Python's
     # int/str conversion limit (4300 digits), and anything up to 6000
     lengths = st.sampled_from([19, 20, 39, 309, 310, 400, 4300, 4301, 6000]) | st.integers(1, 6000)
@@ -163,7 +186,7 @@ def edge_literals() -> st.SearchStrategy[str]:
     negative_digits = lengths.map(lambda n: "-" + "1" * n)
     exponent = st.integers(0, 10**6).map(lambda n: f"1e{n}")
     nested = st.tuples(st.integers(1, 5000), st.sampled_from("[{")).map(
-        lambda t: ('[' * t[0] + ']' * t[0]) if t[1] == "[" else ('{"a":' * t[0] + "1" + "}" * t[0])
+        lambda t: ("[" * t[0] + "]" * t[0]) if t[1] == "[" else ('{"a":' * t[0] + "1" + "}" * t[0])
     )
     return st.one_of(fixed, digits, negative_digits, exponent, nested)
 
@@ -202,8 +225,11 @@ def prompt_files(file_fields: list[str]) -> st.SearchStrategy[list[tuple[str, tu
     content = st.one_of(st.binary(max_size=2048), wav_prompts())
     one = st.tuples(
         st.sampled_from(file_fields),
-        st.tuples(st.sampled_from(["prompt.wav", "x.txt", "", "../../etc/passwd"]), content,
-                  st.sampled_from(["audio/wav", "application/octet-stream", "text/plain"])),
+        st.tuples(
+            st.sampled_from(["prompt.wav", "x.txt", "", "../../etc/passwd"]),
+            content,
+            st.sampled_from(["audio/wav", "application/octet-stream", "text/plain"]),
+        ),
     )
     return st.lists(one, max_size=2)
 
@@ -230,14 +256,16 @@ def case_strategy(schemas: Schemas) -> st.SearchStrategy[Case]:
     replaced = st.tuples(valid, st.sampled_from(names), json_values(6)).map(
         lambda t: Case("replaced-field", dumps({**t[0], t[1]: t[2]}), "application/json")
     )
-    extra = st.tuples(valid, st.dictionaries(st.text(max_size=16).filter(lambda k: k not in names),
-                                             json_values(4), min_size=1, max_size=4)).map(
-        lambda t: Case("extra-fields", dumps({**t[0], **t[1]}), "application/json")
-    )
+    extra = st.tuples(
+        valid,
+        st.dictionaries(st.text(max_size=16).filter(lambda k: k not in names), json_values(4), min_size=1, max_size=4),
+    ).map(lambda t: Case("extra-fields", dumps({**t[0], **t[1]}), "application/json"))
     edge = st.tuples(valid, st.sampled_from(names), edge_literals()).map(
-        lambda t: Case("edge-literal",
-                       dumps({**t[0], t[1]: PLACEHOLDER}).replace(f'"{PLACEHOLDER}"'.encode(), t[2].encode()),
-                       "application/json")
+        lambda t: Case(
+            "edge-literal",
+            dumps({**t[0], t[1]: PLACEHOLDER}).replace(f'"{PLACEHOLDER}"'.encode(), t[2].encode()),
+            "application/json",
+        )
     )
     raw = st.tuples(st.binary(max_size=4096), st.sampled_from(CONTENT_TYPES)).map(
         lambda t: Case("random-bytes", t[0], t[1])
@@ -261,13 +289,18 @@ def case_strategy(schemas: Schemas) -> st.SearchStrategy[Case]:
             content_type = "multipart/form-data"
         else:  # a flipped byte
             at = position % max(len(body), 1)
-            body = body[:at] + bytes([byte]) + body[at + 1:]
+            body = body[:at] + bytes([byte]) + body[at + 1 :]
         return Case("broken-multipart", body, content_type)
 
-    broken_form = st.tuples(form, st.sampled_from(["truncated", "wrong-boundary", "no-boundary", "flipped"]),
-                            st.integers(0, 2**20), st.integers(0, 255)).map(broken)
-    return st.one_of(valid_json, valid_json, random_json, replaced, extra, edge, raw, valid_form, valid_form,
-                     broken_form)
+    broken_form = st.tuples(
+        form,
+        st.sampled_from(["truncated", "wrong-boundary", "no-boundary", "flipped"]),
+        st.integers(0, 2**20),
+        st.integers(0, 255),
+    ).map(broken)
+    return st.one_of(
+        valid_json, valid_json, random_json, replaced, extra, edge, raw, valid_form, valid_form, broken_form
+    )
 
 
 def generate(schemas: Schemas, count: int, seed: int) -> list[Case]:
@@ -278,8 +311,14 @@ def generate(schemas: Schemas, count: int, seed: int) -> list[Case]:
     while len(cases) < count and attempt < 10:
 
         @hypothesis_seed(seed + attempt)
-        @settings(max_examples=count - len(cases), database=None, deadline=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck), print_blob=False)
+        @settings(
+            max_examples=count - len(cases),
+            database=None,
+            deadline=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+            print_blob=False,
+        )
         @given(strategy)
         def collect(case: Case) -> None:
             cases.append(case)
@@ -351,7 +390,7 @@ def post(session: requests.Session, url: str, case: Case) -> Outcome:
     try:
         r = session.post(url + "/v1/tts", data=case.body, headers=headers, timeout=CLIENT_TIMEOUT_S)
         is_audio = r.headers.get("content-type", "").startswith("audio/")
-        detail = f"audio, {len(r.content)} bytes" if is_audio else r.text[:2**20]
+        detail = f"audio, {len(r.content)} bytes" if is_audio else r.text[: 2**20]
         return Outcome(case, r.status_code, detail, time.monotonic() - started)
     except requests.RequestException as exc:
         return Outcome(case, None, repr(exc), time.monotonic() - started)
@@ -390,8 +429,9 @@ def table_rows(results: Results) -> tuple[list[str], list[list[str]]]:
     kinds = sorted({o.case.kind for o in results.outcomes})
     by = Counter((o.case.kind, "no answer" if o.status is None else o.status) for o in results.outcomes)
     header = ["category", *[str(s) for s in statuses], "total"]
-    rows = [[kind, *[str(by[(kind, s)]) for s in statuses], str(sum(by[(kind, s)] for s in statuses))]
-            for kind in kinds]
+    rows = [
+        [kind, *[str(by[(kind, s)]) for s in statuses], str(sum(by[(kind, s)] for s in statuses))] for kind in kinds
+    ]
     rows.append(["all", *[str(results.statuses[s]) for s in statuses], str(len(results.outcomes))])
     return header, rows
 
@@ -425,13 +465,18 @@ def save_problems(results: Results, directory: str) -> int:
         (out / f"{n:03d}.body").write_bytes(outcome.case.body)
         (out / f"{n:03d}.txt").write_text(
             f"category: {outcome.case.kind}\ncontent-type: {outcome.case.content_type}\n"
-            f"status: {outcome.status}\nanswer: {outcome.detail[:4000]}\n", encoding="utf-8")
+            f"status: {outcome.status}\nanswer: {outcome.detail[:4000]}\n",
+            encoding="utf-8",
+        )
     return len(problems)
 
 
 def report_problems(results: Results, limit: int = 20) -> None:
-    for title, items in (("server error (5xx)", results.server_errors), ("no answer", results.unanswered),
-                         ("4xx without error.message", results.without_message)):
+    for title, items in (
+        ("server error (5xx)", results.server_errors),
+        ("no answer", results.unanswered),
+        ("4xx without error.message", results.without_message),
+    ):
         for outcome in items[:limit]:
             print(f"{title}: {outcome.status} {outcome.case.describe()}\n    -> {outcome.detail[:400]!r}")
         if len(items) > limit:
@@ -447,35 +492,65 @@ def clean_env() -> dict[str, str]:
 
 def instance_pids(state_dir: Path, command: Callable[..., list[str]]) -> dict[str, tuple[int, int]]:
     """{name: (pid, restarts)} from ``cosyvoice-lb status --json``."""
-    done = subprocess.run(command("status", "--json", "--state-dir", str(state_dir)), capture_output=True,
-                          text=True, timeout=60, env=clean_env(), check=False)
+    done = subprocess.run(
+        command("status", "--json", "--state-dir", str(state_dir)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+        check=False,
+    )
     body = json.loads(done.stdout)
     return {i["name"]: (i["pid"], i["restarts"]) for i in body["instances"]}
 
 
 def up_args(instances: int, port: int, base: int, state_dir: Path, engine: str) -> list[str]:
-    args = ["up", "--engine", engine, "--instances", str(instances), "--host", "127.0.0.1", "--port", str(port),
-            "--base-port", str(base), "--state-dir", str(state_dir)]
+    args = [
+        "up",
+        "--engine",
+        engine,
+        "--instances",
+        str(instances),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+    ]
     if engine == "simulated":
         args += ["--simulated-ms-per-char", "0"]
     return args
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Fuzz POST /v1/tts of a real cluster on 127.0.0.1 from its "
-                                                 "OpenAPI description.")
+    parser = argparse.ArgumentParser(
+        description="Fuzz POST /v1/tts of a real cluster on 127.0.0.1 from its OpenAPI description."
+    )
     parser.add_argument("--cases", type=int, default=1000, help="cases to send (default 1000)")
     parser.add_argument("--seed", type=int, default=None, help="generator seed (default: random, printed)")
     parser.add_argument("--instances", type=int, default=2, help="instances in the cluster (default 2)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="client threads (default: one per instance, so that no instance's queue fills and "
-                             "every 503 is a finding, not backpressure)")
-    parser.add_argument("--max-seconds", type=float, default=300.0,
-                        help="stop sending after this long (default 300)")
-    parser.add_argument("--save", metavar="DIR", help="write every 5xx and unanswered request (body and what came "
-                                                      "back) into DIR, to replay")
-    parser.add_argument("--engine", choices=["espeak", "simulated"], default="espeak",
-                        help="the instances' engine (simulated runs with --simulated-ms-per-char 0)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="client threads (default: one per instance, so that no instance's queue fills and "
+        "every 503 is a finding, not backpressure)",
+    )
+    parser.add_argument("--max-seconds", type=float, default=300.0, help="stop sending after this long (default 300)")
+    parser.add_argument(
+        "--save",
+        metavar="DIR",
+        help="write every 5xx and unanswered request (body and what came back) into DIR, to replay",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["espeak", "simulated"],
+        default="espeak",
+        help="the instances' engine (simulated runs with --simulated-ms-per-char 0)",
+    )
     args = parser.parse_args(argv)
     if args.workers is None:
         args.workers = args.instances
@@ -500,15 +575,18 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{base}"
     up = up_args(args.instances, base, base + 1, state_dir, args.engine)
     print("cluster: " + shlex.join(["cosyvoice-lb", *up]))
-    print(f"settings: {args.cases} cases, seed {args.seed}, {args.workers} client threads, at most "
-          f"{args.max_seconds:g} s of sending, client timeout {CLIENT_TIMEOUT_S:g} s")
+    print(
+        f"settings: {args.cases} cases, seed {args.seed}, {args.workers} client threads, at most "
+        f"{args.max_seconds:g} s of sending, client timeout {CLIENT_TIMEOUT_S:g} s"
+    )
     sys.stdout.flush()
     problems: list[str] = []
     results = Results()
     started = time.monotonic()
     try:
-        done = subprocess.run(command(*up), capture_output=True, text=True, timeout=UP_TIMEOUT_S, env=clean_env(),
-                              check=False)
+        done = subprocess.run(
+            command(*up), capture_output=True, text=True, timeout=UP_TIMEOUT_S, env=clean_env(), check=False
+        )
         if done.returncode != 0:
             raise RuntimeError(f"cosyvoice-lb up exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
         before = instance_pids(state_dir, command)
@@ -528,8 +606,14 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("interrupted")
     finally:
         try:
-            down = subprocess.run(command("down", "--state-dir", str(state_dir)), capture_output=True, text=True,
-                                  timeout=DOWN_TIMEOUT_S, env=clean_env(), check=False)
+            down = subprocess.run(
+                command("down", "--state-dir", str(state_dir)),
+                capture_output=True,
+                text=True,
+                timeout=DOWN_TIMEOUT_S,
+                env=clean_env(),
+                check=False,
+            )
             print(f"down: {(down.stdout + down.stderr).strip()}", file=sys.stderr)
         except subprocess.TimeoutExpired:
             problems.append(f"down did not finish within {DOWN_TIMEOUT_S:.0f} s")
@@ -543,10 +627,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"saved {save_problems(results, args.save)} request(s) into {args.save}")
     for problem in problems:
         print(f"problem: {problem}")
-    print(f"fuzz: {len(results.outcomes)} cases sent in {results.seconds:.1f} s "
-          f"({results.skipped} not sent: time ran out), {len(results.server_errors)} server errors (5xx), "
-          f"{len(results.unanswered)} unanswered, {len(results.without_message)} 4xx without error.message; "
-          f"wall {wall:.1f} s, seed {args.seed}")
+    print(
+        f"fuzz: {len(results.outcomes)} cases sent in {results.seconds:.1f} s "
+        f"({results.skipped} not sent: time ran out), {len(results.server_errors)} server errors (5xx), "
+        f"{len(results.unanswered)} unanswered, {len(results.without_message)} 4xx without error.message; "
+        f"wall {wall:.1f} s, seed {args.seed}"
+    )
     return 1 if results.server_errors or results.unanswered or problems or not results.outcomes else 0
 
 

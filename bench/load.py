@@ -54,9 +54,17 @@ class Summary:
     @classmethod
     def of(cls, results: list[Result], seconds: float) -> Summary:
         good = np.array([r.latency for r in results if r.status == 200]) * 1000
-        p50, p95, p99 = (np.percentile(good, [50, 95, 99]) if good.size else (float("nan"),) * 3)
-        return cls(len(results), int(good.size), len(results) - int(good.size), seconds,
-                   good.size / seconds if seconds else 0.0, float(p50), float(p95), float(p99))
+        p50, p95, p99 = np.percentile(good, [50, 95, 99]) if good.size else (float("nan"),) * 3
+        return cls(
+            len(results),
+            int(good.size),
+            len(results) - int(good.size),
+            seconds,
+            good.size / seconds if seconds else 0.0,
+            float(p50),
+            float(p95),
+            float(p99),
+        )
 
 
 def cli_command() -> list[str]:
@@ -96,8 +104,9 @@ def loopback_only(url: str) -> str:
     return url
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict, kind: str, due: float, began: float,
-               results: list[Result]) -> None:
+async def _one(
+    client: httpx.AsyncClient, url: str, body: dict, kind: str, due: float, began: float, results: list[Result]
+) -> None:
     try:
         response = await client.post(url, json=body)
         status = response.status_code
@@ -108,12 +117,20 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, kind: str, due: 
 
 def client(timeout: float) -> httpx.AsyncClient:
     # No proxies from the environment; enough connections that the client never queues.
-    return httpx.AsyncClient(timeout=timeout, trust_env=False,
-                             limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+    return httpx.AsyncClient(
+        timeout=timeout, trust_env=False, limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    )
 
 
-async def open_loop(url: str, rate: float, seconds: float, make: Callable[[random.Random], tuple[str, dict]],
-                    seed: int = 1, timeout: float = 120.0, max_requests: int = 100_000) -> list[Result]:
+async def open_loop(
+    url: str,
+    rate: float,
+    seconds: float,
+    make: Callable[[random.Random], tuple[str, dict]],
+    seed: int = 1,
+    timeout: float = 120.0,
+    max_requests: int = 100_000,
+) -> list[Result]:
     """Poisson arrivals at ``rate`` per second for ``seconds`` (at most ``max_requests``);
     ``make(rng)`` gives each request's (kind, JSON body). Waits for the answers (each at
     most ``timeout``), and returns one :class:`Result` per request."""
@@ -137,8 +154,9 @@ async def open_loop(url: str, rate: float, seconds: float, make: Callable[[rando
     return results
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float, body: dict, timeout: float = 120.0,
-                      max_requests: int = 100_000) -> tuple[list[Result], float]:
+async def closed_loop(
+    url: str, concurrency: int, seconds: float, body: dict, timeout: float = 120.0, max_requests: int = 100_000
+) -> tuple[list[Result], float]:
     """``concurrency`` clients, each sending its next request when the last is answered,
     for ``seconds``: the most the target serves. Returns the results and the time taken."""
     loopback_only(url)

@@ -96,11 +96,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     logging.getLogger("cosyvoice_lb").setLevel(logging.WARNING)  # (the request line is formatted, not written)
-    print(f"$ python bench/metrics_overhead.py --syntheses {args.syntheses} --requests {args.requests} "
-          f"--scrapes {args.scrapes} --repeats {args.repeats}")
+    print(
+        f"$ python bench/metrics_overhead.py --syntheses {args.syntheses} --requests {args.requests} "
+        f"--scrapes {args.scrapes} --repeats {args.repeats}"
+    )
     rows = []
-    for what, measure, count in (("synthesis (pipeline)", per_synthesis, args.syntheses),
-                                 ("API request (/v1/tts)", per_request, args.requests)):
+    for what, measure, count in (
+        ("synthesis (pipeline)", per_synthesis, args.syntheses),
+        ("API request (/v1/tts)", per_request, args.requests),
+    ):
         on, off = [], []
         for _ in range(args.repeats):  # interleaved, so drift hits both alike
             off.append(measure(pipeline(False), count))

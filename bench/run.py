@@ -119,9 +119,23 @@ class Cluster:
 
     def up(self, instances: int, routing: str = "work") -> float:
         """Start (or rescale, or switch the routing) with ``instances``; the seconds `up` took."""
-        args = ["up", "--engine", self.engine, "--instances", str(instances), "--host", "127.0.0.1",
-                "--port", str(self.port), "--base-port", str(self.base), "--state-dir", str(self.state_dir),
-                "--routing", routing]
+        args = [
+            "up",
+            "--engine",
+            self.engine,
+            "--instances",
+            str(instances),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--base-port",
+            str(self.base),
+            "--state-dir",
+            str(self.state_dir),
+            "--routing",
+            routing,
+        ]
         if self.engine == "simulated":
             args += ["--simulated-ms-per-char", str(MS_PER_CHAR), "--max-queue", str(QUEUE)]
         started = time.monotonic()
@@ -216,8 +230,11 @@ class RoundRobin:
 
     def __enter__(self) -> RoundRobin:
         nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-        self.process = subprocess.Popen([nginx, "-p", str(self.dir), "-c", str(self.dir / "nginx.conf")],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [nginx, "-p", str(self.dir), "-c", str(self.dir / "nginx.conf")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             with socket.socket() as sock:
@@ -238,6 +255,7 @@ class RoundRobin:
 
 
 # --- the measurements ------------------------------------------------------------------------
+
 
 def tts(url: str) -> str:
     return url + "/v1/tts"
@@ -305,17 +323,27 @@ def routing_rows(points: list[Point]) -> list[dict]:
         base = rr.get((p.mix, p.load_pct))
         ratios = [a / b for a, b in zip(p.p99s(), base.p99s())] if base else []
         pooled_ratio = p99 / np.percentile(base.pooled, 99) if base and base.pooled.size else float("nan")
-        rows.append({
-            "mix": p.mix, "load_pct": p.load_pct, "setup": p.setup, "rate_rps": p.rate_rps,
-            "requests": p.requests, "failed": p.failed, "p50_ms": float(p50), "p95_ms": float(p95),
-            "p99_ms": float(p99), "beyond_p99": int((latencies >= p99).sum()) if latencies.size else 0,
-            "p99_runs_ms": " / ".join(f"{v:.0f}" for v in p.p99s()),
-            "ratio_rr": float(pooled_ratio),
-            "ratio_runs": " / ".join(f"{r:.2f}" for r in ratios),
-            "ratio_min": min(ratios, default=float("nan")), "ratio_max": max(ratios, default=float("nan")),
-            "hops_per_request": p.declined / p.requests if p.requests else 0.0,
-            "last_resort": p.last_resort,
-        })
+        rows.append(
+            {
+                "mix": p.mix,
+                "load_pct": p.load_pct,
+                "setup": p.setup,
+                "rate_rps": p.rate_rps,
+                "requests": p.requests,
+                "failed": p.failed,
+                "p50_ms": float(p50),
+                "p95_ms": float(p95),
+                "p99_ms": float(p99),
+                "beyond_p99": int((latencies >= p99).sum()) if latencies.size else 0,
+                "p99_runs_ms": " / ".join(f"{v:.0f}" for v in p.p99s()),
+                "ratio_rr": float(pooled_ratio),
+                "ratio_runs": " / ".join(f"{r:.2f}" for r in ratios),
+                "ratio_min": min(ratios, default=float("nan")),
+                "ratio_max": max(ratios, default=float("nan")),
+                "hops_per_request": p.declined / p.requests if p.requests else 0.0,
+                "last_resort": p.last_resort,
+            }
+        )
     return rows
 
 
@@ -363,8 +391,16 @@ def overhead_section(cluster: Cluster, d: Durations) -> list[dict]:
         log(f"overhead: {target}")
         lat = latency(url, d.latency_requests)
         thr = throughput(url, 3, d.throughput_s)
-        rows.append({"path": target, "requests": lat.requests + thr.requests, "failed": lat.failed + thr.failed,
-                     "p50_ms": lat.p50_ms, "p99_ms": lat.p99_ms, "throughput_rps": thr.throughput})
+        rows.append(
+            {
+                "path": target,
+                "requests": lat.requests + thr.requests,
+                "failed": lat.failed + thr.failed,
+                "p50_ms": lat.p50_ms,
+                "p99_ms": lat.p99_ms,
+                "throughput_rps": thr.throughput,
+            }
+        )
     return rows
 
 
@@ -374,8 +410,16 @@ def scale_section(cluster: Cluster, d: Durations) -> list[dict]:
         cluster.up(n)
         log(f"scale-out: {n} instance(s)")
         s = throughput(cluster.url, 2 * n, d.scale_s)
-        rows.append({"instances": n, "requests": s.requests, "failed": s.failed, "throughput_rps": s.throughput,
-                     "p50_ms": s.p50_ms, "p99_ms": s.p99_ms})
+        rows.append(
+            {
+                "instances": n,
+                "requests": s.requests,
+                "failed": s.failed,
+                "throughput_rps": s.throughput,
+                "p50_ms": s.p50_ms,
+                "p99_ms": s.p99_ms,
+            }
+        )
     single = rows[0]["throughput_rps"]
     for row in rows:
         row["linear_rps"] = single * row["instances"]
@@ -393,6 +437,7 @@ def startup_section() -> list[dict]:
 
 
 # --- output ----------------------------------------------------------------------------------
+
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """Markdown; columns are (key, header, format)."""
@@ -441,11 +486,20 @@ def plots(report: Report, out: Path) -> list[Path]:
 
 
 ROUTING_COLUMNS = [
-    ("load_pct", "load %", ""), ("setup", "setup", ""), ("rate_rps", "requests/s", ".1f"),
-    ("requests", "requests", ""), ("failed", "failed", ""), ("p50_ms", "p50 ms", ".0f"), ("p95_ms", "p95 ms", ".0f"),
-    ("p99_ms", "p99 ms", ".0f"), ("beyond_p99", "at/above p99", ""), ("p99_runs_ms", "p99 per run", ""),
-    ("ratio_rr", "p99 / round-robin", ".2f"), ("ratio_runs", "per run", ""),
-    ("hops_per_request", "declines per request", ".2f"), ("last_resort", "last resort", ""),
+    ("load_pct", "load %", ""),
+    ("setup", "setup", ""),
+    ("rate_rps", "requests/s", ".1f"),
+    ("requests", "requests", ""),
+    ("failed", "failed", ""),
+    ("p50_ms", "p50 ms", ".0f"),
+    ("p95_ms", "p95 ms", ".0f"),
+    ("p99_ms", "p99 ms", ".0f"),
+    ("beyond_p99", "at/above p99", ""),
+    ("p99_runs_ms", "p99 per run", ""),
+    ("ratio_rr", "p99 / round-robin", ".2f"),
+    ("ratio_runs", "per run", ""),
+    ("hops_per_request", "declines per request", ".2f"),
+    ("last_resort", "last resort", ""),
 ]
 
 
@@ -467,10 +521,14 @@ def summary_lines(report: Report) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter loads (under ~15 minutes on 2 cores)")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
-                        help="where the CSV and PNG files go (default: bench/results)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="runs of each routing point (default: 1 with --quick, 2 otherwise)")
+    parser.add_argument(
+        "--out",
+        default=str(Path(__file__).resolve().parent / "results"),
+        help="where the CSV and PNG files go (default: bench/results)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="runs of each routing point (default: 1 with --quick, 2 otherwise)"
+    )
     args = parser.parse_args(argv)
     d = QUICK if args.quick else FULL
     if args.repeats is not None:
@@ -481,10 +539,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("command: " + shlex.join([Path(sys.executable).name, "bench/run.py", *(argv or sys.argv[1:])]))
-    print(f"load model: --engine simulated, {MS_PER_CHAR:g} ms per character: short {len(SHORT)} chars "
-          f"({len(SHORT) * MS_PER_CHAR:g} ms), long {len(LONG)} chars ({len(LONG) * MS_PER_CHAR:g} ms), "
-          f"fixed {len(FIXED)} chars ({len(FIXED) * MS_PER_CHAR:g} ms), uniform mix {len(SAME)} chars "
-          f"({len(SAME) * MS_PER_CHAR:g} ms); --max-queue {QUEUE}")
+    print(
+        f"load model: --engine simulated, {MS_PER_CHAR:g} ms per character: short {len(SHORT)} chars "
+        f"({len(SHORT) * MS_PER_CHAR:g} ms), long {len(LONG)} chars ({len(LONG) * MS_PER_CHAR:g} ms), "
+        f"fixed {len(FIXED)} chars ({len(FIXED) * MS_PER_CHAR:g} ms), uniform mix {len(SAME)} chars "
+        f"({len(SAME) * MS_PER_CHAR:g} ms); --max-queue {QUEUE}"
+    )
     print(f"durations: {asdict(d)}")
     started = time.monotonic()
     try:
@@ -499,25 +559,52 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
     print("\n### a. overhead: one instance, direct vs through nginx\n")
-    print(table(report.overhead, [("path", "path", ""), ("requests", "requests", ""), ("failed", "failed", ""),
-                                  ("p50_ms", "p50 ms (1 client, short)", ".2f"),
-                                  ("p99_ms", "p99 ms (1 client, short)", ".2f"),
-                                  ("throughput_rps", "requests/s (3 clients)", ".2f")]))
+    print(
+        table(
+            report.overhead,
+            [
+                ("path", "path", ""),
+                ("requests", "requests", ""),
+                ("failed", "failed", ""),
+                ("p50_ms", "p50 ms (1 client, short)", ".2f"),
+                ("p99_ms", "p99 ms (1 client, short)", ".2f"),
+                ("throughput_rps", "requests/s (3 clients)", ".2f"),
+            ],
+        )
+    )
     print("\n### b. scale-out: 2 clients per instance\n")
-    print(table(report.scale, [("instances", "instances", ""), ("requests", "requests", ""), ("failed", "failed", ""),
-                               ("throughput_rps", "requests/s", ".2f"), ("linear_rps", "linear", ".2f"),
-                               ("efficiency_pct", "efficiency %", ".1f"), ("p99_ms", "p99 ms", ".0f")]))
+    print(
+        table(
+            report.scale,
+            [
+                ("instances", "instances", ""),
+                ("requests", "requests", ""),
+                ("failed", "failed", ""),
+                ("throughput_rps", "requests/s", ".2f"),
+                ("linear_rps", "linear", ".2f"),
+                ("efficiency_pct", "efficiency %", ".1f"),
+                ("p99_ms", "p99 ms", ".0f"),
+            ],
+        )
+    )
     for mix in MIXES:
-        what = (f"{100 - LONG_SHARE * 100:.0f} % short / {LONG_SHARE * 100:.0f} % long" if mix == "80/20"
-                else f"uniform ({len(SAME)} characters each)")
-        print(f"\n### c. routing: {ROUTING_INSTANCES} instances, {what}, open loop (capacity "
-              f"{ROUTING_INSTANCES / MEAN_SERVICE:.1f} requests/s), {d.repeats} run(s) per point\n")
+        what = (
+            f"{100 - LONG_SHARE * 100:.0f} % short / {LONG_SHARE * 100:.0f} % long"
+            if mix == "80/20"
+            else f"uniform ({len(SAME)} characters each)"
+        )
+        print(
+            f"\n### c. routing: {ROUTING_INSTANCES} instances, {what}, open loop (capacity "
+            f"{ROUTING_INSTANCES / MEAN_SERVICE:.1f} requests/s), {d.repeats} run(s) per point\n"
+        )
         print(table([r for r in report.routing if r["mix"] == mix], ROUTING_COLUMNS))
     print("\n### d. startup: `cosyvoice-lb up` until all ready (espeak)\n")
     print(table(report.startup, [("instances", "instances", ""), ("seconds", "seconds", ".1f")]))
     written = plots(report, out)
     files = [out / f"{n}.csv" for n in ("overhead", "scale", "routing", "startup")] + written
-    print(f"\nfiles: {', '.join(os.path.relpath(f) for f in files)}; took {(time.monotonic() - started) / 60:.1f} min\n")
+    print(
+        f"\nfiles: {', '.join(os.path.relpath(f) for f in files)}; took {(time.monotonic() - started) / 60:.1f} min\n"
+    )
     for line in summary_lines(report):
         print(line)
     return 0

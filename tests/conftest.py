@@ -31,11 +31,18 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180,
-        check: bool = False) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 180, check: bool = False
+) -> subprocess.CompletedProcess:
     """Run ``cosyvoice-lb ARGS`` for real and capture what it prints."""
-    done = subprocess.run([sys.executable, "-m", "cosyvoice_lb.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env if env is not None else clean_env(), cwd=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-m", "cosyvoice_lb.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env if env is not None else clean_env(),
+        cwd=str(ROOT),
+    )
     if check and done.returncode != 0:
         raise AssertionError(f"cosyvoice-lb {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return done
@@ -71,13 +78,14 @@ def unexpected_tracebacks(log: str) -> list[str]:
     lines = log.splitlines()
     for i, line in enumerate(lines):
         if line.startswith("Traceback (most recent call last):"):
-            last = next((rest for rest in lines[i + 1:] if rest and not rest[0].isspace()), "")
+            last = next((rest for rest in lines[i + 1 :] if rest and not rest[0].isspace()), "")
             if not last.startswith("gradio.exceptions.Error"):
-                found.append("\n".join(lines[max(i - 2, 0):i + 60]))
+                found.append("\n".join(lines[max(i - 2, 0) : i + 60]))
     return found
 
 
 # --- a running cluster ------------------------------------------------------------------
+
 
 def instance_samples(cluster: dict, index: int) -> dict[tuple[str, tuple], float]:
     """An instance's /metrics as {(sample name, sorted labels): value}; ``cluster`` has the
@@ -85,8 +93,11 @@ def instance_samples(cluster: dict, index: int) -> dict[tuple[str, tuple], float
     from prometheus_client.parser import text_string_to_metric_families
 
     text = cluster["http"].get(f"http://127.0.0.1:{cluster['base'] + index}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def status(state_dir: Path) -> tuple[int, dict]:
@@ -107,8 +118,9 @@ def wait_for(predicate, timeout: float, interval: float = 0.5):
 class Load:
     """Bounded API load through nginx: a few threads, at most ``limit`` requests or ``seconds``."""
 
-    def __init__(self, url: str, threads: int = 3, limit: int = 2000, seconds: float = 60,
-                 text: str = "keep talking please"):
+    def __init__(
+        self, url: str, threads: int = 3, limit: int = 2000, seconds: float = 60, text: str = "keep talking please"
+    ):
         self.url, self.limit, self.deadline, self.text = url, limit, time.monotonic() + seconds, text
         self.ok, self.failures, self.ports = 0, [], {}
         self.lock, self.stop_event = threading.Lock(), threading.Event()

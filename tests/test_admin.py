@@ -43,9 +43,13 @@ class SlowRestart:
 
 
 def serving(*names: str) -> ClusterStatus:
-    return ClusterStatus(running=True, instances=[
-        InstanceStatus(f"instance-{i}", 7860 + i, None, 42 + i, "RUNNING", True, f"instance-{i}" in names, 0, 1.0)
-        for i in range(2)])
+    return ClusterStatus(
+        running=True,
+        instances=[
+            InstanceStatus(f"instance-{i}", 7860 + i, None, 42 + i, "RUNNING", True, f"instance-{i}" in names, 0, 1.0)
+            for i in range(2)
+        ],
+    )
 
 
 @pytest.fixture
@@ -58,9 +62,14 @@ def panel(tmp_path):
     write_admin_access(settings, layout)
     layout.logs.mkdir()
     layout.log("instance-0").write_text("".join(f"line {i}\n" for i in range(500)))
-    status = ClusterStatus(running=True, url="http://127.0.0.1:8080", instances=[
-        InstanceStatus("instance-0", 7860, None, 42, "RUNNING", True, True, 0, 12.0),
-        InstanceStatus("instance-1", 7861, None, 43, "RUNNING", True, True, 0, 12.0)])
+    status = ClusterStatus(
+        running=True,
+        url="http://127.0.0.1:8080",
+        instances=[
+            InstanceStatus("instance-0", 7860, None, 42, "RUNNING", True, True, 0, 12.0),
+            InstanceStatus("instance-1", 7861, None, 43, "RUNNING", True, True, 0, 12.0),
+        ],
+    )
     restart = SlowRestart()
     app = build_app(layout, view=lambda: ClusterView(status=status, now=time.time()), actions=Actions(layout, restart))
     with TestClient(app, base_url="http://127.0.0.1:8080", follow_redirects=False) as client:
@@ -83,7 +92,10 @@ def test_nothing_is_open_without_the_admin_token(panel):
     for path in ("/admin", "/admin/api/status", "/admin/api/logs/instance-0", "/metrics", "/metrics/instance-0"):
         answer = client.get(path)
         assert answer.status_code == 401, path
-        assert answer.headers["www-authenticate"].startswith("Bearer") and "admin token" in answer.json()["error"]["message"]
+        assert (
+            answer.headers["www-authenticate"].startswith("Bearer")
+            and "admin token" in answer.json()["error"]["message"]
+        )
     assert client.post("/admin/api/instances/instance-0/restart").status_code == 401
     assert client.get("/admin/api/status", headers=bearer("x" * 40)).status_code == 401
     assert not layout.cordon("instance-0").exists()
@@ -93,7 +105,9 @@ def test_the_generated_tokens_are_private_and_distinct(panel):
     _, layout, _ = panel
     assert layout.admin_token.stat().st_mode & 0o777 == 0o600 and layout.scrape_token.stat().st_mode & 0o777 == 0o600
     scrape = layout.scrape_token.read_text()
-    assert scrape.strip() != token(layout) and "\n" not in scrape.strip() and "#" not in scrape  # (read whole by Prometheus)
+    assert (
+        scrape.strip() != token(layout) and "\n" not in scrape.strip() and "#" not in scrape
+    )  # (read whole by Prometheus)
     assert token(layout) not in layout.admin_policy.read_text()  # digests only
 
 
@@ -145,16 +159,20 @@ def test_a_failed_restart_says_why(panel):
     client.post("/admin/api/instances/instance-0/restart", headers=bearer(token(layout)))
     deadline = time.monotonic() + 5
     while (action := client.get("/admin/api/status", headers=bearer(token(layout))).json()["instances"][0]["action"])[
-            "state"] == "running":
+        "state"
+    ] == "running":
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert action["state"] == "failed" and "CUDA out of memory" in action["detail"]
 
 
-@pytest.mark.parametrize("path, status, words", [
-    ("/admin/api/instances/instance-9/restart", 404, "no instance named 'instance-9'"),
-    ("/admin/api/instances/instance-0/reboot", 404, "no action 'reboot'"),
-])
+@pytest.mark.parametrize(
+    "path, status, words",
+    [
+        ("/admin/api/instances/instance-9/restart", 404, "no instance named 'instance-9'"),
+        ("/admin/api/instances/instance-0/reboot", 404, "no action 'reboot'"),
+    ],
+)
 def test_unknown_instances_and_actions_are_404(panel, path, status, words):
     client, layout, _ = panel
     answer = client.post(path, headers=bearer(token(layout)))

@@ -18,20 +18,28 @@ def bcrypt_line(user: str, password: str) -> str:
 
 
 def policy(**users: str) -> Policy:
-    return Policy(frozenset({digest(TOKEN)}), read_htpasswd("\n".join(bcrypt_line(u, p) for u, p in users.items()),
-                                                             "users"), b"s" * 32)
+    return Policy(
+        frozenset({digest(TOKEN)}),
+        read_htpasswd("\n".join(bcrypt_line(u, p) for u, p in users.items()), "users"),
+        b"s" * 32,
+    )
 
 
 def test_token_file_skips_comments_and_blank_lines():
     assert read_tokens(f"# ops team\n\n  {TOKEN}  \n# old: x\nsecond-token-abcdefghijk\n", "f") == [
-        TOKEN, "second-token-abcdefghijk"]
+        TOKEN,
+        "second-token-abcdefghijk",
+    ]
 
 
-@pytest.mark.parametrize("text,words", [
-    ("short\n", "fewer than 16"),
-    ("two words-in-one-line-xxxxx\n", "one word"),
-    ("tab\tseparated-token-xxxxxxx\n", "one word"),
-])
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("short\n", "fewer than 16"),
+        ("two words-in-one-line-xxxxx\n", "one word"),
+        ("tab\tseparated-token-xxxxxxx\n", "one word"),
+    ],
+)
 def test_bad_tokens_are_refused_with_the_line_and_the_fix(text, words):
     with pytest.raises(ValueError, match=words) as caught:
         read_tokens("# header\n" + text, "tokens.txt")

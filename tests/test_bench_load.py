@@ -7,7 +7,6 @@ import time
 from http.server import BaseHTTPRequestHandler
 
 import pytest
-
 from conftest import ROOT, http_server
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -52,8 +51,15 @@ def test_open_loop_sends_poisson_arrivals_at_the_rate_and_times_every_request(se
 
 def test_summary_counts_failures_and_takes_percentiles_of_the_successes(server):
     url, _ = server
-    results = load.run(load.open_loop(url, rate=40, seconds=1.0, seed=5,
-                                      make=lambda rng: ("x", {"text": "refuse" if rng.random() < 0.5 else "hi"})))
+    results = load.run(
+        load.open_loop(
+            url,
+            rate=40,
+            seconds=1.0,
+            seed=5,
+            make=lambda rng: ("x", {"text": "refuse" if rng.random() < 0.5 else "hi"}),
+        )
+    )
     summary = load.Summary.of(results, 1.0)
     refused = sum(r.status == 503 for r in results)
     assert refused and summary.failed == refused and summary.ok == len(results) - refused

@@ -10,9 +10,24 @@ from conftest import ROOT
 
 
 def test_the_metrics_bench_prints_what_it_measured():
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "metrics_overhead.py"), "--syntheses", "50",
-                           "--requests", "5", "--scrapes", "5", "--repeats", "1"],
-                          capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "metrics_overhead.py"),
+            "--syntheses",
+            "50",
+            "--requests",
+            "5",
+            "--scrapes",
+            "5",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("$ python bench/metrics_overhead.py --syntheses 50")
     rows = {line.split("  ")[0]: line for line in done.stdout.splitlines()}

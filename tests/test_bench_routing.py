@@ -13,7 +13,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import run  # noqa: E402
-
 from load import Result  # noqa: E402  (bench/load.py)
 
 from cosyvoice_lb.settings import Settings  # noqa: E402
@@ -40,8 +39,10 @@ def test_rows_pool_the_runs_and_compare_each_with_round_robins_same_run():
     pooled = np.percentile([100.0] * 198 + [400.0, 600.0], 99)
     assert row["p99_ms"] == pytest.approx(pooled)
     assert row["p99_runs_ms"] == " / ".join(f"{np.percentile([100.0] * 99 + [v], 99):.0f}" for v in (400, 600))
-    per_run = [np.percentile([100.0] * 99 + [a], 99) / np.percentile([100.0] * 99 + [b], 99)
-               for a, b in ((400, 800), (600, 1000))]
+    per_run = [
+        np.percentile([100.0] * 99 + [a], 99) / np.percentile([100.0] * 99 + [b], 99)
+        for a, b in ((400, 800), (600, 1000))
+    ]
     assert (row["ratio_min"], row["ratio_max"]) == pytest.approx((min(per_run), max(per_run)))
     assert row["ratio_rr"] == pytest.approx(pooled / np.percentile([100.0] * 198 + [800.0, 1000.0], 99))
     assert rows["round-robin"]["ratio_rr"] == pytest.approx(1.0)
@@ -58,15 +59,20 @@ def test_failed_requests_are_counted_and_left_out_of_the_latencies():
 
 
 def test_the_summary_reports_the_default_routing_with_its_spread():
-    rows = run.routing_rows([
-        point("work", [[100.0] * 99 + [450.0], [100.0] * 99 + [500.0]]),
-        point("least_conn", [[100.0] * 99 + [600.0], [100.0] * 99 + [700.0]]),
-        point("round-robin", [[100.0] * 99 + [1000.0], [100.0] * 99 + [1000.0]]),
-        point("work", [[1.0] * 100], mix="uniform"),
-    ])
+    rows = run.routing_rows(
+        [
+            point("work", [[100.0] * 99 + [450.0], [100.0] * 99 + [500.0]]),
+            point("least_conn", [[100.0] * 99 + [600.0], [100.0] * 99 + [700.0]]),
+            point("round-robin", [[100.0] * 99 + [1000.0], [100.0] * 99 + [1000.0]]),
+            point("work", [[1.0] * 100], mix="uniform"),
+        ]
+    )
     report = run.Report(
         overhead=[{"p50_ms": 1.0, "p99_ms": 2.0, "throughput_rps": 10.0}] * 2,
-        scale=[{"instances": 4, "efficiency_pct": 99.0}], routing=rows, startup=[])
+        scale=[{"instances": 4, "efficiency_pct": 99.0}],
+        routing=rows,
+        startup=[],
+    )
     line = run.summary_lines(report)[2]
     work = next(r for r in rows if r["setup"] == "work" and r["mix"] == "80/20")
     assert line.startswith(f"routing: p99 ratio vs round-robin {work['ratio_rr']:.2f} at 70% load (runs ")

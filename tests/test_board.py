@@ -50,7 +50,9 @@ def test_another_process_sees_the_rows_and_a_dead_one_is_no_peer(tmp_path):
         print([(p.slot, p.declined) for p in board.peers(0, request_key("other"))])
         """
     )
-    seen = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+    seen = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert seen == ["[(1, 5.0, True)]", "[(1, False)]"]
 
 

@@ -292,8 +292,7 @@ def test_status_help_names_the_watch_variables():
 
 
 def test_plan_shows_each_slots_role_at_up():
-    done = cli("plan", "--gpus", "24GiB", "--instances", "2", "--min-instances", "1", "--spares", "1",
-               "--surge", "2")
+    done = cli("plan", "--gpus", "24GiB", "--instances", "2", "--min-instances", "1", "--spares", "1", "--surge", "2")
     assert done.returncode == 0, done.stderr
     roles = [line.split("│")[5].strip() for line in done.stdout.splitlines() if "instance-" in line]
     # one 24 GiB card holds 4: the surge gets 1 of the 2 asked for, and the plan says so

@@ -24,8 +24,20 @@ MIG = GpuReading(1, "NVIDIA A100 MIG", "GPU-1111", 2**30, 40 * 2**30, None, 41.0
 
 def view(gpus=(), nginx: NginxCounters | None = None, drained: bool = False) -> ClusterView:
     instances = [
-        InstanceStatus("instance-0", 7860, 0 if gpus else None, 4242, "RUNNING", True, True, 2, 61.0,
-                       inflight=1, waiting=2, gpu_memory=4 * 2**30 if gpus else 0),
+        InstanceStatus(
+            "instance-0",
+            7860,
+            0 if gpus else None,
+            4242,
+            "RUNNING",
+            True,
+            True,
+            2,
+            61.0,
+            inflight=1,
+            waiting=2,
+            gpu_memory=4 * 2**30 if gpus else 0,
+        ),
         InstanceStatus("instance-1", 7861, 1 if gpus else None, 0, "BACKOFF", False, False, 0, 0.0, drained=drained),
     ]
     report = {
@@ -72,8 +84,11 @@ def test_instances_restarts_and_the_health_loop():
     assert found[("cosyvoice_lb_instance_in_flight", (("name", "instance-0"),))] == 1
     assert found[("cosyvoice_lb_instance_queue_depth", (("name", "instance-0"),))] == 2  # (the HPA's, per pod)
     # the hang the loop ordered, and the crash it counted
-    restarts = {dict(labels)["reason"]: value for (name, labels), value in found.items()
-                if name == "cosyvoice_lb_instance_restarts_total" and dict(labels)["name"] == "instance-0"}
+    restarts = {
+        dict(labels)["reason"]: value
+        for (name, labels), value in found.items()
+        if name == "cosyvoice_lb_instance_restarts_total" and dict(labels)["name"] == "instance-0"
+    }
     assert restarts == {**{r: 0 for r in RESTART_REASONS}, "hang": 1, "crash": 1}
     assert found[("cosyvoice_lb_probe_duration_seconds", (("name", "instance-0"),))] == 0.004
     assert ("cosyvoice_lb_probe_duration_seconds", (("name", "instance-1"),)) not in found  # never probed
@@ -89,8 +104,11 @@ def test_the_pool_says_how_many_are_wanted_and_each_role():
     v.status.pool = {"wanted": 3, "surge": 1, "in_rotation": 4, "spares": 1, "parked": 2}
     found = samples(v)
     assert found[("cosyvoice_lb_instances_wanted", ())] == 4  # a roll-out's surge included
-    roles = {dict(labels)["role"]: value for (name, labels), value in found.items()
-             if name == "cosyvoice_lb_instances_by_role"}
+    roles = {
+        dict(labels)["role"]: value
+        for (name, labels), value in found.items()
+        if name == "cosyvoice_lb_instances_by_role"
+    }
     assert roles == {"in_rotation": 4, "spare": 1, "parked": 2}
     assert "cosyvoice_lb_instances_wanted" not in scrape(view())  # (no pool read: nothing said)
 
@@ -124,6 +142,7 @@ def test_nginx_counters_and_nginx_down():
 @pytest.mark.skipif(PROMTOOL is None and not os.environ.get("CVLB_REQUIRE_BROWSER"), reason="promtool missing")
 def test_names_and_units_pass_promtools_lint():
     text = scrape(view(gpus=(H100, MIG), nginx=parse_stub_status(STUB)))
-    done = subprocess.run([PROMTOOL or "promtool", "check", "metrics"], input=text, capture_output=True, text=True,
-                          timeout=30)
+    done = subprocess.run(
+        [PROMTOOL or "promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -10,8 +10,7 @@ import pytest
 pytest.importorskip("torch", reason="the contract fake yields torch tensors, like upstream")
 
 from cosyvoice_lb.engines import EngineError, SynthesisRequest  # noqa: E402
-from cosyvoice_lb.engines.cosyvoice import (  # noqa: E402
-    ENDOFPROMPT, CosyVoiceEngine, model_version, v2_prompt, v3_prompt)
+from cosyvoice_lb.engines.cosyvoice import ENDOFPROMPT, CosyVoiceEngine, model_version, v2_prompt, v3_prompt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE / "fake_cosyvoice"
@@ -51,10 +50,16 @@ def test_model_version_by_yaml_and_refusals(tmp_path):
 
 def test_v3_prompt_format_is_upstreams_example():
     assert v3_prompt("zero_shot", "t", "transcript", "") == (
-        "t", "You are a helpful assistant.<|endofprompt|>transcript", "")
+        "t",
+        "You are a helpful assistant.<|endofprompt|>transcript",
+        "",
+    )
     assert v3_prompt("cross_lingual", "text", "", "") == ("You are a helpful assistant.<|endofprompt|>text", "", "")
     assert v3_prompt("instruct", "t", "", "请用广东话表达。") == (
-        "t", "", "You are a helpful assistant. 请用广东话表达。<|endofprompt|>")
+        "t",
+        "",
+        "You are a helpful assistant. 请用广东话表达。<|endofprompt|>",
+    )
     # what the user already formatted stays as it is
     assert v3_prompt("zero_shot", "t", f"custom{ENDOFPROMPT}x", "")[1] == f"custom{ENDOFPROMPT}x"
     assert v2_prompt("instruct", "t", "", "用四川话说这句话") == ("t", "", "用四川话说这句话<|endofprompt|>")
@@ -65,8 +70,11 @@ def test_v3_every_mode_passes_upstreams_assertion():
     engine = loaded("Fun-CosyVoice3-0.5B")
     assert engine.version == 3 and engine.sample_rate == 24000
     assert engine.modes == ("zero_shot", "cross_lingual", "instruct") and engine.speakers() == []
-    for mode, extra in (("zero_shot", {"prompt_text": "希望你以后能够做的比我还好呦。"}), ("cross_lingual", {}),
-                        ("instruct", {"instruct_text": "Speak slowly."})):
+    for mode, extra in (
+        ("zero_shot", {"prompt_text": "希望你以后能够做的比我还好呦。"}),
+        ("cross_lingual", {}),
+        ("instruct", {"instruct_text": "Speak slowly."}),
+    ):
         out = audio(engine, text="Hello there.", mode=mode, prompt_wav=PROMPT, **extra)
         assert out.dtype == np.float32 and out.ndim == 1 and out.size > 0.3 * 24000
 
@@ -85,8 +93,11 @@ def test_seed_reproduces_and_speed_and_stream():
     assert np.array_equal(one, two) and not np.array_equal(one, other)
     fast = audio(engine, text="Same words.", mode="cross_lingual", prompt_wav=PROMPT, speed=2.0)
     assert fast.size < 0.6 * one.size
-    chunks = list(engine.synthesize(SynthesisRequest(text="Stream these words.", mode="cross_lingual",
-                                                     prompt_wav=PROMPT, stream=True)))
+    chunks = list(
+        engine.synthesize(
+            SynthesisRequest(text="Stream these words.", mode="cross_lingual", prompt_wav=PROMPT, stream=True)
+        )
+    )
     assert len(chunks) > 1
 
 
@@ -94,8 +105,11 @@ def test_every_stream_starts_with_the_first_chunk_size():
     # upstream doubles its chunk size on the model after each streamed chunk and never resets it
     engine = loaded("Fun-CosyVoice3-0.5B")
     for _ in range(3):
-        list(engine.synthesize(SynthesisRequest(text="Stream these words.", mode="cross_lingual",
-                                                prompt_wav=PROMPT, stream=True)))
+        list(
+            engine.synthesize(
+                SynthesisRequest(text="Stream these words.", mode="cross_lingual", prompt_wav=PROMPT, stream=True)
+            )
+        )
         assert engine.model.model.token_hop_len == 100  # where upstream leaves it
     assert engine.model.model.first_hops == [25, 25, 25]
 
@@ -120,8 +134,9 @@ def vllm(monkeypatch):
 
     registry = {}
     module = types.ModuleType("vllm")
-    module.ModelRegistry = types.SimpleNamespace(register_model=registry.__setitem__,
-                                                 get_supported_archs=lambda: list(registry))
+    module.ModelRegistry = types.SimpleNamespace(
+        register_model=registry.__setitem__, get_supported_archs=lambda: list(registry)
+    )
     monkeypatch.setitem(sys.modules, "vllm", module)
     return registry
 
@@ -172,6 +187,7 @@ def test_a_missing_checkout_is_a_clear_error(tmp_path):
 
 
 # --- saved voices through upstream's speaker cache ---------------------------------------------
+
 
 def test_a_saved_voice_is_cached_once_then_spoken_from_the_cache():
     engine = loaded("Fun-CosyVoice3-0.5B")

@@ -23,18 +23,21 @@ def private(path, text: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("kwargs,listen,exposed,required", [
-    ({}, "127.0.0.1", False, False),
-    ({"public": True}, "0.0.0.0", True, True),
-    ({"public": True, "no_auth": True}, "0.0.0.0", True, False),
-    ({"host": "0.0.0.0"}, "0.0.0.0", True, True),  # an explicit address others reach: as --public
-    ({"host": "192.168.1.5"}, "192.168.1.5", True, True),
-    ({"host": "::"}, "::", True, True),
-    ({"host": "127.0.0.2"}, "127.0.0.2", False, False),
-    ({"host": "::1"}, "::1", False, False),
-    ({"api_token_file": "/x"}, "127.0.0.1", False, True),  # asked for: also on loopback
-    ({"ui_auth": "/x"}, "127.0.0.1", False, True),
-])
+@pytest.mark.parametrize(
+    "kwargs,listen,exposed,required",
+    [
+        ({}, "127.0.0.1", False, False),
+        ({"public": True}, "0.0.0.0", True, True),
+        ({"public": True, "no_auth": True}, "0.0.0.0", True, False),
+        ({"host": "0.0.0.0"}, "0.0.0.0", True, True),  # an explicit address others reach: as --public
+        ({"host": "192.168.1.5"}, "192.168.1.5", True, True),
+        ({"host": "::"}, "::", True, True),
+        ({"host": "127.0.0.2"}, "127.0.0.2", False, False),
+        ({"host": "::1"}, "::1", False, False),
+        ({"api_token_file": "/x"}, "127.0.0.1", False, True),  # asked for: also on loopback
+        ({"ui_auth": "/x"}, "127.0.0.1", False, True),
+    ],
+)
 def test_exposure_and_whether_credentials_are_required(kwargs, listen, exposed, required):
     s = Settings(**kwargs)
     assert (s.listen_host, s.exposed, s.auth_required) == (listen, exposed, required)
@@ -105,10 +108,13 @@ def test_ui_users_go_into_the_policy(tmp_path):
     assert Policy.from_json(lay.access_policy.read_text()).login("ann", "pw")
 
 
-@pytest.mark.parametrize("text,words", [
-    ("# nothing\n", "holds no token"),
-    ("short\n", "fewer than 16"),
-])
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("# nothing\n", "holds no token"),
+        ("short\n", "fewer than 16"),
+    ],
+)
 def test_a_bad_token_file_is_a_clear_error(tmp_path, text, words):
     tokens = private(tmp_path / "tokens", text)
     with pytest.raises(ClusterError, match=words):

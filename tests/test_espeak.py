@@ -31,8 +31,9 @@ def test_split_runs_sends_chinese_to_the_pinyin_voice_with_tone_numbers():
 
 def test_chinese_is_spoken_with_mandarin_tones_not_english_digits():
     for voice, text in split_runs("你好世界"):
-        phonemes = subprocess.run(["espeak-ng", "-q", "-x", "-v", voice, text], capture_output=True,
-                                  text=True, check=True).stdout
+        phonemes = subprocess.run(
+            ["espeak-ng", "-q", "-x", "-v", voice, text], capture_output=True, text=True, check=True
+        ).stdout
         assert "Tr'i:" not in phonemes  # "three" read as English: the known espeak-ng cmn failure
         # Four syllables, each with a Mandarin tone contour (e.g. 35, 21, 51), no English words.
         assert len(re.findall(r"'[^_|]*?\d{2,3}_", phonemes)) == 4, phonemes

@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler
 import numpy as np
 import pytest
 import soundfile
-
 from conftest import http_server
+
 from cosyvoice_lb.admission import TimedOut
 from cosyvoice_lb.fanout import SEGMENT_HEADER, Balancer, FanOut, SegmentFailed, blocking
 

@@ -21,8 +21,9 @@ JSON_TEXT = {"text": "Hello there."}
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     path = tmp_path_factory.mktemp("gate") / "access.json"
-    path.write_text(Policy(frozenset({digest(TOKEN)}), read_htpasswd(bcrypt_line("ann", "pw"), "u"),
-                           b"k" * 32).to_json())
+    path.write_text(
+        Policy(frozenset({digest(TOKEN)}), read_htpasswd(bcrypt_line("ann", "pw"), "u"), b"k" * 32).to_json()
+    )
     admission = Admission()
     admission.become_ready()
     engine = create_engine("simulated", simulated_ms_per_char=0.0, simulated_base_ms=0.0)
@@ -33,12 +34,23 @@ def client(tmp_path_factory):
 
 # Gradio's routes too: the page, its config and API info, the queue, uploads, files, gradio_client's calls.
 CLOSED_ROUTES = [
-    ("POST", "/v1/tts"), ("GET", "/"), ("GET", "/config"), ("GET", "/gradio_api/info"),
-    ("POST", "/gradio_api/queue/join"), ("GET", "/gradio_api/queue/data"), ("POST", "/gradio_api/upload"),
-    ("GET", "/gradio_api/file=/etc/passwd"), ("POST", "/gradio_api/call/generate"), ("POST", "/gradio_api/run/predict"),
-    ("GET", "/openapi.json"), ("GET", "/gradio_api/heartbeat/abc"),
+    ("POST", "/v1/tts"),
+    ("GET", "/"),
+    ("GET", "/config"),
+    ("GET", "/gradio_api/info"),
+    ("POST", "/gradio_api/queue/join"),
+    ("GET", "/gradio_api/queue/data"),
+    ("POST", "/gradio_api/upload"),
+    ("GET", "/gradio_api/file=/etc/passwd"),
+    ("POST", "/gradio_api/call/generate"),
+    ("POST", "/gradio_api/run/predict"),
+    ("GET", "/openapi.json"),
+    ("GET", "/gradio_api/heartbeat/abc"),
     # the OpenAI-compatible routes
-    ("POST", "/v1/audio/speech"), ("GET", "/v1/models"), ("GET", "/v1/audio/voices"), ("POST", "/v1/audio/voices"),
+    ("POST", "/v1/audio/speech"),
+    ("GET", "/v1/models"),
+    ("GET", "/v1/audio/voices"),
+    ("POST", "/v1/audio/voices"),
     ("GET", "/v1/audio/voices/voice_0123456789abcdef01234567"),
     ("DELETE", "/v1/audio/voices/voice_0123456789abcdef01234567"),
 ]
@@ -117,11 +129,21 @@ def test_a_huge_login_form_is_refused(client):
     assert client.post("/login", data={"password": "x" * 20000}).status_code == 413
 
 
-@pytest.mark.parametrize("target,expected", [
-    ("/", "/"), ("/?view=api", "/?view=api"), ("//evil.example/x", "/"), ("https://evil.example", "/"),
-    ("/\\evil.example", "/"), ("", "/"), ("javascript:alert(1)", "/"),
-    ("/\t/evil.example", "/"), ("/\n/evil.example", "/"), ("/ /evil.example", "/"),  # browsers drop blanks
-])
+@pytest.mark.parametrize(
+    "target,expected",
+    [
+        ("/", "/"),
+        ("/?view=api", "/?view=api"),
+        ("//evil.example/x", "/"),
+        ("https://evil.example", "/"),
+        ("/\\evil.example", "/"),
+        ("", "/"),
+        ("javascript:alert(1)", "/"),
+        ("/\t/evil.example", "/"),
+        ("/\n/evil.example", "/"),
+        ("/ /evil.example", "/"),  # browsers drop blanks
+    ],
+)
 def test_after_the_login_only_paths_of_this_site(target, expected):
     assert safe_next(target) == expected
 

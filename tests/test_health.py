@@ -25,8 +25,9 @@ FAILED = Probe("failed", detail="/ping: ConnectionError")
 
 
 def process(pid: int = 100, state: str = "RUNNING", uptime: float = 1000.0) -> ProcessInfo:
-    return ProcessInfo(name="instance-0", state=state, pid=pid, start=NOW - uptime, now=NOW,
-                       description=f"pid {pid}", exitstatus=0)
+    return ProcessInfo(
+        name="instance-0", state=state, pid=pid, start=NOW - uptime, now=NOW, description=f"pid {pid}", exitstatus=0
+    )
 
 
 def serving(pid: int = 100, **changes) -> Track:
@@ -51,8 +52,7 @@ def test_process_uptime():
 
 
 def test_policy_from_settings():
-    settings = Settings(fail_threshold=4, recover_threshold=3, hang_timeout=60.0, startup_timeout=90.0,
-                        start_retries=5)
+    settings = Settings(fail_threshold=4, recover_threshold=3, hang_timeout=60.0, startup_timeout=90.0, start_retries=5)
     assert Policy.from_settings(settings) == Policy(4, 3, 60.0, 90.0, start_retries=5)
 
 
@@ -115,8 +115,9 @@ def test_a_failure_resets_the_good_count_of_a_recovering_instance():
 # --- hung synthesis -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stalled, restarts", [(0.0, False), (119.9, False), (120.0, False), (120.1, True),
-                                             (900.0, True)])
+@pytest.mark.parametrize(
+    "stalled, restarts", [(0.0, False), (119.9, False), (120.0, False), (120.1, True), (900.0, True)]
+)
 def test_a_synthesis_stalled_past_the_hang_timeout_means_a_drained_restart(stalled, restarts):
     verdict = judge(serving(), process(), Probe("ready", busy_seconds=stalled, stalled=(stalled,)), POLICY)
     assert bool(verdict.restart) is restarts
@@ -159,24 +160,29 @@ def test_start_drain_takes_it_out_and_counts_one_restart():
     assert (again.draining_since, again.drain_signal, again.restarts) == (NOW, "KILL", 3)
 
 
-@pytest.mark.parametrize("signal_name, probe_, elapsed, done", [
-    (DrainAction.TERM, Probe("ready", inflight=0, waiting=0), 1.0, True),
-    (DrainAction.TERM, Probe("ready", inflight=1, stalled=(0.1,)), 1.0, False),  # one still synthesizing
-    (DrainAction.TERM, Probe("ready", inflight=0, waiting=1), 1.0, False),  # one queued, still to be served
-    (DrainAction.TERM, Probe("ready", inflight=1, stalled=(0.1,)), 30.5, True),  # --drain-timeout
-    (DrainAction.TERM, Probe("failed"), 1.0, True),  # does not answer: TERM now (it drains itself anyway)
-    (DrainAction.HOLD, Probe("ready", inflight=0), 1.0, True),
-    (DrainAction.KILL, Probe("ready", inflight=1, stalled=(500.0,)), 1.0, True),  # only the hung one is left
-    (DrainAction.KILL, Probe("ready", inflight=2, stalled=(500.0, 0.2)), 1.0, False),  # another still progresses
-    (DrainAction.KILL, Probe("ready", inflight=2, stalled=(500.0, 0.2)), 31.0, True),
-])
+@pytest.mark.parametrize(
+    "signal_name, probe_, elapsed, done",
+    [
+        (DrainAction.TERM, Probe("ready", inflight=0, waiting=0), 1.0, True),
+        (DrainAction.TERM, Probe("ready", inflight=1, stalled=(0.1,)), 1.0, False),  # one still synthesizing
+        (DrainAction.TERM, Probe("ready", inflight=0, waiting=1), 1.0, False),  # one queued, still to be served
+        (DrainAction.TERM, Probe("ready", inflight=1, stalled=(0.1,)), 30.5, True),  # --drain-timeout
+        (DrainAction.TERM, Probe("failed"), 1.0, True),  # does not answer: TERM now (it drains itself anyway)
+        (DrainAction.HOLD, Probe("ready", inflight=0), 1.0, True),
+        (DrainAction.KILL, Probe("ready", inflight=1, stalled=(500.0,)), 1.0, True),  # only the hung one is left
+        (DrainAction.KILL, Probe("ready", inflight=2, stalled=(500.0, 0.2)), 1.0, False),  # another still progresses
+        (DrainAction.KILL, Probe("ready", inflight=2, stalled=(500.0, 0.2)), 31.0, True),
+    ],
+)
 def test_drain_done(signal_name, probe_, elapsed, done):
     track = start_drain(serving(), "why", signal_name, NOW)
     assert drain_done(track, probe_, Policy(hang_timeout=120.0, drain_timeout=30.0), NOW + elapsed) is done
 
 
 def test_a_signalled_instance_stays_out_until_its_new_process_serves():
-    track = dataclasses.replace(start_drain(serving(), "restart requested", DrainAction.TERM, NOW), signalled_at=NOW + 1)
+    track = dataclasses.replace(
+        start_drain(serving(), "restart requested", DrainAction.TERM, NOW), signalled_at=NOW + 1
+    )
     verdict = judge(track, process(pid=100), READY, Policy(recover_threshold=1))
     assert not verdict.track.in_rotation and not verdict.restart
     new = judge(verdict.track, process(pid=101, uptime=5.0), READY, Policy(recover_threshold=1)).track
@@ -186,9 +192,17 @@ def test_a_signalled_instance_stays_out_until_its_new_process_serves():
 # --- crash loops ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("starts, since, alive, count", [
-    (1, 0, True, 0), (1, 0, False, 1), (4, 0, True, 3), (4, 0, False, 4), (7, 5, True, 1), (5, 5, True, 0),
-])
+@pytest.mark.parametrize(
+    "starts, since, alive, count",
+    [
+        (1, 0, True, 0),
+        (1, 0, False, 1),
+        (4, 0, True, 3),
+        (4, 0, False, 4),
+        (7, 5, True, 1),
+        (5, 5, True, 0),
+    ],
+)
 def test_failed_starts(starts, since, alive, count):
     assert failed_starts(starts, since, alive) == count
 
@@ -333,15 +347,18 @@ RECYCLE = Policy(max_requests=100, max_memory=8 * 2**30)
 SERVING = Track(in_rotation=True, ever_ready=True, pid=7, recycle_at=110)
 
 
-@pytest.mark.parametrize("track, probe, memory, reason", [
-    (SERVING, Probe("ready", served=109), 2**30, ""),
-    (SERVING, Probe("ready", served=110), 2**30, "served 110 requests (--max-requests 100)"),
-    (SERVING, Probe("ready", served=5), 9 * 2**30, "uses 9.0 GiB (--max-memory 8.0 GiB)"),
-    (dataclasses.replace(SERVING, in_rotation=False), Probe("ready", served=500), 0, ""),  # not serving: no
-    (dataclasses.replace(SERVING, draining_since=1.0), Probe("ready", served=500), 0, ""),  # already going
-    (dataclasses.replace(SERVING, recycle_at=0), Probe("ready", served=500), 0, ""),  # share not drawn yet
-    (SERVING, Probe("failed", served=500), 0, ""),  # sick is the health verdict's business
-])
+@pytest.mark.parametrize(
+    "track, probe, memory, reason",
+    [
+        (SERVING, Probe("ready", served=109), 2**30, ""),
+        (SERVING, Probe("ready", served=110), 2**30, "served 110 requests (--max-requests 100)"),
+        (SERVING, Probe("ready", served=5), 9 * 2**30, "uses 9.0 GiB (--max-memory 8.0 GiB)"),
+        (dataclasses.replace(SERVING, in_rotation=False), Probe("ready", served=500), 0, ""),  # not serving: no
+        (dataclasses.replace(SERVING, draining_since=1.0), Probe("ready", served=500), 0, ""),  # already going
+        (dataclasses.replace(SERVING, recycle_at=0), Probe("ready", served=500), 0, ""),  # share not drawn yet
+        (SERVING, Probe("failed", served=500), 0, ""),  # sick is the health verdict's business
+    ],
+)
 def test_recycle_due(track, probe, memory, reason):
     assert recycle_due(track, probe, memory, RECYCLE) == reason
 
@@ -378,7 +395,9 @@ def test_the_start_after_a_planned_stop_is_no_crash_even_while_loading():
     policy = Policy(start_retries=1)
     track = judge(Track(), process(pid=5, uptime=2.0), LOADING, policy, starts=1).track  # loading, never ready
     for start in range(2, 6):  # restarted by hand (or replaced) again and again while it loads
-        track = dataclasses.replace(start_drain(track, "restart requested", DrainAction.TERM, NOW), signalled_at=NOW + 1)
+        track = dataclasses.replace(
+            start_drain(track, "restart requested", DrainAction.TERM, NOW), signalled_at=NOW + 1
+        )
         verdict = judge(track, process(pid=5 + start, uptime=1.0), LOADING, policy, starts=start)
         assert not verdict.give_up and verdict.track.reason == "loading"
         track = verdict.track

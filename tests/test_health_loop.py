@@ -153,7 +153,7 @@ class Rig:
         the last resort's)."""
         found = re.findall(r"server \S+ max_fails=0( down)?;\s+# (\S+)", self.layout.upstreams_conf.read_text())
         assert len(found) == 4 * len(SLOTS)
-        pools = [found[i * len(SLOTS):(i + 1) * len(SLOTS)] for i in range(4)]
+        pools = [found[i * len(SLOTS) : (i + 1) * len(SLOTS)] for i in range(4)]
         assert all(pool == pools[0] for pool in pools)
         return {name for mark, name in pools[0] if mark}
 
@@ -174,8 +174,17 @@ def make_rig(tmp_path):
         layout = Layout(tmp_path)
         layout.run.mkdir(exist_ok=True)
         layout.nginx_dir.mkdir(exist_ok=True)
-        settings = Settings(**{"probe_interval": 1.0, "fail_threshold": 2, "recover_threshold": 2,
-                               "hang_timeout": 10.0, "drain_timeout": 30.0, "start_retries": 2, **changes})
+        settings = Settings(
+            **{
+                "probe_interval": 1.0,
+                "fail_threshold": 2,
+                "recover_threshold": 2,
+                "hang_timeout": 10.0,
+                "drain_timeout": 30.0,
+                "start_retries": 2,
+                **changes,
+            }
+        )
         clock, prober, host = Clock(), FakeProber(), FakeHost()
         sup = FakeSupervisor(clock)
         loop = HealthLoop(layout, settings, SLOTS, sup, prober, host, clock=clock, rng=random.Random(0))

@@ -63,8 +63,16 @@ class Rig:
             else:
                 self.sup.set(slot.name, "STOPPED")
         self.loop = HealthLoop(
-            self.layout, self.settings, SLOTS, self.sup, self.prober, FakeHost(), clock=self.clock,
-            rng=random.Random(0), pool=pool, room=room or every_parked,
+            self.layout,
+            self.settings,
+            SLOTS,
+            self.sup,
+            self.prober,
+            FakeHost(),
+            clock=self.clock,
+            rng=random.Random(0),
+            pool=pool,
+            room=room or every_parked,
         )
 
     def start(self, name: str, pid: int) -> None:
@@ -186,8 +194,14 @@ def test_elastic_starts_a_parked_slot_after_a_busy_period_and_stops_one_when_idl
 
 def test_elastic_without_memory_for_a_parked_slot_says_so_once(tmp_path, rigs, caplog):
     caplog.set_level(logging.INFO, logger="cosyvoice_lb.health")
-    rig = rigs(tmp_path, Pool(serving=3, min_serving=1), running=1, room=lambda running, parked: [],
-               scale_up_after=2, idle_release=600)
+    rig = rigs(
+        tmp_path,
+        Pool(serving=3, min_serving=1),
+        running=1,
+        room=lambda running, parked: [],
+        scale_up_after=2,
+        idle_release=600,
+    )
     rig.step(2)
     rig.prober.set(I0, BUSY)
     rig.step(6)

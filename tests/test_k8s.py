@@ -11,8 +11,8 @@ import stat
 
 import pytest
 import yaml
-
 from conftest import ROOT, cli
+
 from cosyvoice_lb.cluster_metrics import ClusterView, families
 from cosyvoice_lb.k8s import PRE_STOP_SECONDS, Deployment, manifests, write_manifests
 from cosyvoice_lb.settings import ENV_PREFIX, Settings, envvar
@@ -25,8 +25,13 @@ V3 = Settings(engine="cosyvoice3", model_dir="/models/cv3", max_chars=300, drain
 
 
 def documents(files: dict[str, str]) -> list[dict]:
-    return [doc for name, text in files.items() if name != "prometheus-adapter-rules.yaml"
-            for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc
+        for name, text in files.items()
+        if name != "prometheus-adapter-rules.yaml"
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 def one(files: dict[str, str], kind: str, name: str = "") -> dict:
@@ -48,9 +53,19 @@ def test_every_manifest_validates_strictly(files, version):
             continue
         kubernetes_validate.validate(doc, version, strict=True)  # raises on any unknown or wrong field
         checked.append(doc["kind"])
-    assert sorted(checked) == sorted(["Secret", "PersistentVolumeClaim", "PersistentVolumeClaim", "Deployment",
-                                      "Service", "Ingress", "Ingress", "HorizontalPodAutoscaler",
-                                      "PodDisruptionBudget"])
+    assert sorted(checked) == sorted(
+        [
+            "Secret",
+            "PersistentVolumeClaim",
+            "PersistentVolumeClaim",
+            "Deployment",
+            "Service",
+            "Ingress",
+            "Ingress",
+            "HorizontalPodAutoscaler",
+            "PodDisruptionBudget",
+        ]
+    )
 
 
 def test_strict_validation_can_fail(files):
@@ -148,8 +163,11 @@ def test_the_hpa_scales_on_a_metric_the_cluster_exposes(files):
     (rule,) = yaml.safe_load(files["prometheus-adapter-rules.yaml"])["rules"]
     assert rule["name"]["as"] == pods["pods"]["metric"]["name"]
     series = rule["seriesQuery"].split("{")[0]
-    view = ClusterView(status=ClusterStatus(running=True, instances=[
-        InstanceStatus("instance-0", 7860, 0, 1, "RUNNING", True, True, 0, 1.0, waiting=3)]))
+    view = ClusterView(
+        status=ClusterStatus(
+            running=True, instances=[InstanceStatus("instance-0", 7860, 0, 1, "RUNNING", True, True, 0, 1.0, waiting=3)]
+        )
+    )
     assert series in {f.name for f in families(view)}
     assert one(files, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
 
@@ -179,8 +197,18 @@ def test_the_command_writes_the_files_and_refuses_what_cannot_work(tmp_path):
     done = cli("k8s", "render", "--out", str(tmp_path / "m"), "--instances", "1", "--replicas", "3")
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == sorted(
-        ["secret.yaml", "volumes.yaml", "deployment.yaml", "service.yaml", "ingress.yaml", "hpa.yaml", "pdb.yaml",
-         "servicemonitor.yaml", "prometheus-adapter-rules.yaml"])
+        [
+            "secret.yaml",
+            "volumes.yaml",
+            "deployment.yaml",
+            "service.yaml",
+            "ingress.yaml",
+            "hpa.yaml",
+            "pdb.yaml",
+            "servicemonitor.yaml",
+            "prometheus-adapter-rules.yaml",
+        ]
+    )
     assert "kubectl apply -f" in done.stdout
     bad = cli("k8s", "render", "--out", str(tmp_path / "n"), "--replicas", "9", "--max-replicas", "4")
     assert bad.returncode == 2 and "--replicas 9 is above --max-replicas 4" in bad.stderr

@@ -61,11 +61,26 @@ def loaded(engine=None) -> Pipeline:
     return p
 
 
-@pytest.mark.parametrize("status, outcome", [
-    (200, "ok"), (204, "ok"), (400, "invalid"), (404, "invalid"), (413, "invalid"), (422, "invalid"),
-    (429, "refused"), (503, "refused"), (408, "timeout"), (504, "timeout"), (499, "cancelled"),
-    (500, "failed"), (502, "failed"), (507, "failed"), (0, "failed"),
-])
+@pytest.mark.parametrize(
+    "status, outcome",
+    [
+        (200, "ok"),
+        (204, "ok"),
+        (400, "invalid"),
+        (404, "invalid"),
+        (413, "invalid"),
+        (422, "invalid"),
+        (429, "refused"),
+        (503, "refused"),
+        (408, "timeout"),
+        (504, "timeout"),
+        (499, "cancelled"),
+        (500, "failed"),
+        (502, "failed"),
+        (507, "failed"),
+        (0, "failed"),
+    ],
+)
 def test_outcomes_from_statuses(status, outcome):
     assert outcome_of(status) == outcome and outcome in OUTCOMES
 
@@ -81,10 +96,22 @@ def test_a_synthesis_is_observed_once_under_its_route():
     p = loaded()
     p.synthesize(p.prepare({"text": "hello"}, route="openai"))
     for name in ("first_package", "queue_wait", "audio_duration", "synthesis", "real_time_factor"):
-        assert value(p, f"cosyvoice_{name}_seconds_count" if name != "real_time_factor" else
-                     "cosyvoice_real_time_factor_count", route="openai") == 1, name
-        assert value(p, f"cosyvoice_{name}_seconds_count" if name != "real_time_factor" else
-                     "cosyvoice_real_time_factor_count", route="api") == 0, name
+        assert (
+            value(
+                p,
+                f"cosyvoice_{name}_seconds_count" if name != "real_time_factor" else "cosyvoice_real_time_factor_count",
+                route="openai",
+            )
+            == 1
+        ), name
+        assert (
+            value(
+                p,
+                f"cosyvoice_{name}_seconds_count" if name != "real_time_factor" else "cosyvoice_real_time_factor_count",
+                route="api",
+            )
+            == 0
+        ), name
     assert value(p, "cosyvoice_audio_duration_seconds_sum", route="openai") == pytest.approx(0.3)
     # its audio took less than its length to make: below real time, and the sum says so
     assert 0 < value(p, "cosyvoice_real_time_factor_sum", route="openai") < 1
@@ -171,7 +198,11 @@ def test_requests_are_counted_by_route_and_outcome(served):
     assert client.get("/ping").status_code == 200  # not a speech request
     counts = {(r, o): value(p, "cosyvoice_requests_total", route=r, outcome=o) for r in ROUTES for o in OUTCOMES}
     assert {k: v for k, v in counts.items() if v} == {
-        ("api", "ok"): 1, ("api", "invalid"): 1, ("api", "failed"): 1, ("openai", "ok"): 1, ("segment", "ok"): 1,
+        ("api", "ok"): 1,
+        ("api", "invalid"): 1,
+        ("api", "failed"): 1,
+        ("openai", "ok"): 1,
+        ("segment", "ok"): 1,
     }
     # three syntheses ran to their end, one broke after its first chunk; the refused one never ran
     firsts = sum(value(p, "cosyvoice_first_package_seconds_count", route=r) for r in ROUTES)
@@ -191,8 +222,13 @@ def test_metrics_is_prometheus_text(served):
     answer = client.get("/metrics")
     assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
     names = {f.name for f in text_string_to_metric_families(answer.text)}
-    assert {"cosyvoice_first_package_seconds", "cosyvoice_requests", "cosyvoice_syntheses_in_flight",
-            "cosyvoice_instance_info", "process_resident_memory_bytes"} <= names
+    assert {
+        "cosyvoice_first_package_seconds",
+        "cosyvoice_requests",
+        "cosyvoice_syntheses_in_flight",
+        "cosyvoice_instance_info",
+        "process_resident_memory_bytes",
+    } <= names
     open_metrics = client.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
     assert open_metrics.headers["content-type"].startswith("application/openmetrics-text")
     assert open_metrics.text.rstrip().endswith("# EOF")
@@ -217,8 +253,13 @@ def test_names_and_units_pass_promtools_lint(served):
     """promtool's linter: counters end in _total, units are base units, help on every metric."""
     _, client = served
     client.post("/v1/tts", json={"text": "hello"})
-    done = subprocess.run([PROMTOOL or "promtool", "check", "metrics"], input=client.get("/metrics").text,
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [PROMTOOL or "promtool", "check", "metrics"],
+        input=client.get("/metrics").text,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 

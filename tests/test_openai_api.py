@@ -30,12 +30,22 @@ def client():
 def test_the_request_maps_onto_the_pipeline():
     payload, fmt, sse = speech_request(
         {"model": "m", "input": "Hi.", "voice": "nova", "speed": 1.5, "instructions": "Calmly.", "seed": 3},
-        {"nova": "narrator"}, [])
+        {"nova": "narrator"},
+        [],
+    )
     assert (fmt, sse) == ("mp3", False)
-    assert payload == {"text": "Hi.", "speed": 1.5, "stream": False, "instruct_text": "Calmly.", "mode": "instruct",
-                       "seed": 3, "voice": "narrator"}
-    payload, fmt, sse = speech_request({"input": "Hi.", "voice": "Alloy", "response_format": "pcm",
-                                        "stream_format": "sse"}, {}, [])
+    assert payload == {
+        "text": "Hi.",
+        "speed": 1.5,
+        "stream": False,
+        "instruct_text": "Calmly.",
+        "mode": "instruct",
+        "seed": 3,
+        "voice": "narrator",
+    }
+    payload, fmt, sse = speech_request(
+        {"input": "Hi.", "voice": "Alloy", "response_format": "pcm", "stream_format": "sse"}, {}, []
+    )
     assert payload == {"text": "Hi.", "speed": 1.0, "stream": True} and (fmt, sse) == ("pcm", True)
 
 

@@ -18,18 +18,21 @@ from cosyvoice_lb.pipeline import ERRORS, Job, NoAudio, Pipeline, describe
 from cosyvoice_lb.validation import BadRequest
 
 
-@pytest.mark.parametrize("exc, status, words, headers", [
-    (BadRequest("too long", status=413), 413, "too long", {}),
-    (BadRequest("no text"), 400, "no text", {}),
-    (PromptError("not audio"), 400, "not audio", {}),
-    (NotReady("still loading"), 503, "still loading", {"Retry-After": "2"}),
-    (Overloaded("busy"), 503, "busy", {"Retry-After": "1"}),
-    (TimedOut("too slow"), 504, "too slow", {}),
-    (NoAudio(), 422, "no audio for this text", {}),
-    (AssertionError("<|endofprompt|> not detected"), 422, "refused this input: <|endofprompt|>", {}),
-    (EngineError("espeak-ng crashed"), 500, "synthesis failed: espeak-ng crashed", {}),
-    (Cancelled(), 499, "went away", {}),
-])
+@pytest.mark.parametrize(
+    "exc, status, words, headers",
+    [
+        (BadRequest("too long", status=413), 413, "too long", {}),
+        (BadRequest("no text"), 400, "no text", {}),
+        (PromptError("not audio"), 400, "not audio", {}),
+        (NotReady("still loading"), 503, "still loading", {"Retry-After": "2"}),
+        (Overloaded("busy"), 503, "busy", {"Retry-After": "1"}),
+        (TimedOut("too slow"), 504, "too slow", {}),
+        (NoAudio(), 422, "no audio for this text", {}),
+        (AssertionError("<|endofprompt|> not detected"), 422, "refused this input: <|endofprompt|>", {}),
+        (EngineError("espeak-ng crashed"), 500, "synthesis failed: espeak-ng crashed", {}),
+        (Cancelled(), 499, "went away", {}),
+    ],
+)
 def test_the_error_table(exc, status, words, headers):
     failure = describe(exc)
     assert failure is not None

@@ -8,11 +8,11 @@ import pytest
 
 from cosyvoice_lb.gpu import parse_gpus
 from cosyvoice_lb.planner import (
-    GiB,
-    MiB,
     Budget,
+    GiB,
     Gpu,
     Inventory,
+    MiB,
     Plan,
     PlanError,
     Slot,
@@ -31,13 +31,18 @@ def cards(*sizes_gib: float, free_gib: tuple[float, ...] | None = None) -> Inven
 
 def cpu_box(cores: int = 8, ram_gib: float = 64, available_gib: float | None = None) -> Inventory:
     available = ram_gib if available_gib is None else available_gib
-    return Inventory(gpus=(), cpu_cores=cores, ram_total=int(ram_gib * GiB),
-                     ram_available=int(available * GiB), source="none")
+    return Inventory(
+        gpus=(), cpu_cores=cores, ram_total=int(ram_gib * GiB), ram_available=int(available * GiB), source="none"
+    )
 
 
 def budget(gpu_gib: float = 5, host_mib: int = 512, reserve_gib: float = 1, max_instances: int | None = None) -> Budget:
-    return Budget(gpu_footprint=int(gpu_gib * GiB), host_footprint=host_mib * MiB,
-                  reserve=int(reserve_gib * GiB), max_instances=max_instances)
+    return Budget(
+        gpu_footprint=int(gpu_gib * GiB),
+        host_footprint=host_mib * MiB,
+        reserve=int(reserve_gib * GiB),
+        max_instances=max_instances,
+    )
 
 
 def devices(p: Plan) -> list[int | None]:
@@ -47,37 +52,61 @@ def devices(p: Plan) -> list[int | None]:
 # --- parse_size / format_size -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("24GiB", 24 * GiB),
-    ("24G", 24 * GiB),
-    ("24GB", 24 * GiB),  # binary, on purpose: a card's "24GB" label is 24 GiB
-    ("24Gi", 24 * GiB),
-    ("24576MiB", 24 * GiB),
-    ("512M", 512 * MiB),
-    ("512MB", 512 * MiB),
-    ("1.5GiB", 3 * GiB // 2),
-    ("0.5G", 512 * MiB),
-    ("4KiB", 4096),
-    ("2T", 2 * 1024**4),
-    ("1TiB", 1024**4),
-    ("1024", 1024),  # a plain number is bytes
-    ("1024B", 1024),
-    ("0", 0),
-    ("24gib", 24 * GiB),
-    ("24g", 24 * GiB),
-    ("24gb", 24 * GiB),
-    ("512mib", 512 * MiB),
-    (" 24 GiB ", 24 * GiB),
-    (2048, 2048),  # not a string: read through str()
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("24GiB", 24 * GiB),
+        ("24G", 24 * GiB),
+        ("24GB", 24 * GiB),  # binary, on purpose: a card's "24GB" label is 24 GiB
+        ("24Gi", 24 * GiB),
+        ("24576MiB", 24 * GiB),
+        ("512M", 512 * MiB),
+        ("512MB", 512 * MiB),
+        ("1.5GiB", 3 * GiB // 2),
+        ("0.5G", 512 * MiB),
+        ("4KiB", 4096),
+        ("2T", 2 * 1024**4),
+        ("1TiB", 1024**4),
+        ("1024", 1024),  # a plain number is bytes
+        ("1024B", 1024),
+        ("0", 0),
+        ("24gib", 24 * GiB),
+        ("24g", 24 * GiB),
+        ("24gb", 24 * GiB),
+        ("512mib", 512 * MiB),
+        (" 24 GiB ", 24 * GiB),
+        (2048, 2048),  # not a string: read through str()
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", [
-    "", "   ", "GiB", "abc", "-1GiB", "+5G", "24XB", "24PB", "1e9", "1,5GiB", "24 GiB extra",
-    "24GiBs", "5 GiB/s", "0x10", "1.GiB", ".5G", "five", "24i", "5 iB", "24iB",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "   ",
+        "GiB",
+        "abc",
+        "-1GiB",
+        "+5G",
+        "24XB",
+        "24PB",
+        "1e9",
+        "1,5GiB",
+        "24 GiB extra",
+        "24GiBs",
+        "5 GiB/s",
+        "0x10",
+        "1.GiB",
+        ".5G",
+        "five",
+        "24i",
+        "5 iB",
+        "24iB",
+    ],
+)
 def test_parse_size_rejects_with_a_helpful_message(text):
     with pytest.raises(PlanError) as caught:
         parse_size(text)
@@ -90,16 +119,19 @@ def test_plan_error_is_a_value_error():
     assert issubclass(PlanError, ValueError)
 
 
-@pytest.mark.parametrize("size, text", [
-    (5 * GiB, "5.0 GiB"),
-    (GiB, "1.0 GiB"),
-    (3 * GiB // 2, "1.5 GiB"),
-    (24 * GiB, "24.0 GiB"),
-    (GiB - MiB, "1023 MiB"),
-    (512 * MiB, "512 MiB"),
-    (MiB, "1 MiB"),
-    (0, "0 MiB"),
-])
+@pytest.mark.parametrize(
+    "size, text",
+    [
+        (5 * GiB, "5.0 GiB"),
+        (GiB, "1.0 GiB"),
+        (3 * GiB // 2, "1.5 GiB"),
+        (24 * GiB, "24.0 GiB"),
+        (GiB - MiB, "1023 MiB"),
+        (512 * MiB, "512 MiB"),
+        (MiB, "1 MiB"),
+        (0, "0 MiB"),
+    ],
+)
 def test_format_size(size, text):
     assert format_size(size) == text
 
@@ -138,12 +170,15 @@ def test_parse_gpus_bad_size_is_refused():
 # --- GPU plans ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("card_gib, footprint_gib, fits", [
-    (12, 5, 2),  # (12 - 1) // 5
-    (12, 6, 1),  # (12 - 1) // 6
-    (24, 5, 4),  # (24 - 1) // 5
-    (24, 6, 3),  # (24 - 1) // 6
-])
+@pytest.mark.parametrize(
+    "card_gib, footprint_gib, fits",
+    [
+        (12, 5, 2),  # (12 - 1) // 5
+        (12, 6, 1),  # (12 - 1) // 6
+        (24, 5, 4),  # (24 - 1) // 5
+        (24, 6, 3),  # (24 - 1) // 6
+    ],
+)
 def test_seed_table_instances_per_card(card_gib, footprint_gib, fits):
     p = plan(cards(card_gib), budget(gpu_gib=footprint_gib))
     assert p.mode == "gpu"
@@ -155,12 +190,15 @@ def test_seed_table_instances_per_card(card_gib, footprint_gib, fits):
     assert p.notes == ()
 
 
-@pytest.mark.parametrize("sizes, footprint_gib, expected", [
-    ((24, 24), 5, [0, 1, 0, 1, 0, 1, 0, 1]),
-    ((24, 24), 6, [0, 1, 0, 1, 0, 1]),
-    ((12, 24), 5, [0, 1, 0, 1, 1, 1]),  # the small card fills first, the big one keeps going
-    ((12, 12, 12), 5, [0, 1, 2, 0, 1, 2]),
-])
+@pytest.mark.parametrize(
+    "sizes, footprint_gib, expected",
+    [
+        ((24, 24), 5, [0, 1, 0, 1, 0, 1, 0, 1]),
+        ((24, 24), 6, [0, 1, 0, 1, 0, 1]),
+        ((12, 24), 5, [0, 1, 0, 1, 1, 1]),  # the small card fills first, the big one keeps going
+        ((12, 12, 12), 5, [0, 1, 2, 0, 1, 2]),
+    ],
+)
 def test_several_cards_are_filled_in_turn(sizes, footprint_gib, expected):
     p = plan(cards(*sizes), budget(gpu_gib=footprint_gib))
     assert devices(p) == expected
@@ -173,14 +211,19 @@ def test_slots_get_consecutive_ports_names_and_a_pinned_device():
     assert [s.port for s in p.slots] == list(range(9000, 9008))
     assert [s.index for s in p.slots] == list(range(8))
     assert [s.name for s in p.slots] == [f"instance-{i}" for i in range(8)]
-    assert [s.env for s in p.slots] == [{"CUDA_VISIBLE_DEVICES": str(i % 2), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-                                        for i in range(8)]
+    assert [s.env for s in p.slots] == [
+        {"CUDA_VISIBLE_DEVICES": str(i % 2), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"} for i in range(8)
+    ]
 
 
 def test_slot_env_pins_the_nvml_index_not_the_position():
     # CUDA_VISIBLE_DEVICES=1,3 on the launcher: NVML indexes 1 and 3 are what the box offers.
-    inventory = Inventory(gpus=(Gpu(1, 24 * GiB, 24 * GiB), Gpu(3, 24 * GiB, 24 * GiB)),
-                          cpu_cores=8, ram_total=64 * GiB, ram_available=64 * GiB)
+    inventory = Inventory(
+        gpus=(Gpu(1, 24 * GiB, 24 * GiB), Gpu(3, 24 * GiB, 24 * GiB)),
+        cpu_cores=8,
+        ram_total=64 * GiB,
+        ram_available=64 * GiB,
+    )
     p = plan(inventory, budget(), instances=3)
     assert devices(p) == [1, 3, 1]
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in p.slots] == ["1", "3", "1"]
@@ -191,14 +234,17 @@ def test_default_base_port_is_7860():
     assert [s.port for s in plan(cards(12), budget()).slots] == [7860, 7861]
 
 
-@pytest.mark.parametrize("free_gib, fits, limit", [
-    (24, 4, "total"),
-    (23.5, 4, "total"),  # free beyond (total - reserve) does not count twice
-    (20, 4, "total"),
-    (19.9, 3, "free"),  # another process holds ~4 GiB
-    (10, 2, "free"),
-    (5, 1, "free"),
-])
+@pytest.mark.parametrize(
+    "free_gib, fits, limit",
+    [
+        (24, 4, "total"),
+        (23.5, 4, "total"),  # free beyond (total - reserve) does not count twice
+        (20, 4, "total"),
+        (19.9, 3, "free"),  # another process holds ~4 GiB
+        (10, 2, "free"),
+        (5, 1, "free"),
+    ],
+)
 def test_free_memory_limits_a_card(free_gib, fits, limit):
     p = plan(cards(24, free_gib=(free_gib,)), budget())
     (fit,) = p.fits
@@ -216,12 +262,15 @@ def test_a_busy_card_gets_fewer_slots_and_the_plan_notes_a_full_one():
     assert "2.0 GiB free" in note and "24.0 GiB total" in note and "5.0 GiB per instance" in note
 
 
-@pytest.mark.parametrize("reserve_gib, fits", [
-    (0, 2),  # 10 // 5
-    (1, 1),  # 9 // 5
-    (4.9, 1),
-    (5, 1),
-])
+@pytest.mark.parametrize(
+    "reserve_gib, fits",
+    [
+        (0, 2),  # 10 // 5
+        (1, 1),  # 9 // 5
+        (4.9, 1),
+        (5, 1),
+    ],
+)
 def test_reserve_is_kept_back_on_each_card(reserve_gib, fits):
     p = plan(cards(10, 10), budget(reserve_gib=reserve_gib))
     assert [f.fits for f in p.fits] == [fits, fits]
@@ -264,11 +313,14 @@ def test_max_instances_at_or_above_capacity_changes_nothing(max_instances):
     assert p.notes == ()
 
 
-@pytest.mark.parametrize("instances, expected", [
-    (1, [0]),
-    (3, [0, 1, 0]),
-    (8, [0, 1, 0, 1, 0, 1, 0, 1]),
-])
+@pytest.mark.parametrize(
+    "instances, expected",
+    [
+        (1, [0]),
+        (3, [0, 1, 0]),
+        (8, [0, 1, 0, 1, 0, 1, 0, 1]),
+    ],
+)
 def test_instances_within_capacity(instances, expected):
     p = plan(cards(24, 24), budget(), instances=instances)
     assert devices(p) == expected
@@ -295,13 +347,16 @@ def test_instances_beyond_a_max_instances_cap_is_refused():
         plan(cards(24, 24), budget(max_instances=3), instances=4)
 
 
-@pytest.mark.parametrize("inventory, instances, expected", [
-    (cards(24, 24), 9, [0, 1, 0, 1, 0, 1, 0, 1, 0]),
-    (cards(24, 24), 11, [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0]),
-    (cards(12), 4, [0, 0, 0, 0]),
-    (cards(4, 4), 3, [0, 1, 0]),  # nothing fits anywhere: still round-robin
-    (cards(4), 2, [0, 0]),
-])
+@pytest.mark.parametrize(
+    "inventory, instances, expected",
+    [
+        (cards(24, 24), 9, [0, 1, 0, 1, 0, 1, 0, 1, 0]),
+        (cards(24, 24), 11, [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0]),
+        (cards(12), 4, [0, 0, 0, 0]),
+        (cards(4, 4), 3, [0, 1, 0]),  # nothing fits anywhere: still round-robin
+        (cards(4), 2, [0, 0]),
+    ],
+)
 def test_force_places_extra_instances_round_robin(inventory, instances, expected):
     p = plan(inventory, budget(), instances=instances, force=True)
     assert devices(p) == expected
@@ -331,12 +386,15 @@ def test_cpu_plan_is_limited_by_cores():
     assert p.notes == ("no GPU found: planning CPU slots from 4 cores and 64.0 GiB free RAM",)
 
 
-@pytest.mark.parametrize("ram_gib, available_gib, fits, limit", [
-    (64, 2, 4, "free"),  # 2 GiB free / 512 MiB
-    (64, 1.9, 3, "free"),
-    (3, 3, 4, "total"),  # (3 GiB - 1 GiB reserve) / 512 MiB
-    (2, 2, 2, "total"),
-])
+@pytest.mark.parametrize(
+    "ram_gib, available_gib, fits, limit",
+    [
+        (64, 2, 4, "free"),  # 2 GiB free / 512 MiB
+        (64, 1.9, 3, "free"),
+        (3, 3, 4, "total"),  # (3 GiB - 1 GiB reserve) / 512 MiB
+        (2, 2, 2, "total"),
+    ],
+)
 def test_cpu_plan_is_limited_by_ram(ram_gib, available_gib, fits, limit):
     p = plan(cpu_box(cores=32, ram_gib=ram_gib, available_gib=available_gib), budget())
     assert p.capacity == fits
@@ -379,17 +437,20 @@ def test_cpu_plan_max_instances():
 # --- invalid requests ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("the_budget, kwargs, match", [
-    (Budget(gpu_footprint=0, host_footprint=512 * MiB), {}, "footprint must be larger than 0"),
-    (Budget(gpu_footprint=-GiB, host_footprint=512 * MiB), {}, "footprint must be larger than 0"),
-    (Budget(gpu_footprint=5 * GiB, host_footprint=0), {}, "footprint must be larger than 0"),
-    (Budget(gpu_footprint=5 * GiB, host_footprint=MiB, reserve=-1), {}, "reserve cannot be negative"),
-    (Budget(gpu_footprint=5 * GiB, host_footprint=MiB, max_instances=0), {}, "--max-instances must be at least 1"),
-    (Budget(gpu_footprint=5 * GiB, host_footprint=MiB), {"instances": 0}, "--instances must be at least 1"),
-    (Budget(gpu_footprint=5 * GiB, host_footprint=MiB), {"instances": -2}, "--instances must be at least 1"),
-    (Budget(gpu_footprint=5 * GiB, host_footprint=MiB), {"base_port": 0}, "base port 0 is not a TCP port"),
-    (Budget(gpu_footprint=5 * GiB, host_footprint=MiB), {"base_port": 65536}, "base port 65536 is not a TCP port"),
-])
+@pytest.mark.parametrize(
+    "the_budget, kwargs, match",
+    [
+        (Budget(gpu_footprint=0, host_footprint=512 * MiB), {}, "footprint must be larger than 0"),
+        (Budget(gpu_footprint=-GiB, host_footprint=512 * MiB), {}, "footprint must be larger than 0"),
+        (Budget(gpu_footprint=5 * GiB, host_footprint=0), {}, "footprint must be larger than 0"),
+        (Budget(gpu_footprint=5 * GiB, host_footprint=MiB, reserve=-1), {}, "reserve cannot be negative"),
+        (Budget(gpu_footprint=5 * GiB, host_footprint=MiB, max_instances=0), {}, "--max-instances must be at least 1"),
+        (Budget(gpu_footprint=5 * GiB, host_footprint=MiB), {"instances": 0}, "--instances must be at least 1"),
+        (Budget(gpu_footprint=5 * GiB, host_footprint=MiB), {"instances": -2}, "--instances must be at least 1"),
+        (Budget(gpu_footprint=5 * GiB, host_footprint=MiB), {"base_port": 0}, "base port 0 is not a TCP port"),
+        (Budget(gpu_footprint=5 * GiB, host_footprint=MiB), {"base_port": 65536}, "base port 65536 is not a TCP port"),
+    ],
+)
 def test_invalid_requests_are_refused(the_budget, kwargs, match):
     for inventory in (cards(24), cpu_box()):
         with pytest.raises(PlanError, match=match):
@@ -431,10 +492,24 @@ def test_as_dict_json_shape():
         {"name": "instance-2", "index": 2, "port": 7862, "gpu": 0, "memory": 5 * GiB, "device": "gpu0"},
     ]
     assert data["devices"] == [
-        {"device": "gpu0", "total": 24 * GiB, "free": 24 * GiB, "by_total": 4, "by_free": 4, "fits": 2,
-         "limit": "max-instances"},
-        {"device": "gpu1", "total": 12 * GiB, "free": 12 * GiB, "by_total": 2, "by_free": 2, "fits": 1,
-         "limit": "max-instances"},
+        {
+            "device": "gpu0",
+            "total": 24 * GiB,
+            "free": 24 * GiB,
+            "by_total": 4,
+            "by_free": 4,
+            "fits": 2,
+            "limit": "max-instances",
+        },
+        {
+            "device": "gpu1",
+            "total": 12 * GiB,
+            "free": 12 * GiB,
+            "by_total": 2,
+            "by_free": 2,
+            "fits": 1,
+            "limit": "max-instances",
+        },
     ]
     assert data["notes"] == ["capped at --max-instances 3 (room for 6)"]
 
@@ -448,17 +523,27 @@ def test_as_dict_cpu_slots():
 
 def test_slot_name_and_env_properties():
     assert Slot(index=7, port=7867, gpu=2, memory=GiB).name == "instance-7"
-    assert Slot(index=0, port=7860, gpu=2, memory=GiB).env == {"CUDA_VISIBLE_DEVICES": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    assert Slot(index=0, port=7860, gpu=0, memory=GiB).env == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    assert Slot(index=0, port=7860, gpu=None, memory=GiB).env == {"CUDA_VISIBLE_DEVICES": "", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert Slot(index=0, port=7860, gpu=2, memory=GiB).env == {
+        "CUDA_VISIBLE_DEVICES": "2",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
+    assert Slot(index=0, port=7860, gpu=0, memory=GiB).env == {
+        "CUDA_VISIBLE_DEVICES": "0",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
+    assert Slot(index=0, port=7860, gpu=None, memory=GiB).env == {
+        "CUDA_VISIBLE_DEVICES": "",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
 
 
 def test_a_running_cluster_counts_its_own_memory_as_free_when_re_planned():
     from cosyvoice_lb.planner import with_own_slots
 
     # Four 5 GiB instances run on a 24 GiB card: 4 GiB is free now.
-    busy = Inventory(gpus=(Gpu(index=0, total=24 * GiB, free=4 * GiB),), cpu_cores=8, ram_total=64 * GiB,
-                     ram_available=60 * GiB)
+    busy = Inventory(
+        gpus=(Gpu(index=0, total=24 * GiB, free=4 * GiB),), cpu_cores=8, ram_total=64 * GiB, ram_available=60 * GiB
+    )
     first = plan(cards(24), budget())
     with pytest.raises(PlanError):
         plan(busy, budget())

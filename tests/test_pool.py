@@ -5,7 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from cosyvoice_lb.planner import GiB, MiB, Budget, Gpu, Inventory, PlanError, Pool, Slot, plan, startable, with_own_slots
+from cosyvoice_lb.planner import (
+    Budget,
+    GiB,
+    Gpu,
+    Inventory,
+    MiB,
+    PlanError,
+    Pool,
+    Slot,
+    plan,
+    startable,
+    with_own_slots,
+)
 from cosyvoice_lb.pool import rotation, spares_of
 
 

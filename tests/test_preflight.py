@@ -9,8 +9,14 @@ NEEDS = {**INSTANCE_NEEDS, "torch": "torch"}
 
 
 def report(**fields) -> dict:
-    return {"missing": [], "broken": {}, "python": "3.10.14", "versions": {"gradio": "5.4.0", "pydantic": "2.7.0"},
-            "schema": "", **fields}
+    return {
+        "missing": [],
+        "broken": {},
+        "python": "3.10.14",
+        "versions": {"gradio": "5.4.0", "pydantic": "2.7.0"},
+        "schema": "",
+        **fields,
+    }
 
 
 def test_a_complete_environment_has_no_problem():
@@ -41,8 +47,14 @@ def test_a_module_that_fails_to_import_is_named_with_its_error():
 
 
 def test_a_gradio_that_cannot_read_pydantics_schema_is_refused_with_the_pin():
-    problem = env_problem(report(versions={"gradio": "5.4.0", "pydantic": "2.11.7"},
-                                 schema="TypeError: argument of type 'bool' is not iterable"), NEEDS, PY)
+    problem = env_problem(
+        report(
+            versions={"gradio": "5.4.0", "pydantic": "2.11.7"},
+            schema="TypeError: argument of type 'bool' is not iterable",
+        ),
+        NEEDS,
+        PY,
+    )
     assert "gradio 5.4.0 cannot read the API schema that pydantic 2.11.7 writes" in problem
     assert "answer 500" in problem and f"'{PY} -m pip install pydantic==2.7.0'" in problem
 

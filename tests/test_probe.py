@@ -56,26 +56,38 @@ def server():
         release.set()
 
 
-@pytest.mark.parametrize("status, body, expected", [
-    (200, {"ready": True, "busy_seconds": 3}, Probe("ready", busy_seconds=3.0)),
-    (200, {"ready": True, "busy_seconds": 0.25}, Probe("ready", busy_seconds=0.25)),
-    (200, {"ready": True}, Probe("ready", busy_seconds=0.0)),
-    (200, {"ready": True, "busy_seconds": 9, "stalled_seconds": [7.5, 0.2], "inflight": 2, "waiting": 1},
-     Probe("ready", busy_seconds=9.0, stalled=(7.5, 0.2), inflight=2, waiting=1)),
-    (200, {"ready": True, "stalled_seconds": "long"},
-     Probe("failed", detail="/ping answered stalled_seconds='long', not a list of numbers")),
-    (200, {"ready": True, "stalled_seconds": [1, True]},
-     Probe("failed", detail="/ping answered stalled_seconds=[1, True], not a list of numbers")),
-    (503, {"state": "loading"}, Probe("loading")),
-    (200, {"ready": False}, Probe("failed", detail="/ping answered 200")),
-    (503, {"state": "draining"}, Probe("failed", detail="/ping answered 503")),
-    (503, {"ready": True}, Probe("failed", detail="/ping answered 503")),
-    (500, {"error": "boom"}, Probe("failed", detail="/ping answered 500")),
-    (404, {}, Probe("failed", detail="/ping answered 404")),
-    (200, b"OK, ready", Probe("failed", detail="/ping answered 200")),  # not JSON
-    (503, b"loading...", Probe("failed", detail="/ping answered 503")),
-    (500, b"", Probe("failed", detail="/ping answered 500")),
-])
+@pytest.mark.parametrize(
+    "status, body, expected",
+    [
+        (200, {"ready": True, "busy_seconds": 3}, Probe("ready", busy_seconds=3.0)),
+        (200, {"ready": True, "busy_seconds": 0.25}, Probe("ready", busy_seconds=0.25)),
+        (200, {"ready": True}, Probe("ready", busy_seconds=0.0)),
+        (
+            200,
+            {"ready": True, "busy_seconds": 9, "stalled_seconds": [7.5, 0.2], "inflight": 2, "waiting": 1},
+            Probe("ready", busy_seconds=9.0, stalled=(7.5, 0.2), inflight=2, waiting=1),
+        ),
+        (
+            200,
+            {"ready": True, "stalled_seconds": "long"},
+            Probe("failed", detail="/ping answered stalled_seconds='long', not a list of numbers"),
+        ),
+        (
+            200,
+            {"ready": True, "stalled_seconds": [1, True]},
+            Probe("failed", detail="/ping answered stalled_seconds=[1, True], not a list of numbers"),
+        ),
+        (503, {"state": "loading"}, Probe("loading")),
+        (200, {"ready": False}, Probe("failed", detail="/ping answered 200")),
+        (503, {"state": "draining"}, Probe("failed", detail="/ping answered 503")),
+        (503, {"ready": True}, Probe("failed", detail="/ping answered 503")),
+        (500, {"error": "boom"}, Probe("failed", detail="/ping answered 500")),
+        (404, {}, Probe("failed", detail="/ping answered 404")),
+        (200, b"OK, ready", Probe("failed", detail="/ping answered 200")),  # not JSON
+        (503, b"loading...", Probe("failed", detail="/ping answered 503")),
+        (500, b"", Probe("failed", detail="/ping answered 500")),
+    ],
+)
 def test_probe_reads_the_answer(server, status, body, expected):
     port, reply = server
     reply.status, reply.body = status, body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -100,8 +112,10 @@ def test_probe_of_a_closed_port_fails():
     assert probe(port, timeout=1.0) == Probe("failed", detail="/ping: ConnectionError")
 
 
-@pytest.mark.parametrize("body", [b"null", b"[]", b'"ready"', b'{"ready": true, "busy_seconds": null}',
-                                  b'{"ready": true, "busy_seconds": "soon"}'])
+@pytest.mark.parametrize(
+    "body",
+    [b"null", b"[]", b'"ready"', b'{"ready": true, "busy_seconds": null}', b'{"ready": true, "busy_seconds": "soon"}'],
+)
 def test_probe_of_an_odd_json_body_fails_cleanly(server, body):
     port, reply = server
     reply.body = body

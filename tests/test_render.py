@@ -40,16 +40,27 @@ from cosyvoice_lb.settings import Settings
 NGINX = shutil.which("nginx") or shutil.which("/usr/sbin/nginx")
 SHORT = Path("/tmp/cvlb-t")  # never created: pure renders only
 PROGRAMS = Programs(app="/x/app.py", launcher_python=sys.executable, nginx="/usr/sbin/nginx", run_as_user="")
-EXPECTED_FILES = {"run/supervisord.conf", "nginx/nginx.conf", "nginx/upstreams.conf", "run/cluster.json",
-                  "monitoring/prometheus.yml", "monitoring/targets.json", "monitoring/alerts.yml",
-                  "monitoring/grafana-dashboard.json"}
+EXPECTED_FILES = {
+    "run/supervisord.conf",
+    "nginx/nginx.conf",
+    "nginx/upstreams.conf",
+    "run/cluster.json",
+    "monitoring/prometheus.yml",
+    "monitoring/targets.json",
+    "monitoring/alerts.yml",
+    "monitoring/grafana-dashboard.json",
+}
 NGINX_TEMPS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
 
 
 def gpu_plan(instances: int | None = 3, base_port: int = 7860):
     """Two 12 GiB cards, 5 GiB per instance: room for 2 + 2; three slots on gpu 0, 1, 0."""
-    inventory = Inventory(gpus=(Gpu(0, 12 * GiB, 12 * GiB), Gpu(1, 12 * GiB, 12 * GiB)),
-                          cpu_cores=8, ram_total=64 * GiB, ram_available=64 * GiB)
+    inventory = Inventory(
+        gpus=(Gpu(0, 12 * GiB, 12 * GiB), Gpu(1, 12 * GiB, 12 * GiB)),
+        cpu_cores=8,
+        ram_total=64 * GiB,
+        ram_available=64 * GiB,
+    )
     return plan(inventory, Budget(5 * GiB, 512 * MiB), instances=instances, base_port=base_port)
 
 
@@ -61,8 +72,9 @@ def cpu_plan(instances: int = 2):
 PLANS = {"gpu": gpu_plan, "cpu": cpu_plan}
 
 
-def rendered(root: Path = SHORT, settings: Settings | None = None, the_plan=None,
-             programs: Programs = PROGRAMS) -> dict[str, str]:
+def rendered(
+    root: Path = SHORT, settings: Settings | None = None, the_plan=None, programs: Programs = PROGRAMS
+) -> dict[str, str]:
     return render(settings or Settings(), the_plan or gpu_plan(), Layout(root), programs)
 
 
@@ -85,7 +97,7 @@ class Directive:
 
     def all(self, name: str, *args: str) -> list[Directive]:
         """Directives of this block called ``name`` whose arguments start with ``args``."""
-        return [d for d in self.block or [] if d.name == name and d.args[:len(args)] == list(args)]
+        return [d for d in self.block or [] if d.name == name and d.args[: len(args)] == list(args)]
 
     def one(self, name: str, *args: str) -> Directive:
         found = self.all(name, *args)
@@ -103,7 +115,7 @@ def parse_nginx(text: str) -> Directive:
     pos = 0
     while pos < len(text):
         match = _TOKEN.match(text, pos)
-        assert match, f"cannot tokenize nginx config at {text[pos:pos + 40]!r}"
+        assert match, f"cannot tokenize nginx config at {text[pos : pos + 40]!r}"
         pos = match.end()
         double, single, punct, word = match.groups()
         if double is not None or single is not None:
@@ -160,8 +172,9 @@ def test_supervisord_conf_has_one_program_per_slot(kind):
     settings = Settings(python="/venv/bin/python", max_chars=321, drain_timeout=12.5, start_retries=7)
     conf = supervisor_sections(rendered(settings=settings, the_plan=the_plan)["run/supervisord.conf"])
     programs = sorted(s for s in conf.sections() if s.startswith("program:"))
-    assert programs == sorted([f"program:{s.name}" for s in the_plan.slots]
-                              + ["program:nginx", "program:health", "program:admin"])
+    assert programs == sorted(
+        [f"program:{s.name}" for s in the_plan.slots] + ["program:nginx", "program:health", "program:admin"]
+    )
     admin = shlex.split(conf["program:admin"]["command"])
     assert admin[1:] == ["-m", "cosyvoice_lb.admin", "--state-dir", str(SHORT)]
     # (stopped before the instances: a panel action never restarts one while the cluster goes down)
@@ -186,18 +199,31 @@ def test_supervisord_conf_has_one_program_per_slot(kind):
         assert section["stdout_logfile"] == f"{SHORT}/logs/{slot.name}.log"
         assert section["directory"] == str(SHORT)
     if kind == "gpu":
-        cuda = [dict_of_key_value_pairs(conf[f"program:{s.name}"]["environment"])["CUDA_VISIBLE_DEVICES"]
-                for s in the_plan.slots]
+        cuda = [
+            dict_of_key_value_pairs(conf[f"program:{s.name}"]["environment"])["CUDA_VISIBLE_DEVICES"]
+            for s in the_plan.slots
+        ]
         assert cuda == ["0", "1", "0"]
 
 
-@pytest.mark.parametrize("engine, flags", [
-    ("simulated", ["--simulated-ms-per-char", "2.5", "--simulated-base-ms", "30.0", "--simulated-load-seconds", "20.0"]),
-    ("espeak", []),
-])
+@pytest.mark.parametrize(
+    "engine, flags",
+    [
+        (
+            "simulated",
+            ["--simulated-ms-per-char", "2.5", "--simulated-base-ms", "30.0", "--simulated-load-seconds", "20.0"],
+        ),
+        ("espeak", []),
+    ],
+)
 def test_the_simulated_engine_gets_its_service_time_and_nothing_else_does(engine, flags):
-    settings = Settings(engine=engine, simulated_ms_per_char=2.5, simulated_base_ms=30.0, simulated_load_seconds=20.0,
-                        request_timeout=42.0)
+    settings = Settings(
+        engine=engine,
+        simulated_ms_per_char=2.5,
+        simulated_base_ms=30.0,
+        simulated_load_seconds=20.0,
+        request_timeout=42.0,
+    )
     conf = supervisor_sections(rendered(settings=settings)["run/supervisord.conf"])
     argv = shlex.split(conf["program:instance-0"]["command"])
     assert argv[argv.index("--engine") + 1] == engine
@@ -210,13 +236,25 @@ def test_supervisord_conf_nginx_and_health_programs():
     conf = supervisor_sections(rendered()["run/supervisord.conf"])
     assert shlex.split(conf["program:nginx"]["command"]) == [
         # (a stale socket of a killed nginx goes first: nginx cannot bind one that exists)
-        "/bin/sh", "-c", 'rm -f -- "$0" && exec "$@"', f"{SHORT}/run/overflow.sock",
-        "/usr/sbin/nginx", "-p", f"{SHORT}/nginx", "-c", f"{SHORT}/nginx/nginx.conf",
-        "-e", f"{SHORT}/logs/nginx-error.log",
+        "/bin/sh",
+        "-c",
+        'rm -f -- "$0" && exec "$@"',
+        f"{SHORT}/run/overflow.sock",
+        "/usr/sbin/nginx",
+        "-p",
+        f"{SHORT}/nginx",
+        "-c",
+        f"{SHORT}/nginx/nginx.conf",
+        "-e",
+        f"{SHORT}/logs/nginx-error.log",
     ]
     assert conf["program:nginx"]["stopsignal"] == "QUIT"  # graceful
     assert shlex.split(conf["program:health"]["command"]) == [
-        sys.executable, "-m", "cosyvoice_lb.health_loop", "--state-dir", str(SHORT),
+        sys.executable,
+        "-m",
+        "cosyvoice_lb.health_loop",
+        "--state-dir",
+        str(SHORT),
     ]
     for name in ("nginx", "health"):
         assert conf[f"program:{name}"]["autorestart"] == "true"
@@ -259,10 +297,14 @@ def load_in_supervisor(path: Path) -> ServerOptions:
     return options
 
 
-@pytest.mark.parametrize("state_dir", [
-    "cvlb-",
-    "cvlb sp-",
-], indirect=True)
+@pytest.mark.parametrize(
+    "state_dir",
+    [
+        "cvlb-",
+        "cvlb sp-",
+    ],
+    indirect=True,
+)
 def test_supervisord_conf_loads_in_supervisor(state_dir):
     the_plan = gpu_plan()
     files = rendered(state_dir, the_plan=the_plan)
@@ -331,9 +373,14 @@ def test_nginx_conf_balancing_and_proxy_settings():
     server = public_server(http)
     assert server.values("listen") == [["127.0.0.1:9090"]]
     headers = server.values("proxy_set_header")
-    for header in (["Upgrade", "$http_upgrade"], ["Connection", "$connection_upgrade"],
-                   ["X-Forwarded-Host", "$http_host"], ["X-Forwarded-Proto", "$cvlb_forwarded_proto"],
-                   ["X-Forwarded-For", "$proxy_add_x_forwarded_for"], ["Host", "$cvlb_host"]):
+    for header in (
+        ["Upgrade", "$http_upgrade"],
+        ["Connection", "$connection_upgrade"],
+        ["X-Forwarded-Host", "$http_host"],
+        ["X-Forwarded-Proto", "$cvlb_forwarded_proto"],
+        ["X-Forwarded-For", "$proxy_add_x_forwarded_for"],
+        ["Host", "$cvlb_host"],
+    ):
         assert header in headers
     # (an HTTP/1.0 request without Host still sends the instance one: HTTP/1.1 needs it)
     host = http.one("map", "$http_host", "$cvlb_host")
@@ -378,8 +425,10 @@ def test_every_slot_is_a_server_with_passive_failure_marking_off(kind):
         assert all(flags == ["max_fails=0"] for flags in servers.values())
 
 
-@pytest.mark.parametrize("out", [set(), {"instance-1"}, {"instance-0", "instance-2"},
-                                 {"instance-0", "instance-1", "instance-2"}, {"instance-9"}])
+@pytest.mark.parametrize(
+    "out",
+    [set(), {"instance-1"}, {"instance-0", "instance-2"}, {"instance-0", "instance-1", "instance-2"}, {"instance-9"}],
+)
 def test_render_upstreams_marks_exactly_the_out_of_rotation_servers_down(out):
     slots = gpu_plan().slots
     upstreams = parse_nginx(render_upstreams(slots, frozenset(out)))
@@ -441,28 +490,32 @@ def test_socket_path_limit_counts_bytes():
     except RenderError:
         return  # refused: right
     import socket
+
     with socket.socket(socket.AF_UNIX) as sock:  # accepted: then the kernel must take the path
         sock.bind(str(Layout(root).socket))
 
 
-@pytest.mark.parametrize("root, settings, match", [
-    (Path("relative/state"), Settings(), "state dir must be an absolute path"),
-    (Path("."), Settings(), "state dir must be an absolute path"),
-    (long_root(108), Settings(), "use a shorter --state-dir"),
-    (SHORT, Settings(port=0), "--port 0 is not a TCP port"),
-    (SHORT, Settings(port=65536), "--port 65536 is not a TCP port"),
-    (SHORT, Settings(probe_interval=0), "--probe-interval must be above 0"),
-    (SHORT, Settings(probe_timeout=0), "--probe-timeout must be above 0"),
-    (SHORT, Settings(hang_timeout=0), "--hang-timeout must be above 0"),
-    (SHORT, Settings(hang_timeout=-5), "--hang-timeout must be above 0"),
-    (SHORT, Settings(startup_timeout=0), "--startup-timeout must be above 0"),
-    (SHORT, Settings(drain_timeout=-1), "--drain-timeout cannot be negative"),
-    (SHORT, Settings(start_retries=-1), "--start-retries must be at least 0"),
-    (SHORT, Settings(fail_threshold=0), "--fail-threshold must be at least 1"),
-    (SHORT, Settings(recover_threshold=0), "--recover-threshold must be at least 1"),
-    (SHORT, Settings(retries=0), "--retries must be at least 1"),
-    (SHORT, Settings(max_chars=0), "--max-chars must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "root, settings, match",
+    [
+        (Path("relative/state"), Settings(), "state dir must be an absolute path"),
+        (Path("."), Settings(), "state dir must be an absolute path"),
+        (long_root(108), Settings(), "use a shorter --state-dir"),
+        (SHORT, Settings(port=0), "--port 0 is not a TCP port"),
+        (SHORT, Settings(port=65536), "--port 65536 is not a TCP port"),
+        (SHORT, Settings(probe_interval=0), "--probe-interval must be above 0"),
+        (SHORT, Settings(probe_timeout=0), "--probe-timeout must be above 0"),
+        (SHORT, Settings(hang_timeout=0), "--hang-timeout must be above 0"),
+        (SHORT, Settings(hang_timeout=-5), "--hang-timeout must be above 0"),
+        (SHORT, Settings(startup_timeout=0), "--startup-timeout must be above 0"),
+        (SHORT, Settings(drain_timeout=-1), "--drain-timeout cannot be negative"),
+        (SHORT, Settings(start_retries=-1), "--start-retries must be at least 0"),
+        (SHORT, Settings(fail_threshold=0), "--fail-threshold must be at least 1"),
+        (SHORT, Settings(recover_threshold=0), "--recover-threshold must be at least 1"),
+        (SHORT, Settings(retries=0), "--retries must be at least 1"),
+        (SHORT, Settings(max_chars=0), "--max-chars must be at least 1"),
+    ],
+)
 def test_check_refuses_settings_that_cannot_work(root, settings, match):
     with pytest.raises(RenderError, match=match):
         check(settings, Layout(root))
@@ -491,9 +544,20 @@ def test_render_error_is_a_value_error():
 @pytest.mark.parametrize("kind", sorted(PLANS))
 def test_cluster_json_round_trips_settings_and_slots(kind):
     the_plan = PLANS[kind]()
-    settings = Settings(port=9000, host="127.0.0.1", gpus="12GiB,12GiB", reserve="2GiB", max_instances=3,
-                        force=True, fail_threshold=5, recover_threshold=4, hang_timeout=60.5,
-                        probe_timeout=0.75, state_dir="/srv/cvlb", python="/venv/bin/python")
+    settings = Settings(
+        port=9000,
+        host="127.0.0.1",
+        gpus="12GiB,12GiB",
+        reserve="2GiB",
+        max_instances=3,
+        force=True,
+        fail_threshold=5,
+        recover_threshold=4,
+        hang_timeout=60.5,
+        probe_timeout=0.75,
+        state_dir="/srv/cvlb",
+        python="/venv/bin/python",
+    )
     text = rendered(settings=settings, the_plan=the_plan)["run/cluster.json"]
     assert read_cluster_json(text) == (settings, the_plan.slots)
     data = json.loads(text)
@@ -520,7 +584,9 @@ def nginx_test(root: Path) -> subprocess.CompletedProcess:
     layout = Layout(root)
     return subprocess.run(
         [NGINX, "-t", "-p", str(layout.nginx_dir), "-c", str(layout.nginx_conf), "-e", str(layout.log("nginx-error"))],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
 
 
@@ -583,8 +649,11 @@ def test_a_fractional_request_timeout_is_rounded_up_not_to_zero():
 
 # --- exposure, credentials and limits -------------------------------------------------------
 
-SECURITY = [["X-Content-Type-Options", "nosniff", "always"], ["X-Frame-Options", "SAMEORIGIN", "always"],
-            ["Referrer-Policy", "same-origin", "always"]]
+SECURITY = [
+    ["X-Content-Type-Options", "nosniff", "always"],
+    ["X-Frame-Options", "SAMEORIGIN", "always"],
+    ["Referrer-Policy", "same-origin", "always"],
+]
 
 
 def nginx_server(settings: Settings) -> tuple[Directive, Directive]:
@@ -592,9 +661,14 @@ def nginx_server(settings: Settings) -> tuple[Directive, Directive]:
     return http, public_server(http)
 
 
-@pytest.mark.parametrize("settings,listen", [
-    (Settings(), "127.0.0.1:8080"), (Settings(public=True), "0.0.0.0:8080"), (Settings(host="::"), "[::]:8080"),
-])
+@pytest.mark.parametrize(
+    "settings,listen",
+    [
+        (Settings(), "127.0.0.1:8080"),
+        (Settings(public=True), "0.0.0.0:8080"),
+        (Settings(host="::"), "[::]:8080"),
+    ],
+)
 def test_nginx_listens_on_loopback_unless_public(settings, listen):
     assert nginx_server(settings)[1].values("listen") == [[listen]]
 
@@ -616,8 +690,10 @@ def test_public_ping_gets_the_brief_answer_and_loopback_the_details():
 def test_no_rate_limit_unless_asked():
     http, server = nginx_server(Settings())
     # (only the logins' zone: password guessing at the panel's /admin/login)
-    assert http.values("limit_req_zone") == [["$binary_remote_addr", "zone=cvlb_login:1m", "rate=10r/m"],
-                                             ["$binary_remote_addr", "zone=cvlb_admin:1m", "rate=20r/s"]]
+    assert http.values("limit_req_zone") == [
+        ["$binary_remote_addr", "zone=cvlb_login:1m", "rate=10r/m"],
+        ["$binary_remote_addr", "zone=cvlb_admin:1m", "rate=20r/s"],
+    ]
     assert not server.one("location", "/v1/").values("limit_req")
 
 
@@ -632,8 +708,11 @@ def test_rate_limit_on_what_synthesizes_with_json_429(auth):
         assert key.values("default") == [["$binary_remote_addr"]]
         assert segments.values("default") == [["$cvlb_token_or_address"]]
         # (read raw: this file's parser drops backslashes in quotes, as nginx does only for \" \\ \t \r \n)
-        (line,) = [x for x in rendered(settings=Settings(rate_limit="10r/s", public=True))["nginx/nginx.conf"]
-                   .splitlines() if "~*^bearer" in x]
+        (line,) = [
+            x
+            for x in rendered(settings=Settings(rate_limit="10r/s", public=True))["nginx/nginx.conf"].splitlines()
+            if "~*^bearer" in x
+        ]
         pattern = line.strip().split('"')[1][2:].replace("?<token>", "?P<token>")
         assert re.fullmatch(pattern, "BEARER   " + "t" * 20, re.I)["token"] == "t" * 20
         assert not re.fullmatch(pattern, "Bearer short", re.I)
@@ -709,15 +788,26 @@ def test_the_panel_and_the_metrics_go_to_the_admin_socket_never_to_an_instance()
     assert admin.values("server") == [[f"unix:{SHORT}/run/admin.sock"]]
     for args in (("=", "/admin"), ("^~", "/admin/"), ("=", "/admin/login"), ("=", "/metrics"), ("^~", "/metrics/")):
         assert server.one("location", *args).values("proxy_pass") == [["http://cvlb_admin"]], args
-    assert server.one("location", "=", "/admin/login").values("limit_req") == [["zone=cvlb_login", "burst=10",
-                                                                                "nodelay"]]
+    assert server.one("location", "=", "/admin/login").values("limit_req") == [
+        ["zone=cvlb_login", "burst=10", "nodelay"]
+    ]
     for args in (("=", "/admin"), ("^~", "/admin/"), ("=", "/metrics"), ("^~", "/metrics/")):
         assert server.one("location", *args).values("limit_req") == [["zone=cvlb_admin", "burst=50", "nodelay"]]
 
 
-@pytest.mark.parametrize("host, extra", [("127.0.0.1", None), ("0.0.0.0", None), ("10.1.2.3", "10.1.2.3"),
-                                         ("127.0.0.2", "127.0.0.2"), ("::", None), ("fd00::5", "fd00::5"),
-                                         ("box.lan", None), ("localhost", None)])
+@pytest.mark.parametrize(
+    "host, extra",
+    [
+        ("127.0.0.1", None),
+        ("0.0.0.0", None),
+        ("10.1.2.3", "10.1.2.3"),
+        ("127.0.0.2", "127.0.0.2"),
+        ("::", None),
+        ("fd00::5", "fd00::5"),
+        ("box.lan", None),
+        ("localhost", None),
+    ],
+)
 def test_stub_status_answers_this_box_only(host, extra):
     _, server = nginx_server(Settings(host=host, no_auth=True))
     status = server.one("location", "=", "/nginx_status")

@@ -42,7 +42,9 @@ def test_scales_in_one_per_idle_period():
     scale = run(Scale(3), IDLE, range(0, 600, 10))
     assert scale.target == 3
     scale = decide(scale, IDLE, BOUNDS, 600.0)
-    assert scale.target == 2 and scale.decisions[-1] == Decision(600.0, 2, "scale in: no request for 600s (--idle-release 600)")
+    assert scale.target == 2 and scale.decisions[-1] == Decision(
+        600.0, 2, "scale in: no request for 600s (--idle-release 600)"
+    )
     scale = run(scale, IDLE, range(610, 1200, 10))
     assert scale.target == 2
     assert decide(scale, IDLE, BOUNDS, 1210.0).target == 1

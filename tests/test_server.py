@@ -25,8 +25,15 @@ from cosyvoice_lb.server import build_app
 from cosyvoice_lb.validation import Limits
 
 
-def pipeline(engine, port: int = 7860, ready: bool = True, concurrency: int = 1, max_queue: int | None = None,
-             request_timeout: float = 0.0, limits: Limits | None = None) -> Pipeline:
+def pipeline(
+    engine,
+    port: int = 7860,
+    ready: bool = True,
+    concurrency: int = 1,
+    max_queue: int | None = None,
+    request_timeout: float = 0.0,
+    limits: Limits | None = None,
+) -> Pipeline:
     admission = Admission(concurrency, max_queue)
     if ready:
         admission.become_ready()
@@ -80,41 +87,47 @@ def test_tts_answers_wav_and_counts_it(client, loaded):
     assert snap(loaded).served == served + 1
 
 
-@pytest.mark.parametrize("body, status, words", [
-    ("", 400, "no body"),
-    ("   ", 400, "no body"),
-    ("{", 400, "not valid JSON"),
-    ("\xff", 400, "not valid JSON"),
-    ("null", 400, "JSON object"),
-    ('"text"', 400, "JSON object"),
-    ('{"text": ""}', 400, "empty"),
-    ('{"text": " \\n\\t "}', 400, "empty"),
-    ('{"text": null}', 400, "missing"),
-    ('{"text": ["a"]}', 400, "must be a string"),
-    ('{"text": "hi", "speed": null}', 400, "must be a number"),
-    ('{"text": "hi", "speed": true}', 400, "must be a number"),
-    ('{"text": "hi", "speed": 0.1}', 400, "between 0.5 and 2.0"),
-    ('{"text": "hi", "speed": 1e400}', 400, "between 0.5 and 2.0"),
-    ('{"text": "hi", "voices": "x"}', 400, "unknown field(s) voices"),
-    ('{"text": "hi", "voice": "x"}', 404, "keeps no saved voices"),
-    ('{"text": "hi", "voice": 7}', 400, "must be a saved voice's id or name"),
-    ('{"text": "hi", "mode": "karaoke"}', 400, "unknown mode 'karaoke': this model offers sft"),
-    # what a new user's run hit: each was a 500 before
-    ('{"text": "\\ud800 hi"}', 400, "a lone UTF-16 surrogate"),
-    ('{"text": "\\ud800 hi", "stream": true}', 400, "a lone UTF-16 surrogate"),
-    ('{"text": "hi", "\\ud800": 1}', 400, "unknown field(s) \\ud800"),
-    ("[" * 100_000 + "]" * 100_000, 400, "nested too deeply"),
-    ('{"text": "hi", "mode": "zero_shot"}', 400, "not available with this model: choose one of sft"),
-    ('{"text": "hi", "seed": -1}', 400, '"seed" must be a whole number'),
-    ('{"text": "hi", "seed": 1.5}', 400, '"seed" must be a whole number'),
-    ('{"text": "hi", "stream": "yes"}', 400, '"stream" must be true or false'),
-    ('{"text": "hi", "stream": true, "speed": 1.5}', 400, "only without streaming"),
-    ('{"text": "hi", "speaker": "nobody"}', 400, "unknown speaker 'nobody'"),
-    (json.dumps({"text": "a" * 41}), 413, "41 characters, more than the limit of 40"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ("", 400, "no body"),
+        ("   ", 400, "no body"),
+        ("{", 400, "not valid JSON"),
+        ("\xff", 400, "not valid JSON"),
+        ("null", 400, "JSON object"),
+        ('"text"', 400, "JSON object"),
+        ('{"text": ""}', 400, "empty"),
+        ('{"text": " \\n\\t "}', 400, "empty"),
+        ('{"text": null}', 400, "missing"),
+        ('{"text": ["a"]}', 400, "must be a string"),
+        ('{"text": "hi", "speed": null}', 400, "must be a number"),
+        ('{"text": "hi", "speed": true}', 400, "must be a number"),
+        ('{"text": "hi", "speed": 0.1}', 400, "between 0.5 and 2.0"),
+        ('{"text": "hi", "speed": 1e400}', 400, "between 0.5 and 2.0"),
+        ('{"text": "hi", "voices": "x"}', 400, "unknown field(s) voices"),
+        ('{"text": "hi", "voice": "x"}', 404, "keeps no saved voices"),
+        ('{"text": "hi", "voice": 7}', 400, "must be a saved voice's id or name"),
+        ('{"text": "hi", "mode": "karaoke"}', 400, "unknown mode 'karaoke': this model offers sft"),
+        # what a new user's run hit: each was a 500 before
+        ('{"text": "\\ud800 hi"}', 400, "a lone UTF-16 surrogate"),
+        ('{"text": "\\ud800 hi", "stream": true}', 400, "a lone UTF-16 surrogate"),
+        ('{"text": "hi", "\\ud800": 1}', 400, "unknown field(s) \\ud800"),
+        ("[" * 100_000 + "]" * 100_000, 400, "nested too deeply"),
+        ('{"text": "hi", "mode": "zero_shot"}', 400, "not available with this model: choose one of sft"),
+        ('{"text": "hi", "seed": -1}', 400, '"seed" must be a whole number'),
+        ('{"text": "hi", "seed": 1.5}', 400, '"seed" must be a whole number'),
+        ('{"text": "hi", "stream": "yes"}', 400, '"stream" must be true or false'),
+        ('{"text": "hi", "stream": true, "speed": 1.5}', 400, "only without streaming"),
+        ('{"text": "hi", "speaker": "nobody"}', 400, "unknown speaker 'nobody'"),
+        (json.dumps({"text": "a" * 41}), 413, "41 characters, more than the limit of 40"),
+    ],
+)
 def test_bad_requests_are_4xx_with_a_message(client, body, status, words):
-    r = client.post("/v1/tts", content=body.encode("utf-8", errors="surrogateescape") if body != "\xff" else b"\xff",
-                    headers={"Content-Type": "application/json"})
+    r = client.post(
+        "/v1/tts",
+        content=body.encode("utf-8", errors="surrogateescape") if body != "\xff" else b"\xff",
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == status
     assert words in r.json()["error"]["message"]
     assert client.get("/ping").status_code == 200
@@ -255,9 +268,10 @@ def test_a_full_queue_is_refused_at_once_and_frees_up_again():
     engine = Blocking()
     p = pipeline(engine, port=7867, concurrency=1, max_queue=1)
     results = []
-    workers = [threading.Thread(target=lambda: results.append(p.synthesize(Job(SynthesisRequest("x")),
-                                                                            bounded=True).size))
-               for _ in range(2)]
+    workers = [
+        threading.Thread(target=lambda: results.append(p.synthesize(Job(SynthesisRequest("x")), bounded=True).size))
+        for _ in range(2)
+    ]
     for w in workers:  # one synthesizing, one waiting
         w.start()
     deadline = time.monotonic() + 5
@@ -523,6 +537,7 @@ def test_a_stream_whose_first_chunk_never_comes_is_a_504_not_a_500():
 
 # --- a full or read-only disk: 507 that names the cause, nothing half-written, still up ----------
 
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 64 KiB tmpfs (a full disk after a second of audio), and a read-only one."""
@@ -673,8 +688,12 @@ def test_a_stream_that_breaks_off_is_cut_not_ended_and_not_kept(tmp_path):
         assert stream.status_code == 200
         with pytest.raises(requests.exceptions.ChunkedEncodingError):  # the client sees it cut off
             b"".join(stream.iter_content(None))
-        sse = session.post(url + "/v1/audio/speech", stream=True, timeout=30,
-                           json={"input": "xx", "response_format": "pcm", "stream_format": "sse"})
+        sse = session.post(
+            url + "/v1/audio/speech",
+            stream=True,
+            timeout=30,
+            json={"input": "xx", "response_format": "pcm", "stream_format": "sse"},
+        )
         events = [json.loads(line[6:]) for line in sse.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert [e["type"] for e in events][-1] == "error" and "device-side assert" in events[-1]["error"]["message"]
     assert "speech.audio.done" not in [e["type"] for e in events]

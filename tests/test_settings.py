@@ -25,20 +25,23 @@ def test_defaults_have_no_problems():
     assert problems(Settings()) == []
 
 
-@pytest.mark.parametrize("changes, words", [
-    ({"port": 0}, "--port 0 is not a TCP port"),
-    ({"base_port": 70000}, "--base-port 70000 is not a TCP port"),
-    ({"probe_interval": 0}, "--probe-interval must be above 0"),
-    ({"request_timeout": -1}, "--request-timeout must be above 0"),
-    ({"drain_timeout": -1}, "--drain-timeout cannot be negative"),
-    ({"max_queue": -1}, "--max-queue cannot be negative"),
-    ({"instance_concurrency": 0}, "--instance-concurrency must be at least 1"),
-    ({"max_prompt_seconds": 31}, "at most 30 (upstream refuses longer prompts)"),
-    ({"max_prompt_seconds": 2}, "must be at least 3 (shorter prompts are refused)"),
-    ({"max_upload": "lots"}, "--max-upload: cannot read size 'lots'"),
-    ({"max_memory": "12 bananas"}, "--max-memory: cannot read size"),
-    ({"engine": "cosyvoice3"}, "--engine cosyvoice3 needs --model-dir"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"port": 0}, "--port 0 is not a TCP port"),
+        ({"base_port": 70000}, "--base-port 70000 is not a TCP port"),
+        ({"probe_interval": 0}, "--probe-interval must be above 0"),
+        ({"request_timeout": -1}, "--request-timeout must be above 0"),
+        ({"drain_timeout": -1}, "--drain-timeout cannot be negative"),
+        ({"max_queue": -1}, "--max-queue cannot be negative"),
+        ({"instance_concurrency": 0}, "--instance-concurrency must be at least 1"),
+        ({"max_prompt_seconds": 31}, "at most 30 (upstream refuses longer prompts)"),
+        ({"max_prompt_seconds": 2}, "must be at least 3 (shorter prompts are refused)"),
+        ({"max_upload": "lots"}, "--max-upload: cannot read size 'lots'"),
+        ({"max_memory": "12 bananas"}, "--max-memory: cannot read size"),
+        ({"engine": "cosyvoice3"}, "--engine cosyvoice3 needs --model-dir"),
+    ],
+)
 def test_each_setting_is_checked_by_its_own_declaration(changes, words):
     found = problems(Settings(**changes))
     assert len(found) == 1 and words in found[0]
@@ -48,16 +51,35 @@ def test_every_problem_is_reported_not_only_the_first():
     assert len(problems(Settings(port=0, retries=0, max_chars=0))) == 3
 
 
-@pytest.mark.parametrize("settings", [
-    Settings(),
-    Settings(engine="simulated", simulated_ms_per_char=2.5, simulated_base_ms=7.0, max_queue=0),
-    Settings(model_dir="/models/CosyVoice3", cosyvoice_root="/src/CosyVoice", fp16=True, load_trt=True,
-             max_upload="3MiB", outputs_max_size="1GiB", request_timeout=12.5, drain_timeout=0.0,
-             instance_concurrency=2, max_chars=80, max_prompt_seconds=9.5, outputs_max_age=60.0),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        Settings(),
+        Settings(engine="simulated", simulated_ms_per_char=2.5, simulated_base_ms=7.0, max_queue=0),
+        Settings(
+            model_dir="/models/CosyVoice3",
+            cosyvoice_root="/src/CosyVoice",
+            fp16=True,
+            load_trt=True,
+            max_upload="3MiB",
+            outputs_max_size="1GiB",
+            request_timeout=12.5,
+            drain_timeout=0.0,
+            instance_concurrency=2,
+            max_chars=80,
+            max_prompt_seconds=9.5,
+            outputs_max_age=60.0,
+        ),
+    ],
+)
 def test_the_instance_parses_back_exactly_what_the_launcher_wrote(settings):
-    argv = ["--port", "7861", "--starts-file", "/s/run/instance-1.starts",
-            *instance_args(settings, outputs_dir="/s/outputs")]
+    argv = [
+        "--port",
+        "7861",
+        "--starts-file",
+        "/s/run/instance-1.starts",
+        *instance_args(settings, outputs_dir="/s/outputs"),
+    ]
     parsed, args = parse_instance_args(argv)
     assert (args.port, args.host, args.starts_file) == (7861, "127.0.0.1", "/s/run/instance-1.starts")
     for f in instance_settings(settings.resolved_engine):
@@ -80,13 +102,15 @@ def test_an_instance_gets_only_its_engine_s_settings():
 def test_every_instance_flag_is_declared_once():
     names = [f.name for f in declarations() if f.metadata["instance"]]
     assert len(names) == len(set(names)) and not INSTANCE_ONLY & set(names)
-    assert all(f.metadata["instance"] in (True, "cosyvoice3", "simulated") for f in declarations()
-               if f.metadata["instance"])
+    assert all(
+        f.metadata["instance"] in (True, "cosyvoice3", "simulated") for f in declarations() if f.metadata["instance"]
+    )
 
 
 def test_derived_timeouts_keep_their_margins():
-    t = Timeouts(Settings(request_timeout=90.0, drain_timeout=30.0, probe_interval=1.0, probe_timeout=2.0,
-                          startup_timeout=300.0))
+    t = Timeouts(
+        Settings(request_timeout=90.0, drain_timeout=30.0, probe_interval=1.0, probe_timeout=2.0, startup_timeout=300.0)
+    )
     assert t.nginx_api_read == 95 and t.nginx_retry_window == 90  # the instance's 504 arrives first
     assert t.supervisord_stop_wait == 35 and t.nginx_worker_shutdown == 35  # after the drain, not before
     assert t.serving == 360 and t.others_serving == 330 and t.health_stale == 10.0

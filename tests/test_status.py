@@ -245,5 +245,7 @@ def test_a_parked_slot_is_no_problem_unless_fewer_serve_than_wanted(monkeypatch,
     shortfall = [p for p in current.problems if "in rotation of" in p]
     assert bool(shortfall) is short
     if short:
-        assert shortfall == ["1 instance(s) in rotation of 2 wanted, and none coming: 'cosyvoice-lb up' with the "
-                             "cluster's settings starts parked slots"]
+        assert shortfall == [
+            "1 instance(s) in rotation of 2 wanted, and none coming: 'cosyvoice-lb up' with the "
+            "cluster's settings starts parked slots"
+        ]

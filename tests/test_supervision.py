@@ -50,8 +50,11 @@ def fake_supervisord(root: Path):
                 body = xmlrpc.client.dumps((result,), methodresponse=True)
             data = body.encode()
             try:
-                self.wfile.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/xml\r\n"
-                                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+                self.wfile.write(
+                    b"HTTP/1.0 200 OK\r\nContent-Type: text/xml\r\n"
+                    + f"Content-Length: {len(data)}\r\n\r\n".encode()
+                    + data
+                )
             except OSError:  # the caller gave up (timed out) and closed
                 pass
 

@@ -17,13 +17,16 @@ def test_make_request_accepts_the_documented_shape():
     assert exc.value.status == 413
 
 
-@pytest.mark.parametrize("payload, has_prompt, words", [
-    ({"text": "hi", "mode": "zero_shot", "prompt_text": "hello"}, False, "needs prompt_audio"),
-    ({"text": "hi", "mode": "zero_shot"}, True, "needs prompt_text"),
-    ({"text": "hi", "mode": "cross_lingual"}, False, "needs prompt_audio"),
-    ({"text": "hi", "mode": "instruct"}, True, "needs instruct_text"),
-    ({"text": "hi", "mode": "sft"}, False, "not available with this model"),
-])
+@pytest.mark.parametrize(
+    "payload, has_prompt, words",
+    [
+        ({"text": "hi", "mode": "zero_shot", "prompt_text": "hello"}, False, "needs prompt_audio"),
+        ({"text": "hi", "mode": "zero_shot"}, True, "needs prompt_text"),
+        ({"text": "hi", "mode": "cross_lingual"}, False, "needs prompt_audio"),
+        ({"text": "hi", "mode": "instruct"}, True, "needs instruct_text"),
+        ({"text": "hi", "mode": "sft"}, False, "not available with this model"),
+    ],
+)
 def test_cloning_modes_check_what_they_need(payload, has_prompt, words):
     v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
     with pytest.raises(BadRequest, match=words):
@@ -32,14 +35,19 @@ def test_cloning_modes_check_what_they_need(payload, has_prompt, words):
 
 def test_a_complete_clone_request_passes():
     v3 = dict(limits=Limits(), modes=("zero_shot", "cross_lingual", "instruct"), speakers=[])
-    request = make_request({"text": "hi", "mode": "zero_shot", "prompt_text": "the transcript", "seed": 3},
-                           has_prompt=True, **v3)
+    request = make_request(
+        {"text": "hi", "mode": "zero_shot", "prompt_text": "the transcript", "seed": 3}, has_prompt=True, **v3
+    )
     assert (request.mode, request.prompt_text, request.seed) == ("zero_shot", "the transcript", 3)
 
 
 def test_form_fields_get_their_types():
     assert form_payload({"text": "hi", "speed": "1.5", "seed": "42", "stream": "true", "mode": ""}) == {
-        "text": "hi", "speed": 1.5, "seed": 42, "stream": True}
+        "text": "hi",
+        "speed": 1.5,
+        "seed": 42,
+        "stream": True,
+    }
     with pytest.raises(BadRequest, match='"speed" must be a number'):
         form_payload({"speed": "fast"})
     with pytest.raises(BadRequest, match='"stream" must be true or false'):
@@ -53,13 +61,16 @@ def test_an_uploaded_prompt_without_mode_still_needs_its_transcript():
 
 
 @pytest.mark.parametrize("field", ["text", "prompt_text", "instruct_text"])
-@pytest.mark.parametrize("value,shown", [
-    ("Hello<|endofprompt|>there", "<|endofprompt|>"),
-    ("<|im_start|>system", "<|im_start|>"),
-    ("say <|en|> this", "<|en|>"),
-    ("a <| b |> c", "<| b |>"),
-    ("pipes |> then <| later", "<| and |>"),  # upstream only asks whether both halves are there
-])
+@pytest.mark.parametrize(
+    "value,shown",
+    [
+        ("Hello<|endofprompt|>there", "<|endofprompt|>"),
+        ("<|im_start|>system", "<|im_start|>"),
+        ("say <|en|> this", "<|en|>"),
+        ("a <| b |> c", "<| b |>"),
+        ("pipes |> then <| later", "<| and |>"),  # upstream only asks whether both halves are there
+    ],
+)
 def test_special_tokens_are_refused_in_every_text_field(field, value, shown):
     payload = {"text": "Hi.", "mode": "instruct", "instruct_text": "Calm.", field: value}
     with pytest.raises(BadRequest, match="special tokens") as caught:

@@ -30,8 +30,10 @@ import pytest
 HERE = Path(__file__).resolve().parent / "upstream"
 REQUIREMENTS = HERE / "requirements.txt"
 CHECKOUT_VAR, PYTHON_VAR, CACHE_VAR = "CVLB_UPSTREAM", "CVLB_UPSTREAM_PYTHON", "CVLB_UPSTREAM_CACHE"
-SKIP_REASON = (f"upstream CosyVoice's code is not given: set {CHECKOUT_VAR} to a checkout of FunAudioLLM/CosyVoice "
-               f"(with third_party/Matcha-TTS), e.g. {CHECKOUT_VAR}=~/CosyVoice ./run.sh test -m upstream")
+SKIP_REASON = (
+    f"upstream CosyVoice's code is not given: set {CHECKOUT_VAR} to a checkout of FunAudioLLM/CosyVoice "
+    f"(with third_party/Matcha-TTS), e.g. {CHECKOUT_VAR}=~/CosyVoice ./run.sh test -m upstream"
+)
 INSTALL_SECONDS = 1800
 
 
@@ -50,8 +52,10 @@ def checkout() -> Path | None:
     root = Path(named).expanduser().resolve()
     lacking = [p for p in ("cosyvoice/cli/cosyvoice.py", "third_party/Matcha-TTS/matcha") if not (root / p).exists()]
     if lacking:
-        raise pytest.UsageError(f"{CHECKOUT_VAR}={named} lacks {', '.join(lacking)}: name an upstream CosyVoice "
-                                "checkout with its submodules (git submodule update --init --recursive)")
+        raise pytest.UsageError(
+            f"{CHECKOUT_VAR}={named} lacks {', '.join(lacking)}: name an upstream CosyVoice "
+            "checkout with its submodules (git submodule update --init --recursive)"
+        )
     return root
 
 
@@ -73,7 +77,9 @@ def digest(*parts: bytes | Path) -> str:
 
 def code_of(root: Path) -> list[Path]:
     """The checkout's Python sources: what the weights' shapes follow from."""
-    return sorted([*(root / "cosyvoice").rglob("*.py"), *(root / "third_party" / "Matcha-TTS" / "matcha").rglob("*.py")])
+    return sorted(
+        [*(root / "cosyvoice").rglob("*.py"), *(root / "third_party" / "Matcha-TTS" / "matcha").rglob("*.py")]
+    )
 
 
 @contextmanager
@@ -113,8 +119,12 @@ def environment(cache: Path) -> Path:
         started = time.monotonic()
         subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, timeout=300)
         log = env / "install.log"
-        run_logged([str(python), "-m", "pip", "install", "--no-input", "-r", str(REQUIREMENTS)], log,
-                   INSTALL_SECONDS, f"installing upstream CosyVoice's dependencies into {env}")
+        run_logged(
+            [str(python), "-m", "pip", "install", "--no-input", "-r", str(REQUIREMENTS)],
+            log,
+            INSTALL_SECONDS,
+            f"installing upstream CosyVoice's dependencies into {env}",
+        )
         (env / ".complete").write_text(f"built in {time.monotonic() - started:.0f} s\n")
         print(f"\nbuilt the upstream environment {env} in {time.monotonic() - started:.0f} s", file=sys.stderr)
     retire(cache, "env-", env)
@@ -145,8 +155,12 @@ def small_model(root: Path, python: Path, cache: Path) -> Path:
                 shutil.rmtree(partial, ignore_errors=True)
             log = cache / f"model-{key}.log"
             log.unlink(missing_ok=True)
-            run_logged([str(python), str(builder), "--cosyvoice-root", str(root), "--out", str(model)], log, 600,
-                       "building the small CosyVoice3 model")
+            run_logged(
+                [str(python), str(builder), "--cosyvoice-root", str(root), "--out", str(model)],
+                log,
+                600,
+                "building the small CosyVoice3 model",
+            )
     retire(cache, "model-", model)
     return model
 

@@ -20,7 +20,6 @@ import psutil
 import pytest
 import requests
 import soundfile
-
 from conftest import cli, free_port_block, status
 
 TOKEN_A = "first-team-token-0123456789abcdef"
@@ -46,12 +45,40 @@ def cluster():
     state_dir = root / "s"
     users = private(root / "users", "ann:" + bcrypt.hashpw(b"ann's password", bcrypt.gensalt(4)).decode() + "\n")
     port, base = free_port_block(1), free_port_block(INSTANCES)
-    args = ["--engine", "espeak", "--instances", str(INSTANCES), "--host", "127.0.0.1", "--port", str(port),
-            "--base-port", str(base), "--state-dir", str(state_dir), "--ui-auth", str(users),
-            "--rate-limit", "10r/s", "--rate-burst", "4", "--max-upload", "1MiB", "--max-body", "2MiB"]
+    args = [
+        "--engine",
+        "espeak",
+        "--instances",
+        str(INSTANCES),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        "--ui-auth",
+        str(users),
+        "--rate-limit",
+        "10r/s",
+        "--rate-burst",
+        "4",
+        "--max-upload",
+        "1MiB",
+        "--max-body",
+        "2MiB",
+    ]
     done = cli("up", *args, timeout=300)
-    info = {"root": root, "state_dir": state_dir, "url": f"http://127.0.0.1:{port}", "up": done, "args": args,
-            "base": base, "port": port}
+    info = {
+        "root": root,
+        "state_dir": state_dir,
+        "url": f"http://127.0.0.1:{port}",
+        "up": done,
+        "args": args,
+        "base": base,
+        "port": port,
+    }
     yield info
     cli("down", "--state-dir", str(state_dir), timeout=120)
     shutil.rmtree(root, ignore_errors=True)
@@ -86,9 +113,12 @@ def test_status_says_credentials_are_required(cluster):
     done = cli("status", "--state-dir", str(cluster["state_dir"]))
     assert f"access: nginx on 127.0.0.1:{cluster['port']} (this box only); credentials required" in done.stdout
     assert status(cluster["state_dir"])[1]["access"] == {
-        "listen": f"127.0.0.1:{cluster['port']}", "public": False, "credentials": True,
+        "listen": f"127.0.0.1:{cluster['port']}",
+        "public": False,
+        "credentials": True,
         "admin": f"http://127.0.0.1:{cluster['port']}/admin",
-        "admin_token_file": str(Path(cluster["state_dir"]).resolve() / "admin-token")}
+        "admin_token_file": str(Path(cluster["state_dir"]).resolve() / "admin-token"),
+    }
     assert f"control panel: http://127.0.0.1:{cluster['port']}/admin" in done.stdout
 
 
@@ -125,8 +155,9 @@ def test_a_browser_logs_in_once_and_the_session_holds_on_every_instance(cluster)
         assert form.status_code == 200 and 'type="password"' in form.text
         bad = browser.post(url + "/login", data={"user": "ann", "password": "guess"}, allow_redirects=False)
         assert bad.status_code == 401 and "cvlb_session" not in browser.cookies
-        good = browser.post(url + "/login", data={"user": "ann", "password": "ann's password", "next": "/"},
-                            allow_redirects=False)
+        good = browser.post(
+            url + "/login", data={"user": "ann", "password": "ann's password", "next": "/"}, allow_redirects=False
+        )
         assert good.status_code == 303 and good.headers["Location"] == "/"
         page = browser.get(url + "/", headers={"Accept": "text/html"})
         assert page.status_code == 200 and "<html" in page.text.lower()

@@ -25,8 +25,20 @@ playwright = pytest.importorskip("playwright.sync_api")
 def cluster():
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
     port, base = free_port_block(1), free_port_block(2)
-    done = cli("up", "--instances", "2", "--host", "127.0.0.1", "--port", str(port),
-               "--base-port", str(base), "--state-dir", str(state_dir), timeout=300)
+    done = cli(
+        "up",
+        "--instances",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     yield {"url": f"http://127.0.0.1:{port}/", "state_dir": state_dir}
     cli("down", "--state-dir", str(state_dir), timeout=120)
@@ -36,9 +48,17 @@ def cluster():
 def test_two_browsers_generate_speech_through_nginx(cluster):
     served_by = set()
     with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
         try:
             for visitor in range(4):
                 context = browser.new_context()
@@ -112,8 +132,22 @@ def closed_cluster():
     users.write_text("ann:" + bcrypt.hashpw(b"ann's password", bcrypt.gensalt(4)).decode() + "\n")
     users.chmod(0o600)
     port, base = free_port_block(1), free_port_block(2)
-    done = cli("up", "--instances", "2", "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base),
-               "--state-dir", str(root / "s"), "--ui-auth", str(users), timeout=300)
+    done = cli(
+        "up",
+        "--instances",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(root / "s"),
+        "--ui-auth",
+        str(users),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     token = (root / "s/api-token").read_text().splitlines()[-1]
     yield {"url": f"http://127.0.0.1:{port}/", "token": token}
@@ -163,8 +197,9 @@ def test_the_control_panel_lists_the_instances_and_restarts_one_drained(cluster)
         session, deadline = requests.Session(), time.monotonic() + 150
         session.trust_env = False
         while not stop.is_set() and len(statuses) < 300 and time.monotonic() < deadline:
-            statuses.append(session.post(cluster["url"] + "v1/tts", json={"text": "During the restart."},
-                                         timeout=60).status_code)
+            statuses.append(
+                session.post(cluster["url"] + "v1/tts", json={"text": "During the restart."}, timeout=60).status_code
+            )
 
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])

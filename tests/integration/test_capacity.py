@@ -41,7 +41,7 @@ class Sampler:
                 pass
             time.sleep(0.02)
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         self.thread.start()
         return self
 
@@ -51,9 +51,28 @@ class Sampler:
 
 
 def up(state_dir: Path, port: int, base: int, *extra: str) -> None:
-    cli("up", "--engine", "simulated", "--simulated-ms-per-char", "2", "--simulated-load-seconds", LOAD_SECONDS,
-        "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir),
-        "--probe-interval", "0.5", *extra, timeout=300, check=True)
+    cli(
+        "up",
+        "--engine",
+        "simulated",
+        "--simulated-ms-per-char",
+        "2",
+        "--simulated-load-seconds",
+        LOAD_SECONDS,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        "--probe-interval",
+        "0.5",
+        *extra,
+        timeout=300,
+        check=True,
+    )
 
 
 def pool(state_dir: Path) -> tuple[dict, dict]:
@@ -93,8 +112,9 @@ def test_surge_roll_outs_keep_the_rotation_full_and_a_spare_covers_a_crash(state
         spare = next(n for n, i in instances.items() if i["spare"])
         with Sampler(state_dir) as sampler:
             os.kill(instances[victim]["pid"], signal.SIGKILL)
-            covered = wait_for(lambda: spare in in_rotation(state_dir) and victim not in in_rotation(state_dir), 10,
-                               interval=0.05)
+            covered = wait_for(
+                lambda: spare in in_rotation(state_dir) and victim not in in_rotation(state_dir), 10, interval=0.05
+            )
             assert covered
             _, now = pool(state_dir)
             assert not now[victim]["ready"]  # still loading: the spare did not wait for it
@@ -117,10 +137,35 @@ def test_surge_roll_outs_keep_the_rotation_full_and_a_spare_covers_a_crash(state
 def test_elastic_instances_follow_the_load_and_free_their_slot(state_dir):
     port, base = free_port_block(1), free_port_block(2)
     url = f"http://127.0.0.1:{port}"
-    cli("up", "--engine", "simulated", "--simulated-ms-per-char", "30", "--simulated-load-seconds", "1",
-        "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir),
-        "--probe-interval", "0.5", "--instances", "2", "--min-instances", "1", "--scale-up-after", "2",
-        "--idle-release", "4", timeout=300, check=True)
+    cli(
+        "up",
+        "--engine",
+        "simulated",
+        "--simulated-ms-per-char",
+        "30",
+        "--simulated-load-seconds",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        "--probe-interval",
+        "0.5",
+        "--instances",
+        "2",
+        "--min-instances",
+        "1",
+        "--scale-up-after",
+        "2",
+        "--idle-release",
+        "4",
+        timeout=300,
+        check=True,
+    )
     try:
         summary, instances = pool(state_dir)
         assert summary["elastic"] == {"min": 1, "max": 2} and summary["wanted"] == 1
@@ -145,8 +190,25 @@ def test_elastic_instances_follow_the_load_and_free_their_slot(state_dir):
 def test_a_surge_without_memory_says_so_and_drains_first(state_dir):
     port, base = free_port_block(1), free_port_block(3)
     # one 12 GiB card, 5 GiB per instance: room for 2 and no parked slot
-    cli("up", "--engine", "espeak", "--gpus", "12GiB", "--instances", "2", "--host", "127.0.0.1",
-        "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir), timeout=300, check=True)
+    cli(
+        "up",
+        "--engine",
+        "espeak",
+        "--gpus",
+        "12GiB",
+        "--instances",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        timeout=300,
+        check=True,
+    )
     try:
         done = cli("restart", "--all", "--surge", "1", "--state-dir", str(state_dir), timeout=300)
         assert done.returncode == 0, done.stderr

@@ -18,8 +18,7 @@ import psutil
 import pytest
 import requests
 import soundfile
-
-from conftest import Load, cli, clean_env, free_port_block, port_free, status, wait_for
+from conftest import Load, clean_env, cli, free_port_block, port_free, status, wait_for
 
 INSTANCES = 3
 
@@ -34,10 +33,28 @@ def cluster(tmp_path_factory):
     # Options through the environment on purpose: every option has its COSYVOICE_LB_* twin.
     env = clean_env(COSYVOICE_LB_PORT=str(port), COSYVOICE_LB_HOST="127.0.0.1")
     started = time.monotonic()
-    done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--base-port", str(base),
-               "--state-dir", str(state_dir), env=env, timeout=300)
-    info = {"state_dir": state_dir, "port": port, "base": base, "url": f"http://127.0.0.1:{port}",
-            "up": done, "up_seconds": time.monotonic() - started, "env": env}
+    done = cli(
+        "up",
+        "--engine",
+        "espeak",
+        "--instances",
+        str(INSTANCES),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        env=env,
+        timeout=300,
+    )
+    info = {
+        "state_dir": state_dir,
+        "port": port,
+        "base": base,
+        "url": f"http://127.0.0.1:{port}",
+        "up": done,
+        "up_seconds": time.monotonic() - started,
+        "env": env,
+    }
     yield info
     cli("down", "--state-dir", str(state_dir), timeout=120)  # whatever happened above
     import shutil
@@ -95,9 +112,13 @@ def wav(response) -> tuple[np.ndarray, int]:
 
 def test_tts_through_nginx_is_speech_that_grows_with_the_text(cluster):
     short, rate = wav(requests.post(cluster["url"] + "/v1/tts", json={"text": "Hello."}, timeout=30))
-    long, _ = wav(requests.post(cluster["url"] + "/v1/tts", json={
-        "text": "Hello. This sentence is a good deal longer than the first one, so it takes longer to say."},
-        timeout=30))
+    long, _ = wav(
+        requests.post(
+            cluster["url"] + "/v1/tts",
+            json={"text": "Hello. This sentence is a good deal longer than the first one, so it takes longer to say."},
+            timeout=30,
+        )
+    )
     chinese, _ = wav(requests.post(cluster["url"] + "/v1/tts", json={"text": "你好，世界。今天天气很好。"}, timeout=30))
     assert rate == 22050
     assert len(long) > 3 * len(short)
@@ -117,18 +138,21 @@ def test_api_is_spread_over_all_instances(cluster):
     assert seen == {str(cluster["base"] + i) for i in range(INSTANCES)}
 
 
-@pytest.mark.parametrize("body, content_type, status, words", [
-    (b"", "application/json", 400, "no body"),
-    (b"not json", "application/json", 400, "not valid JSON"),
-    (b'{"text": "   "}', "application/json", 400, "empty"),
-    (b'{"text": 12}', "application/json", 400, "must be a string"),
-    (b'{"text": "hi", "speed": "fast"}', "application/json", 400, "speed"),
-    (b'{"text": "hi", "speed": 7}', "application/json", 400, "between"),
-    (b'{"speed": 1.0}', "application/json", 400, "missing"),
-    (b'["text"]', "application/json", 400, "JSON object"),
-    (json.dumps({"text": "x" * 20_001}).encode(), "application/json", 413, "limit of 20000"),
-    (json.dumps({"text": "x" * 100_000}).encode(), "application/json", 413, "limit of 20000"),
-])
+@pytest.mark.parametrize(
+    "body, content_type, status, words",
+    [
+        (b"", "application/json", 400, "no body"),
+        (b"not json", "application/json", 400, "not valid JSON"),
+        (b'{"text": "   "}', "application/json", 400, "empty"),
+        (b'{"text": 12}', "application/json", 400, "must be a string"),
+        (b'{"text": "hi", "speed": "fast"}', "application/json", 400, "speed"),
+        (b'{"text": "hi", "speed": 7}', "application/json", 400, "between"),
+        (b'{"speed": 1.0}', "application/json", 400, "missing"),
+        (b'["text"]', "application/json", 400, "JSON object"),
+        (json.dumps({"text": "x" * 20_001}).encode(), "application/json", 413, "limit of 20000"),
+        (json.dumps({"text": "x" * 100_000}).encode(), "application/json", 413, "limit of 20000"),
+    ],
+)
 def test_bad_input_gets_a_clear_4xx_and_the_instances_stay_up(cluster, body, content_type, status, words):
     r = requests.post(cluster["url"] + "/v1/tts", data=body, headers={"Content-Type": content_type}, timeout=30)
     assert r.status_code == status
@@ -143,8 +167,9 @@ def test_wrong_methods_paths_and_huge_bodies_get_json_errors_through_nginx(clust
     unknown = requests.post(url + "/v1/speak", json={"text": "hi"}, timeout=10)
     assert unknown.status_code == 404 and "/v1/tts" in unknown.json()["error"]["message"]
     assert requests.head(url + "/ping", timeout=10).status_code == 200
-    huge = requests.post(url + "/v1/tts", data=b"x" * (21 * 2**20), headers={"Content-Type": "application/json"},
-                         timeout=60)
+    huge = requests.post(
+        url + "/v1/tts", data=b"x" * (21 * 2**20), headers={"Content-Type": "application/json"}, timeout=60
+    )
     assert huge.status_code == 413 and "larger than" in huge.json()["error"]["message"]
     # a 70 KB header: nginx's own refusal, as JSON too (it was nginx's HTML page)
     big = requests.post(url + "/v1/tts", json={"text": "hi"}, headers={"X-Padding": "x" * 70_000}, timeout=10)
@@ -181,8 +206,19 @@ def test_ui_has_a_primary_generate_button(cluster):
 
 def test_up_again_is_safe(cluster):
     before = {i["name"]: i["pid"] for i in status(cluster["state_dir"])[1]["instances"]}
-    done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--base-port", str(cluster["base"]),
-               "--state-dir", str(cluster["state_dir"]), env=cluster["env"], timeout=120)
+    done = cli(
+        "up",
+        "--engine",
+        "espeak",
+        "--instances",
+        str(INSTANCES),
+        "--base-port",
+        str(cluster["base"]),
+        "--state-dir",
+        str(cluster["state_dir"]),
+        env=cluster["env"],
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     after = {i["name"]: i["pid"] for i in status(cluster["state_dir"])[1]["instances"]}
     assert after == before  # nothing restarted
@@ -191,9 +227,23 @@ def test_up_again_is_safe(cluster):
 def test_up_again_with_new_settings_applies_them_without_restarting_instances(cluster):
     state_dir = cluster["state_dir"]
     _, before = status(state_dir)
-    done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--base-port",
-               str(cluster["base"]), "--state-dir", str(state_dir), "--hang-timeout", "100", "--retries", "5",
-               env=cluster["env"], timeout=120)
+    done = cli(
+        "up",
+        "--engine",
+        "espeak",
+        "--instances",
+        str(INSTANCES),
+        "--base-port",
+        str(cluster["base"]),
+        "--state-dir",
+        str(state_dir),
+        "--hang-timeout",
+        "100",
+        "--retries",
+        "5",
+        env=cluster["env"],
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     _, after = status(state_dir)
     assert [i["pid"] for i in after["instances"]] == [i["pid"] for i in before["instances"]]
@@ -231,8 +281,10 @@ def test_sigstopped_instance_is_replaced_while_the_others_serve(cluster):
             except ProcessLookupError:
                 pass
         time.sleep(2)  # some load on the replacement too
-    print(f"SIGSTOP: out of rotation after {out_after:.1f}s, back serving after {back_after:.1f}s; "
-          f"{load.ok} requests ok, {len(load.failures)} failed, per port {load.ports}")
+    print(
+        f"SIGSTOP: out of rotation after {out_after:.1f}s, back serving after {back_after:.1f}s; "
+        f"{load.ok} requests ok, {len(load.failures)} failed, per port {load.ports}"
+    )
     assert load.failures == []
     assert load.ok > 20
     assert len(load.ports) == INSTANCES  # everyone served, the replacement included
@@ -259,8 +311,12 @@ def test_restart_command_restarts_one_instance(cluster):
     before = instance(state_dir, "instance-0")
     done = cli("restart", "instance-0", "--state-dir", str(state_dir))
     assert done.returncode == 0, done.stderr
-    assert wait_for(lambda: (lambda i: i["pid"] != before["pid"] and i["ready"] and i["in_rotation"])(
-        instance(state_dir, "instance-0")), timeout=40)
+    assert wait_for(
+        lambda: (lambda i: i["pid"] != before["pid"] and i["ready"] and i["in_rotation"])(
+            instance(state_dir, "instance-0")
+        ),
+        timeout=40,
+    )
     assert instance(state_dir, "instance-0")["restarts"] == before["restarts"] + 1
     bad = cli("restart", "instance-9", "--state-dir", str(state_dir))
     assert bad.returncode != 0 and "no program named instance-9" in bad.stderr
@@ -305,6 +361,7 @@ def test_status_notices_a_hung_health_loop(cluster):
     pid = status(state_dir)[1]["health"]["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
+
         def flagged():
             code, body = status(state_dir)
             return code == 1 and any("health loop has not reported" in p for p in body["problems"])
@@ -335,6 +392,7 @@ def test_no_ready_instance_means_503_and_status_1(cluster):
     try:
         for name in names:
             supervisor.stop(name)
+
         def none_ready():  # a list, since a 503 Response is falsy
             r = requests.get(cluster["url"] + "/ping", timeout=5)
             return [r] if r.status_code == 503 else []

@@ -28,9 +28,24 @@ TRANSCRIPT = "希望你以后能够做的比我还好呦。"
 
 
 def cosyvoice_args(state_dir: Path, port: int, base: int, *extra: str) -> list[str]:
-    return ["up", "--engine", "cosyvoice3", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE),
-            "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir),
-            *extra]
+    return [
+        "up",
+        "--engine",
+        "cosyvoice3",
+        "--model-dir",
+        str(V3),
+        "--cosyvoice-root",
+        str(FAKE),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +79,14 @@ def test_up_starts_cosyvoice3_instances_one_after_another(cluster):
     assert starts[1] - starts[0] >= 1.0
 
 
-@pytest.mark.parametrize("fields", [
-    {"text": "八百标兵奔北坡。", "mode": "zero_shot", "prompt_text": TRANSCRIPT},
-    {"text": "Hello from another language.", "mode": "cross_lingual"},
-    {"text": "Hello there.", "mode": "instruct", "instruct_text": "请用广东话表达。"},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"text": "八百标兵奔北坡。", "mode": "zero_shot", "prompt_text": TRANSCRIPT},
+        {"text": "Hello from another language.", "mode": "cross_lingual"},
+        {"text": "Hello there.", "mode": "instruct", "instruct_text": "请用广东话表达。"},
+    ],
+)
 def test_every_mode_through_nginx_at_the_models_rate(cluster, fields):
     # The v3 prompt format is added for the user: the fake asserts <|endofprompt|> like upstream.
     audio, rate = decoded(post(cluster, fields, PROMPT.read_bytes()))
@@ -88,19 +106,27 @@ def test_seed_reproduces_the_same_audio(cluster):
     assert first == second and first != other
 
 
-@pytest.mark.parametrize("fields, prompt, status, words", [
-    ({"text": "hi", "mode": "zero_shot", "prompt_text": "x"}, None, 400, "needs prompt_audio"),
-    ({"text": "hi", "mode": "zero_shot"}, "prompt", 400, "needs prompt_text"),
-    ({"text": "hi", "mode": "karaoke"}, "prompt", 400, "unknown mode"),
-    ({"text": "hi", "mode": "sft"}, None, 400, "not available with this model"),
-    ({"text": "hi", "mode": "cross_lingual"}, b"not audio", 400, "not audio this server can read"),
-    ({"text": "hi", "mode": "cross_lingual"}, b"", 400, "empty"),
-    ({"text": "hi", "mode": "cross_lingual"}, "8k", 400, "8000 Hz"),
-    ({"text": "hi", "mode": "cross_lingual"}, "0.5s", 400, "is 0.5 s long: cloning a voice needs 3-15 s"),
-    ({"text": "hi", "mode": "cross_lingual"}, "2.9s", 400, "is 2.9 s long: cloning a voice needs 3-15 s"),
-    ({"text": "hi", "mode": "cross_lingual", "stream": "true", "speed": "1.5"}, "prompt", 400, "only without streaming"),
-    ({"text": "hi", "mode": "cross_lingual"}, "huge", 413, "larger than 10 MiB"),
-])
+@pytest.mark.parametrize(
+    "fields, prompt, status, words",
+    [
+        ({"text": "hi", "mode": "zero_shot", "prompt_text": "x"}, None, 400, "needs prompt_audio"),
+        ({"text": "hi", "mode": "zero_shot"}, "prompt", 400, "needs prompt_text"),
+        ({"text": "hi", "mode": "karaoke"}, "prompt", 400, "unknown mode"),
+        ({"text": "hi", "mode": "sft"}, None, 400, "not available with this model"),
+        ({"text": "hi", "mode": "cross_lingual"}, b"not audio", 400, "not audio this server can read"),
+        ({"text": "hi", "mode": "cross_lingual"}, b"", 400, "empty"),
+        ({"text": "hi", "mode": "cross_lingual"}, "8k", 400, "8000 Hz"),
+        ({"text": "hi", "mode": "cross_lingual"}, "0.5s", 400, "is 0.5 s long: cloning a voice needs 3-15 s"),
+        ({"text": "hi", "mode": "cross_lingual"}, "2.9s", 400, "is 2.9 s long: cloning a voice needs 3-15 s"),
+        (
+            {"text": "hi", "mode": "cross_lingual", "stream": "true", "speed": "1.5"},
+            "prompt",
+            400,
+            "only without streaming",
+        ),
+        ({"text": "hi", "mode": "cross_lingual"}, "huge", 413, "larger than 10 MiB"),
+    ],
+)
 def test_bad_prompts_and_modes_are_4xx(cluster, fields, prompt, status, words):
     if prompt == "prompt":
         prompt = PROMPT.read_bytes()
@@ -134,10 +160,17 @@ def test_long_stereo_prompt_is_trimmed_and_said_so(cluster):
 
 def test_streaming_answers_the_first_chunk_long_before_the_last(cluster):
     started = time.monotonic()
-    with requests.post(cluster["url"] + "/v1/tts", timeout=60, stream=True, data={
+    with requests.post(
+        cluster["url"] + "/v1/tts",
+        timeout=60,
+        stream=True,
+        data={
             "text": "A longer sentence so that the fake model streams it in several chunks.",
-            "mode": "cross_lingual", "stream": "true"},
-            files={"prompt_audio": ("p.wav", PROMPT.read_bytes(), "audio/wav")}) as r:
+            "mode": "cross_lingual",
+            "stream": "true",
+        },
+        files={"prompt_audio": ("p.wav", PROMPT.read_bytes(), "audio/wav")},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
         arrivals, body = [], b""
         for piece in r.iter_content(chunk_size=None):
@@ -180,8 +213,10 @@ def test_when_every_instance_is_full_clients_get_503_with_retry_after_at_once(cl
     assert all(body == b"RIFF" for code, _, _, body in results if code == 200)
     refused = [seconds for code, seconds, retry, _ in results if code == 503 and retry == "1"]
     assert len(refused) == codes.count(503)
-    print(f"backpressure: {codes.count(200)} served, {codes.count(503)} refused in "
-          f"{max(refused):.2f}s at most (a synthesis takes 1.2 s)")
+    print(
+        f"backpressure: {codes.count(200)} served, {codes.count(503)} refused in "
+        f"{max(refused):.2f}s at most (a synthesis takes 1.2 s)"
+    )
     assert max(refused) < 1.2  # refused before even one synthesis could have finished
 
 
@@ -189,8 +224,9 @@ def test_gradio_client_clones_a_voice_through_nginx(cluster):
     from gradio_client import Client, handle_file
 
     client = Client(cluster["url"] + "/", verbose=False)
-    result = client.predict("你好，世界。", "zero_shot", handle_file(str(PROMPT)), TRANSCRIPT, "", None, 1.0, 7,
-                            False, api_name="/generate")
+    result = client.predict(
+        "你好，世界。", "zero_shot", handle_file(str(PROMPT)), TRANSCRIPT, "", None, 1.0, 7, False, api_name="/generate"
+    )
     audio, rate = soundfile.read(result, dtype="float32")
     assert rate == 24000 and audio.size > 0
 
@@ -203,21 +239,51 @@ def test_status_names_the_engine_and_every_instance_ready(cluster):
 
 # --- refusals before anything starts --------------------------------------------------------
 
-@pytest.mark.parametrize("model, words", [
-    ("FunAudioLLM/Fun-CosyVoice3-0.5B-2512", "not a local directory"),
-    (str(ROOT / "tests"), "has none of cosyvoice.yaml"),
-])
+
+@pytest.mark.parametrize(
+    "model, words",
+    [
+        ("FunAudioLLM/Fun-CosyVoice3-0.5B-2512", "not a local directory"),
+        (str(ROOT / "tests"), "has none of cosyvoice.yaml"),
+    ],
+)
 def test_up_refuses_a_model_dir_that_is_not_a_local_model(state_dir, model, words):
-    done = cli("up", "--engine", "cosyvoice3", "--model-dir", model, "--cosyvoice-root", str(FAKE),
-               "--state-dir", str(state_dir), "--host", "127.0.0.1", "--port", str(free_port_block(1)), timeout=60)
+    done = cli(
+        "up",
+        "--engine",
+        "cosyvoice3",
+        "--model-dir",
+        model,
+        "--cosyvoice-root",
+        str(FAKE),
+        "--state-dir",
+        str(state_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port_block(1)),
+        timeout=60,
+    )
     assert done.returncode != 0 and words in done.stderr
     assert not (state_dir / "run" / "supervisor.sock").exists()
 
 
 def test_up_refuses_a_checkout_without_matcha(state_dir, tmp_path):
     (tmp_path / "cosyvoice").mkdir()
-    done = cli("up", "--model-dir", str(V3), "--cosyvoice-root", str(tmp_path), "--state-dir", str(state_dir),
-               "--host", "127.0.0.1", "--port", str(free_port_block(1)), timeout=60)
+    done = cli(
+        "up",
+        "--model-dir",
+        str(V3),
+        "--cosyvoice-root",
+        str(tmp_path),
+        "--state-dir",
+        str(state_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port_block(1)),
+        timeout=60,
+    )
     assert done.returncode != 0 and "lacks third_party/Matcha-TTS" in done.stderr
 
 
@@ -227,8 +293,22 @@ def test_up_says_what_the_instances_python_lacks(state_dir, tmp_path):
 
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
-    done = cli("up", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE), "--python", str(bare / "bin/python"),
-               "--state-dir", str(state_dir), "--host", "127.0.0.1", "--port", str(free_port_block(1)), timeout=60)
+    done = cli(
+        "up",
+        "--model-dir",
+        str(V3),
+        "--cosyvoice-root",
+        str(FAKE),
+        "--python",
+        str(bare / "bin/python"),
+        "--state-dir",
+        str(state_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port_block(1)),
+        timeout=60,
+    )
     assert done.returncode != 0
     assert "lacks numpy, soundfile, fastapi, uvicorn, gradio, multipart, prometheus_client, torch" in done.stderr
     assert f"{bare / 'bin/python'} -m pip install" in done.stderr and "torch" in done.stderr
@@ -236,7 +316,8 @@ def test_up_says_what_the_instances_python_lacks(state_dir, tmp_path):
 
 
 def test_calibrate_without_a_gpu_says_it_cannot_and_why(state_dir):
-    done = cli("calibrate", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE), "--state-dir", str(state_dir),
-               timeout=60)
+    done = cli(
+        "calibrate", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE), "--state-dir", str(state_dir), timeout=60
+    )
     assert done.returncode != 0
     assert "cannot calibrate" in done.stderr and "no GPU" in done.stderr

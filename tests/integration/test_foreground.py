@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-
 from conftest import ROOT, clean_env, cli, free_port_block, port_free
+
 from cosyvoice_lb.layout import Layout
 from cosyvoice_lb.processes import stray_processes
 
@@ -36,12 +36,37 @@ class Launcher:
         self.port, self.base = port or free_port_block(1), free_port_block(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.out, self.err = state_dir.parent / f"{state_dir.name}.out", state_dir.parent / f"{state_dir.name}.err"
-        args = ["up", "--foreground", "--instances", "2", "--engine", "simulated", "--simulated-ms-per-char", "40",
-                "--instance-concurrency", "2", "--drain-timeout", "20", "--host", "127.0.0.1",
-                "--port", str(self.port), "--base-port", str(self.base), "--state-dir", str(state_dir), *extra]
+        args = [
+            "up",
+            "--foreground",
+            "--instances",
+            "2",
+            "--engine",
+            "simulated",
+            "--simulated-ms-per-char",
+            "40",
+            "--instance-concurrency",
+            "2",
+            "--drain-timeout",
+            "20",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--base-port",
+            str(self.base),
+            "--state-dir",
+            str(state_dir),
+            *extra,
+        ]
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "cosyvoice_lb.cli", *args], stdout=out, stderr=err,
-                                         env=clean_env(), cwd=str(ROOT))
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cosyvoice_lb.cli", *args],
+                stdout=out,
+                stderr=err,
+                env=clean_env(),
+                cwd=str(ROOT),
+            )
 
     def output(self) -> tuple[str, str]:
         return self.out.read_text(), self.err.read_text()
@@ -137,9 +162,11 @@ def test_sigterm_drains_the_requests_in_flight_and_stops_everything(state_dir):
         for t in threads:
             t.join(timeout=60)
         out, err = launcher.output()
-        print(f"\nforeground drain: {seen} request(s) in flight at SIGTERM, launcher exited {code} "
-              f"{stopped_in:.1f}s after it; requests: "
-              + ", ".join(f"{status} in {took:.1f}s" for status, _, _, took in sorted(results, key=lambda r: r[3])))
+        print(
+            f"\nforeground drain: {seen} request(s) in flight at SIGTERM, launcher exited {code} "
+            f"{stopped_in:.1f}s after it; requests: "
+            + ", ".join(f"{status} in {took:.1f}s" for status, _, _, took in sorted(results, key=lambda r: r[3]))
+        )
         print("launcher stdout (last lines):\n  " + "\n  ".join(out.strip().splitlines()[-3:]))
         print("launcher stderr (last lines):\n  " + "\n  ".join(err.strip().splitlines()[-3:]))
         assert code == 0, (out, err)
@@ -186,8 +213,10 @@ def test_a_supervisord_that_dies_ends_the_foreground_with_an_error_and_nothing_l
         os.kill(supervisord, signal.SIGKILL)
         code = launcher.proc.wait(timeout=60)
         out, err = launcher.output()
-        print(f"\nsupervisord killed: the launcher exited {code} {time.monotonic() - killed:.1f}s later: "
-              f"{err.strip().splitlines()[-1]}")
+        print(
+            f"\nsupervisord killed: the launcher exited {code} {time.monotonic() - killed:.1f}s later: "
+            f"{err.strip().splitlines()[-1]}"
+        )
         assert code == 1, (out, err)
         assert "supervisord went away" in err and "stopped what was left of the cluster" in err
         assert "drained and stopped" not in out

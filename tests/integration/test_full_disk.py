@@ -44,8 +44,24 @@ def cluster(disk):
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))  # short: supervisord's socket
     port, base = free_port_block(1), free_port_block(1)
     try:
-        done = cli("up", "--engine", "espeak", "--instances", "1", "--host", "127.0.0.1", "--port", str(port),
-                   "--base-port", str(base), "--state-dir", str(state_dir), "--outputs-dir", str(disk), timeout=300)
+        done = cli(
+            "up",
+            "--engine",
+            "espeak",
+            "--instances",
+            "1",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--base-port",
+            str(base),
+            "--state-dir",
+            str(state_dir),
+            "--outputs-dir",
+            str(disk),
+            timeout=300,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         yield {"state_dir": state_dir, "url": f"http://127.0.0.1:{port}", "instance": f"http://127.0.0.1:{base}"}
     finally:
@@ -103,9 +119,9 @@ def test_a_full_disk_shows_everywhere_until_a_result_is_kept_again(cluster, disk
             (problem,) = ping.json()["problems"]
             assert "results are not being kept" in problem and str(disk) in problem
         code, body = status(cluster["state_dir"])
-        assert code != 0 and any(
-            p.startswith("instance-0: results are not being kept") for p in body["problems"]
-        ), body["problems"]
+        assert code != 0 and any(p.startswith("instance-0: results are not being kept") for p in body["problems"]), (
+            body["problems"]
+        )
     finally:
         filler.unlink()
     time.sleep(0.2)

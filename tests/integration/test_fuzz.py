@@ -38,16 +38,32 @@ def run():
     port, base = free_port_block(1), free_port_block(INSTANCES)
     url = f"http://127.0.0.1:{port}"
     try:
-        done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--host", "127.0.0.1",
-                   "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir), timeout=300)
+        done = cli(
+            "up",
+            "--engine",
+            "espeak",
+            "--instances",
+            str(INSTANCES),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--base-port",
+            str(base),
+            "--state-dir",
+            str(state_dir),
+            timeout=300,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         before = status(state_dir)[1]["instances"]
         cases = fuzz.generate(fuzz.fetch_schemas(url), CASES, SEED)
         results = fuzz.send(url, cases, workers=INSTANCES, max_seconds=MAX_SECONDS)
         after = status(state_dir)
         kinds = Counter(o.case.kind for o in results.outcomes)
-        print(f"\nfuzz: {len(results.outcomes)} cases (seed {SEED}) in {results.seconds:.1f}s; "
-              f"statuses {dict(results.statuses)}; categories {dict(kinds)}")
+        print(
+            f"\nfuzz: {len(results.outcomes)} cases (seed {SEED}) in {results.seconds:.1f}s; "
+            f"statuses {dict(results.statuses)}; categories {dict(kinds)}"
+        )
         yield {"results": results, "cases": cases, "before": before, "after": after}
     finally:
         cli("down", "--state-dir", str(state_dir), timeout=120)
@@ -66,8 +82,15 @@ def test_every_case_was_sent_and_answered(run):
     assert results.unanswered == [], listing(results.unanswered)
     # every category of the generator was exercised
     assert {o.case.kind for o in results.outcomes} == {
-        "valid-json", "random-json", "replaced-field", "extra-fields", "edge-literal", "random-bytes",
-        "valid-multipart", "broken-multipart"}
+        "valid-json",
+        "random-json",
+        "replaced-field",
+        "extra-fields",
+        "edge-literal",
+        "random-bytes",
+        "valid-multipart",
+        "broken-multipart",
+    }
 
 
 def test_no_server_errors(run):

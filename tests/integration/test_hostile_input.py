@@ -45,13 +45,32 @@ def cluster():
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))  # short: supervisord's socket
     port, base = free_port_block(1), free_port_block(INSTANCES)
     try:
-        done = cli("up", "--engine", "espeak", "--instances", str(INSTANCES), "--host", "127.0.0.1",
-                   "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir), timeout=300)
+        done = cli(
+            "up",
+            "--engine",
+            "espeak",
+            "--instances",
+            str(INSTANCES),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--base-port",
+            str(base),
+            "--state-dir",
+            str(state_dir),
+            timeout=300,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         code, body = status(state_dir)
         assert code == 0, body
-        yield {"state_dir": state_dir, "port": port, "base": base, "url": f"http://127.0.0.1:{port}",
-               "instances": {i["name"]: i["pid"] for i in body["instances"]}}
+        yield {
+            "state_dir": state_dir,
+            "port": port,
+            "base": base,
+            "url": f"http://127.0.0.1:{port}",
+            "instances": {i["name"]: i["pid"] for i in body["instances"]},
+        }
     finally:
         cli("down", "--state-dir", str(state_dir), timeout=120)
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -101,7 +120,9 @@ def multipart_raw(body: bytes, boundary: str = "B") -> dict[str, Any]:
 
 
 TEXT_PART = b'--B\r\nContent-Disposition: form-data; name="text"\r\n\r\nHello there.\r\n'
-FILE_PART_HEAD = b'--B\r\nContent-Disposition: form-data; name="prompt_audio"; filename="p.wav"\r\nContent-Type: audio/wav\r\n\r\n'
+FILE_PART_HEAD = (
+    b'--B\r\nContent-Disposition: form-data; name="prompt_audio"; filename="p.wav"\r\nContent-Type: audio/wav\r\n\r\n'
+)
 
 
 @dataclass
@@ -119,8 +140,9 @@ class Case:
     words: str = ""
 
 
-def case(id: str, method: str, path: str, request: dict[str, Any] | None = None, expect: int = 400,
-         words: str = "") -> Any:
+def case(
+    id: str, method: str, path: str, request: dict[str, Any] | None = None, expect: int = 400, words: str = ""
+) -> Any:
     return pytest.param(Case(method, path, request or {}, expect, words), id=id)
 
 
@@ -139,9 +161,12 @@ API_CASES = [
     tts("whitespace-body", raw_json(b"  \n\t "), 400, "no body"),
     tts("huge-body-21MiB-over-nginx-limit", raw_json(b"x" * (21 * 2**20)), 413, "larger than"),
     tts("binary-garbage-as-json", raw_json(bytes(range(256)) * 16), 400, "not valid JSON"),
-    tts("binary-garbage-octet-stream", {"data": bytes(range(256)) * 16,
-                                        "headers": {"Content-Type": "application/octet-stream"}}, 400,
-        "not valid JSON"),
+    tts(
+        "binary-garbage-octet-stream",
+        {"data": bytes(range(256)) * 16, "headers": {"Content-Type": "application/octet-stream"}},
+        400,
+        "not valid JSON",
+    ),
     tts("latin1-bytes-in-json", raw_json('{"text": "caf\xe9"}'.encode("latin-1")), 400, "not valid JSON"),
     # malformed JSON
     tts("json-truncated", raw_json('{"text": "Hello'), 400, "not valid JSON"),
@@ -197,30 +222,60 @@ API_CASES = [
     # path-like values
     tts("speaker-path-traversal", field_value("speaker", "../../etc/passwd"), 400, "unknown speaker"),
     tts("mode-path-traversal", field_value("mode", "../../etc/passwd"), 400, "unknown mode"),
-    tts("form-speaker-path-traversal", {"data": {"text": "Hello", "speaker": "/etc/passwd"}}, 400,
-        "unknown speaker"),
+    tts("form-speaker-path-traversal", {"data": {"text": "Hello", "speaker": "/etc/passwd"}}, 400, "unknown speaker"),
     # wrong content types
-    tts("text/plain-body", {"data": b"Hello there.", "headers": {"Content-Type": "text/plain"}}, 400,
-        "not valid JSON"),
-    tts("application/xml-body", {"data": b"<tts><text>Hello</text></tts>",
-                                 "headers": {"Content-Type": "application/xml"}}, 400, "not valid JSON"),
+    tts("text/plain-body", {"data": b"Hello there.", "headers": {"Content-Type": "text/plain"}}, 400, "not valid JSON"),
+    tts(
+        "application/xml-body",
+        {"data": b"<tts><text>Hello</text></tts>", "headers": {"Content-Type": "application/xml"}},
+        400,
+        "not valid JSON",
+    ),
     # malformed multipart
-    tts("multipart-wrong-boundary", multipart_raw(TEXT_PART + b"--B--\r\n", boundary="zzz"), 400,
-        "form could not be read"),
-    tts("multipart-no-boundary", {"data": TEXT_PART, "headers": {"Content-Type": "multipart/form-data"}}, 400,
-        "form could not be read"),
+    tts(
+        "multipart-wrong-boundary",
+        multipart_raw(TEXT_PART + b"--B--\r\n", boundary="zzz"),
+        400,
+        "form could not be read",
+    ),
+    tts(
+        "multipart-no-boundary",
+        {"data": TEXT_PART, "headers": {"Content-Type": "multipart/form-data"}},
+        400,
+        "form could not be read",
+    ),
     tts("multipart-garbage", multipart_raw(bytes(range(256)) * 8), 400, "form"),
     tts("multipart-truncated-in-text-field", multipart_raw(TEXT_PART[:60]), 400, "closing boundary"),
-    tts("multipart-truncated-in-file-part", multipart_raw(TEXT_PART + FILE_PART_HEAD + GOOD_WAV[:2000]), 400,
-        "closing boundary"),
-    tts("multipart-two-files", {"data": {"text": "Hello"},
-                                "files": [("prompt_audio", ("a.wav", GOOD_WAV, "audio/wav")),
-                                          ("prompt_audio", ("b.wav", GOOD_WAV, "audio/wav"))]}, 400,
-        "Too many files"),
-    tts("multipart-text-as-a-file", {"files": {"text": ("t.txt", b"Hello", "text/plain")}}, 400,
-        "only prompt_audio may be a file"),
-    tts("multipart-prompt_audio-as-text-field", {"data": {"text": "Hello", "prompt_audio": "GOOD_WAV"}}, 400,
-        "must be a file upload"),
+    tts(
+        "multipart-truncated-in-file-part",
+        multipart_raw(TEXT_PART + FILE_PART_HEAD + GOOD_WAV[:2000]),
+        400,
+        "closing boundary",
+    ),
+    tts(
+        "multipart-two-files",
+        {
+            "data": {"text": "Hello"},
+            "files": [
+                ("prompt_audio", ("a.wav", GOOD_WAV, "audio/wav")),
+                ("prompt_audio", ("b.wav", GOOD_WAV, "audio/wav")),
+            ],
+        },
+        400,
+        "Too many files",
+    ),
+    tts(
+        "multipart-text-as-a-file",
+        {"files": {"text": ("t.txt", b"Hello", "text/plain")}},
+        400,
+        "only prompt_audio may be a file",
+    ),
+    tts(
+        "multipart-prompt_audio-as-text-field",
+        {"data": {"text": "Hello", "prompt_audio": "GOOD_WAV"}},
+        400,
+        "must be a file upload",
+    ),
     tts("multipart-speed-nan", {"data": {"text": "Hello", "speed": "nan"}}, 400, "speed"),
     tts("multipart-seed-not-a-number", {"data": {"text": "Hello", "seed": "1e99"}}, 400, "seed"),
     # prompt audio
@@ -229,8 +284,12 @@ API_CASES = [
     tts("prompt-empty-file", form(prompt=b""), 400, "is empty"),
     tts("prompt-wav-truncated-in-header", form(prompt=GOOD_WAV[:30]), 400, "not audio"),
     tts("prompt-wav-truncated-mid-data", form(prompt=wav(8, 16000)[: len(wav(8, 16000)) // 2]), 200),  # 4 s left
-    tts("prompt-wav-truncated-to-too-short", form(prompt=GOOD_WAV[: len(GOOD_WAV) // 2]), 400,
-        "is 2.0 s long: cloning a voice needs 3-15 s"),
+    tts(
+        "prompt-wav-truncated-to-too-short",
+        form(prompt=GOOD_WAV[: len(GOOD_WAV) // 2]),
+        400,
+        "is 2.0 s long: cloning a voice needs 3-15 s",
+    ),
     tts("prompt-wav-0-frames", form(prompt=wav(0, 16000)), 400, "no samples"),
     tts("prompt-wav-silent", form(prompt=wav(4, 16000, silent=True)), 400, "silent"),
     tts("prompt-wav-header-says-1Hz", form(prompt=with_rate(wav(1, 16000), 1)), 400, "1 Hz"),
@@ -248,17 +307,12 @@ API_CASES = [
     case("OPTIONS-/v1/tts", "OPTIONS", "/v1/tts", expect=405, words="not allowed"),
     case("POST-/v1/speak", "POST", "/v1/speak", {"json": {"text": "Hello"}}, expect=404, words="no endpoint"),
     case("GET-/v1/", "GET", "/v1/", expect=404, words="no endpoint"),
-    case("POST-/v1/tts/extra", "POST", "/v1/tts/extra", {"json": {"text": "Hello"}}, expect=404,
-         words="no endpoint"),
+    case("POST-/v1/tts/extra", "POST", "/v1/tts/extra", {"json": {"text": "Hello"}}, expect=404, words="no endpoint"),
     # very long header values
-    tts("header-X-Padding-70KB", {"json": {"text": "Hello"}, "headers": {"X-Padding": "x" * 70_000}}, 431,
-        "headers"),
-    tts("header-X-Padding-17KB", {"json": {"text": "Hello"}, "headers": {"X-Padding": "x" * 17_000}}, 431,
-        "headers"),
-    tts("header-User-Agent-20KB", {"json": {"text": "Hello"}, "headers": {"User-Agent": "x" * 20_000}}, 431,
-        "headers"),
-    tts("header-Cookie-20KB", {"json": {"text": "Hello"}, "headers": {"Cookie": "a=" + "x" * 20_000}}, 431,
-        "headers"),
+    tts("header-X-Padding-70KB", {"json": {"text": "Hello"}, "headers": {"X-Padding": "x" * 70_000}}, 431, "headers"),
+    tts("header-X-Padding-17KB", {"json": {"text": "Hello"}, "headers": {"X-Padding": "x" * 17_000}}, 431, "headers"),
+    tts("header-User-Agent-20KB", {"json": {"text": "Hello"}, "headers": {"User-Agent": "x" * 20_000}}, 431, "headers"),
+    tts("header-Cookie-20KB", {"json": {"text": "Hello"}, "headers": {"Cookie": "a=" + "x" * 20_000}}, 431, "headers"),
 ]
 
 
@@ -376,8 +430,7 @@ REFUSALS = [
     pytest.param(request_bytes("POST /v1/tts HTTP/1.1", "Content-Length: 999999999"), 413, "--max-body", id="413-api"),
     pytest.param(request_bytes("GET /" + "a" * 20_000 + " HTTP/1.1"), 414, "URI is too long", id="414"),
     pytest.param(request_bytes("GET /ping HTTP/1.1", "X-Big: " + "a" * 20_000), 431, "headers", id="431-ping"),
-    pytest.param(request_bytes("POST /v1/tts HTTP/1.1", "Transfer-Encoding: gzip"), 501, "Transfer-Encoding",
-                 id="501"),
+    pytest.param(request_bytes("POST /v1/tts HTTP/1.1", "Transfer-Encoding: gzip"), 501, "Transfer-Encoding", id="501"),
     pytest.param(request_bytes("GET / HTTP/2.0"), 505, "HTTP version", id="505"),
     pytest.param(request_bytes("GET /ping HTTP/3.1"), 505, "HTTP version", id="505-ping"),
     pytest.param(request_bytes("FOO / HTTP/1.1"), 405, "FOO is not allowed", id="unknown-method-ui"),
@@ -445,16 +498,18 @@ def gradio_dir(cluster) -> Path:
     return cluster["state_dir"] / "run" / "gradio"
 
 
-@pytest.mark.parametrize("filename, content", [
-    pytest.param("notes.txt", b"this is not audio\n" * 50, id="upload-non-audio"),
-    pytest.param("prompt.wav", b"", id="upload-empty-file"),
-    pytest.param("../../../../tmp/cvlb-hostile-evil.txt", b"evil", id="upload-traversal-filename"),
-])
+@pytest.mark.parametrize(
+    "filename, content",
+    [
+        pytest.param("notes.txt", b"this is not audio\n" * 50, id="upload-non-audio"),
+        pytest.param("prompt.wav", b"", id="upload-empty-file"),
+        pytest.param("../../../../tmp/cvlb-hostile-evil.txt", b"evil", id="upload-traversal-filename"),
+    ],
+)
 def test_ui_upload_route_takes_any_file_into_its_own_cache_only(cluster, web, filename, content):
     """Gradio's upload route is a generic file store (the UI's check is at Generate time):
     it may take the file, but only into the instance's own cache, or refuse it with a 4xx."""
-    r = web.post(cluster["url"] + "/gradio_api/upload", files={"files": (filename, content, "text/plain")},
-                  timeout=30)
+    r = web.post(cluster["url"] + "/gradio_api/upload", files={"files": (filename, content, "text/plain")}, timeout=30)
     assert r.status_code < 500, describe(r)
     assert "application/json" in r.headers.get("content-type", ""), describe(r)
     if r.status_code == 200:
@@ -467,11 +522,16 @@ def test_ui_upload_route_takes_any_file_into_its_own_cache_only(cluster, web, fi
     assert not Path("/tmp/cvlb-hostile-evil.txt").exists()
 
 
-@pytest.mark.parametrize("request_kw", [
-    pytest.param({"data": b"\xff" * 100, "headers": {"Content-Type": "multipart/form-data; boundary=zz"}},
-                 id="upload-malformed-multipart"),
-    pytest.param({"data": b"not a form", "headers": {"Content-Type": "text/plain"}}, id="upload-not-a-form"),
-])
+@pytest.mark.parametrize(
+    "request_kw",
+    [
+        pytest.param(
+            {"data": b"\xff" * 100, "headers": {"Content-Type": "multipart/form-data; boundary=zz"}},
+            id="upload-malformed-multipart",
+        ),
+        pytest.param({"data": b"not a form", "headers": {"Content-Type": "text/plain"}}, id="upload-not-a-form"),
+    ],
+)
 def test_ui_upload_route_refuses_a_broken_form(cluster, web, request_kw):
     """Gradio's own route answers in its own shape (JSON or a plain-text reason): a 4xx that says why."""
     r = web.post(cluster["url"] + "/gradio_api/upload", timeout=30, **request_kw)
@@ -479,14 +539,17 @@ def test_ui_upload_route_refuses_a_broken_form(cluster, web, request_kw):
     assert r.text.strip(), describe(r)
 
 
-@pytest.mark.parametrize("args, words", [
-    pytest.param(("", 1.0, -1, False), "empty", id="ui-empty-text"),
-    pytest.param((None, 1.0, -1, False), "missing", id="ui-no-text"),
-    pytest.param(("x" * 20_001, 1.0, -1, False), "limit of 20000", id="ui-text-over-max-long-chars"),
-    pytest.param(("\u200b\u200d", 1.0, -1, False), "no audio", id="ui-only-zero-width-text"),
-    pytest.param(("Hello", 99, -1, False), "maximum", id="ui-speed-99"),
-    pytest.param(("Hello", 1.0, 2**40, False), "seed", id="ui-seed-2**40"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        pytest.param(("", 1.0, -1, False), "empty", id="ui-empty-text"),
+        pytest.param((None, 1.0, -1, False), "missing", id="ui-no-text"),
+        pytest.param(("x" * 20_001, 1.0, -1, False), "limit of 20000", id="ui-text-over-max-long-chars"),
+        pytest.param(("\u200b\u200d", 1.0, -1, False), "no audio", id="ui-only-zero-width-text"),
+        pytest.param(("Hello", 99, -1, False), "maximum", id="ui-speed-99"),
+        pytest.param(("Hello", 1.0, 2**40, False), "seed", id="ui-seed-2**40"),
+    ],
+)
 def test_ui_gives_a_clear_error_through_gradio_client(cluster, args, words):
     from gradio_client import Client
     from gradio_client.exceptions import AppError
@@ -532,47 +595,80 @@ def cli_case(id: str, args: Callable[[Path, int], list[str]], words: str) -> Any
 
 
 def common(scratch: Path, port: int, state: str = "s") -> list[str]:
-    return ["--engine", "espeak", "--instances", "1", "--host", "127.0.0.1", "--port", str(port), "--base-port",
-            str(port + 1), "--state-dir", str(scratch / state)]
+    return [
+        "--engine",
+        "espeak",
+        "--instances",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(port + 1),
+        "--state-dir",
+        str(scratch / state),
+    ]
 
 
 CLI_CASES = [
     cli_case("render-port--1", lambda d, p: ["render", *common(d, p), "--port", "-1"], "not a TCP port"),
     cli_case("render-port-70000", lambda d, p: ["render", *common(d, p), "--port", "70000"], "not a TCP port"),
     cli_case("up-port-70000", lambda d, p: ["up", *common(d, p), "--port", "70000"], "not a TCP port"),
-    cli_case("render-base-port-70000", lambda d, p: ["render", *common(d, p), "--base-port", "70000"],
-             "not a TCP port"),
-    cli_case("render-instances-abc", lambda d, p: ["render", *common(d, p), "--instances", "abc"],
-             "number of instances"),
+    cli_case(
+        "render-base-port-70000", lambda d, p: ["render", *common(d, p), "--base-port", "70000"], "not a TCP port"
+    ),
+    cli_case(
+        "render-instances-abc", lambda d, p: ["render", *common(d, p), "--instances", "abc"], "number of instances"
+    ),
     cli_case("up-instances-abc", lambda d, p: ["up", *common(d, p), "--instances", "abc"], "number of instances"),
-    cli_case("render-instances-0", lambda d, p: ["render", *common(d, p), "--instances", "0"],
-             "number of instances"),
-    cli_case("plan-footprint-12XB", lambda d, p: ["plan", "--engine", "espeak", "--footprint", "12XB"],
-             "cannot read size '12XB'"),
-    cli_case("render-footprint-12XB", lambda d, p: ["render", *common(d, p), "--footprint", "12XB"],
-             "cannot read size '12XB'"),
-    cli_case("render-max-upload-12XB", lambda d, p: ["render", *common(d, p), "--max-upload", "12XB"],
-             "--max-upload"),
-    cli_case("render-probe-interval-0", lambda d, p: ["render", *common(d, p), "--probe-interval", "0"],
-             "--probe-interval"),
-    cli_case("render-probe-interval-nan", lambda d, p: ["render", *common(d, p), "--probe-interval", "nan"],
-             "--probe-interval"),
-    cli_case("render-request-timeout-inf", lambda d, p: ["render", *common(d, p), "--request-timeout", "inf"],
-             "--request-timeout"),
+    cli_case("render-instances-0", lambda d, p: ["render", *common(d, p), "--instances", "0"], "number of instances"),
+    cli_case(
+        "plan-footprint-12XB",
+        lambda d, p: ["plan", "--engine", "espeak", "--footprint", "12XB"],
+        "cannot read size '12XB'",
+    ),
+    cli_case(
+        "render-footprint-12XB",
+        lambda d, p: ["render", *common(d, p), "--footprint", "12XB"],
+        "cannot read size '12XB'",
+    ),
+    cli_case("render-max-upload-12XB", lambda d, p: ["render", *common(d, p), "--max-upload", "12XB"], "--max-upload"),
+    cli_case(
+        "render-probe-interval-0", lambda d, p: ["render", *common(d, p), "--probe-interval", "0"], "--probe-interval"
+    ),
+    cli_case(
+        "render-probe-interval-nan",
+        lambda d, p: ["render", *common(d, p), "--probe-interval", "nan"],
+        "--probe-interval",
+    ),
+    cli_case(
+        "render-request-timeout-inf",
+        lambda d, p: ["render", *common(d, p), "--request-timeout", "inf"],
+        "--request-timeout",
+    ),
     cli_case("render-max-chars-0", lambda d, p: ["render", *common(d, p), "--max-chars", "0"], "--max-chars"),
-    cli_case("render-unknown-engine", lambda d, p: ["render", *common(d, p), "--engine", "nope"],
-             "'nope' is not one of"),
+    cli_case(
+        "render-unknown-engine", lambda d, p: ["render", *common(d, p), "--engine", "nope"], "'nope' is not one of"
+    ),
     cli_case("up-unknown-engine", lambda d, p: ["up", *common(d, p), "--engine", "nope"], "'nope' is not one of"),
-    cli_case("render-state-dir-is-a-file", lambda d, p: ["render", *common(d, p), "--state-dir", str(d / "file")],
-             "{d}/file"),
-    cli_case("up-state-dir-is-a-file", lambda d, p: ["up", *common(d, p), "--state-dir", str(d / "file")],
-             "{d}/file"),
-    cli_case("up-state-dir-under-a-file", lambda d, p: ["up", *common(d, p), "--state-dir", str(d / "file/sub")],
-             "{d}/file"),
-    cli_case("up-model-dir-missing", lambda d, p: ["up", *common(d, p), "--engine", "cosyvoice3", "--model-dir",
-                                                   str(d / "no-such-model")], "no-such-model"),
-    cli_case("render-model-dir-missing", lambda d, p: ["render", *common(d, p), "--engine", "auto", "--model-dir",
-                                                       str(d / "no-such-model")], "no-such-model"),
+    cli_case(
+        "render-state-dir-is-a-file", lambda d, p: ["render", *common(d, p), "--state-dir", str(d / "file")], "{d}/file"
+    ),
+    cli_case("up-state-dir-is-a-file", lambda d, p: ["up", *common(d, p), "--state-dir", str(d / "file")], "{d}/file"),
+    cli_case(
+        "up-state-dir-under-a-file", lambda d, p: ["up", *common(d, p), "--state-dir", str(d / "file/sub")], "{d}/file"
+    ),
+    cli_case(
+        "up-model-dir-missing",
+        lambda d, p: ["up", *common(d, p), "--engine", "cosyvoice3", "--model-dir", str(d / "no-such-model")],
+        "no-such-model",
+    ),
+    cli_case(
+        "render-model-dir-missing",
+        lambda d, p: ["render", *common(d, p), "--engine", "auto", "--model-dir", str(d / "no-such-model")],
+        "no-such-model",
+    ),
 ]
 
 

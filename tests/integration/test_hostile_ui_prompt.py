@@ -32,14 +32,35 @@ def cluster():
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
     port, base = free_port_block(1), free_port_block(1)
     try:
-        done = cli("up", "--engine", "cosyvoice3", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE),
-                   "--instances", "1", "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base),
-                   "--state-dir", str(state_dir), env=clean_env(FAKE_COSYVOICE_CHUNK_SECONDS="0.05"), timeout=300)
+        done = cli(
+            "up",
+            "--engine",
+            "cosyvoice3",
+            "--model-dir",
+            str(V3),
+            "--cosyvoice-root",
+            str(FAKE),
+            "--instances",
+            "1",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--base-port",
+            str(base),
+            "--state-dir",
+            str(state_dir),
+            env=clean_env(FAKE_COSYVOICE_CHUNK_SECONDS="0.05"),
+            timeout=300,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         code, body = status(state_dir)
         assert code == 0, body
-        yield {"state_dir": state_dir, "url": f"http://127.0.0.1:{port}",
-               "instances": {i["name"]: i["pid"] for i in body["instances"]}}
+        yield {
+            "state_dir": state_dir,
+            "url": f"http://127.0.0.1:{port}",
+            "instances": {i["name"]: i["pid"] for i in body["instances"]},
+        }
     finally:
         cli("down", "--state-dir", str(state_dir), timeout=120)
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -59,12 +80,15 @@ def wav(seconds: float, rate: int, silent: bool = False) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("name, content", [
-    pytest.param("prompt.wav", b"this is not audio at all\n" * 40, id="upload-text-named-wav"),
-    pytest.param("notes.txt", b"this is not audio at all\n" * 40, id="upload-txt-file"),
-    pytest.param("prompt.wav", b"", id="upload-empty-file"),
-    pytest.param("run.sh", b"#!/bin/sh\necho uploaded\n", id="upload-shell-script"),
-])
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        pytest.param("prompt.wav", b"this is not audio at all\n" * 40, id="upload-text-named-wav"),
+        pytest.param("notes.txt", b"this is not audio at all\n" * 40, id="upload-txt-file"),
+        pytest.param("prompt.wav", b"", id="upload-empty-file"),
+        pytest.param("run.sh", b"#!/bin/sh\necho uploaded\n", id="upload-shell-script"),
+    ],
+)
 def test_the_upload_route_takes_audio_only(cluster, name, content):
     """Gradio's upload route takes prompt audio, not any file: the rest is a 4xx JSON
     answer that says what to send, and never reaches the instance's disk."""
@@ -90,8 +114,9 @@ def test_an_upload_is_served_back_to_its_session_only_and_no_answer_names_a_serv
     for web in (owner, other):  # each gets its own route cookie from nginx
         assert web.get(cluster["url"] + "/", timeout=10).status_code == 200
     assert owner.cookies["cvlb_route"] != other.cookies["cvlb_route"]
-    uploaded = owner.post(cluster["url"] + "/gradio_api/upload", files={"files": ("voice.wav", wav(4, 16000))},
-                          timeout=30)
+    uploaded = owner.post(
+        cluster["url"] + "/gradio_api/upload", files={"files": ("voice.wav", wav(4, 16000))}, timeout=30
+    )
     assert uploaded.status_code == 200, uploaded.text
     assert state not in uploaded.text and not uploaded.json()[0].startswith("/"), uploaded.text
     url = cluster["url"] + "/gradio_api/file=" + uploaded.json()[0]
@@ -101,8 +126,11 @@ def test_an_upload_is_served_back_to_its_session_only_and_no_answer_names_a_serv
         assert refused.status_code == 404 and refused.json()["error"]["message"], refused.text
     # A synthesis from that prompt: its answer names no server path, and its file decodes.
     prompt = {"path": uploaded.json()[0], "meta": {"_type": "gradio.FileData"}}
-    done = owner.post(cluster["url"] + "/gradio_api/run/generate", timeout=60, json={
-        "data": ["Hello there.", "cross_lingual", prompt, "", "", None, 1.0, -1, False, None]})
+    done = owner.post(
+        cluster["url"] + "/gradio_api/run/generate",
+        timeout=60,
+        json={"data": ["Hello there.", "cross_lingual", prompt, "", "", None, 1.0, -1, False, None]},
+    )
     assert done.status_code == 200 and state not in done.text, done.text
     result = done.json()["data"][0]
     assert not result["path"].startswith("/"), result
@@ -110,11 +138,14 @@ def test_an_upload_is_served_back_to_its_session_only_and_no_answer_names_a_serv
     assert rate == 24000 and len(audio) > rate // 4
 
 
-@pytest.mark.parametrize("name, content, words", [
-    pytest.param("prompt.wav", wav(4, 16000)[:30], "not audio", id="ui-prompt-truncated-wav"),
-    pytest.param("prompt.wav", wav(4, 8000), "8000 Hz", id="ui-prompt-8000Hz"),
-    pytest.param("prompt.wav", wav(4, 16000, silent=True), "silent", id="ui-prompt-silent"),
-])
+@pytest.mark.parametrize(
+    "name, content, words",
+    [
+        pytest.param("prompt.wav", wav(4, 16000)[:30], "not audio", id="ui-prompt-truncated-wav"),
+        pytest.param("prompt.wav", wav(4, 8000), "8000 Hz", id="ui-prompt-8000Hz"),
+        pytest.param("prompt.wav", wav(4, 16000, silent=True), "silent", id="ui-prompt-silent"),
+    ],
+)
 def test_ui_refuses_a_bad_prompt_audio_with_a_clear_error(cluster, tmp_path, name, content, words):
     from gradio_client import Client, handle_file
     from gradio_client.exceptions import AppError
@@ -124,8 +155,9 @@ def test_ui_refuses_a_bad_prompt_audio_with_a_clear_error(cluster, tmp_path, nam
     client = Client(cluster["url"] + "/", verbose=False)
     with pytest.raises(AppError) as raised:
         # text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed, seed, stream
-        client.predict("Hello there.", "cross_lingual", handle_file(str(path)), "", "", None, 1.0, -1, False,
-                       api_name="/generate")
+        client.predict(
+            "Hello there.", "cross_lingual", handle_file(str(path)), "", "", None, 1.0, -1, False, api_name="/generate"
+        )
     message = str(raised.value)
     assert "prompt" in message.lower() and words in message, message
     assert "Traceback" not in message

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from conftest import cli, free_port_block, instance_samples, unexpected_tracebacks, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import cli, free_port_block, instance_samples, unexpected_tracebacks, wait_for
 from cosyvoice_lb.metrics import OUTCOMES, ROUTES
 from cosyvoice_lb.monitoring import dashboard_exprs
 
@@ -38,15 +38,35 @@ LONG = "".join(f"This is sentence number {i} of a long text that the cluster spl
 def cluster():
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
     port, base = free_port_block(1), free_port_block(3)
-    done = cli("up", "--instances", "2", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir),
-               "--max-chars", "80", "--segment-chars", "80", timeout=240)
+    done = cli(
+        "up",
+        "--instances",
+        "2",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        "--max-chars",
+        "80",
+        "--segment-chars",
+        "80",
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"control panel: http://127.0.0.1:{port}/admin" in done.stdout
     session = requests.Session()
     session.trust_env = False
-    yield {"url": f"http://127.0.0.1:{port}", "http": session, "state": state_dir, "port": port, "base": base,
-           "admin": (state_dir / "admin-token").read_text().splitlines()[-1],
-           "scrape": (state_dir / "monitoring" / "scrape-token").read_text().strip()}
+    yield {
+        "url": f"http://127.0.0.1:{port}",
+        "http": session,
+        "state": state_dir,
+        "port": port,
+        "base": base,
+        "admin": (state_dir / "admin-token").read_text().splitlines()[-1],
+        "scrape": (state_dir / "monitoring" / "scrape-token").read_text().strip(),
+    }
     cli("down", "--state-dir", str(state_dir), timeout=120)
     shutil.rmtree(state_dir, ignore_errors=True)
 
@@ -65,8 +85,11 @@ def by_route(samples, name: str) -> dict[str, float]:
 
 
 def requests_by(samples) -> dict[tuple[str, str], float]:
-    return {(r, o): samples.get(("cosyvoice_requests_total", (("outcome", o), ("route", r))), 0.0)
-            for r in ROUTES for o in OUTCOMES}
+    return {
+        (r, o): samples.get(("cosyvoice_requests_total", (("outcome", o), ("route", r))), 0.0)
+        for r in ROUTES
+        for o in OUTCOMES
+    }
 
 
 def test_each_synthesis_is_observed_once_wherever_it_came_from(cluster):
@@ -77,8 +100,12 @@ def test_each_synthesis_is_observed_once_wherever_it_came_from(cluster):
     for i in range(3):
         assert http.post(url + "/v1/tts", json={"text": f"Plain request {i}."}, timeout=60).status_code == 200
     for i in range(2):
-        assert http.post(url + "/v1/audio/speech", json={"model": "tts-1", "input": f"OpenAI {i}.", "voice": "alloy"},
-                         timeout=60).status_code == 200
+        assert (
+            http.post(
+                url + "/v1/audio/speech", json={"model": "tts-1", "input": f"OpenAI {i}.", "voice": "alloy"}, timeout=60
+            ).status_code
+            == 200
+        )
     assert http.post(url + "/v1/tts", json={"text": ""}, timeout=60).status_code == 400
     long = http.post(url + "/v1/tts", json={"text": LONG}, timeout=120)
     assert long.status_code == 200
@@ -89,15 +116,25 @@ def test_each_synthesis_is_observed_once_wherever_it_came_from(cluster):
     counted = {k: v for k, v in grew.items() if v}
     segments = counted.get(("segment", "ok"), 0)
     assert segments >= 4  # ~430 characters in segments of at most 80
-    assert counted == {("api", "ok"): 4, ("api", "invalid"): 1, ("openai", "ok"): 2, ("ui", "ok"): 1,
-                       ("segment", "ok"): segments}
+    assert counted == {
+        ("api", "ok"): 4,
+        ("api", "invalid"): 1,
+        ("openai", "ok"): 2,
+        ("ui", "ok"): 1,
+        ("segment", "ok"): segments,
+    }
     # one first package, one audio duration per synthesis: the long text's are its segments'
-    for name in ("cosyvoice_first_package_seconds_count", "cosyvoice_audio_duration_seconds_count",
-                 "cosyvoice_queue_wait_seconds_count", "cosyvoice_real_time_factor_count"):
+    for name in (
+        "cosyvoice_first_package_seconds_count",
+        "cosyvoice_audio_duration_seconds_count",
+        "cosyvoice_queue_wait_seconds_count",
+        "cosyvoice_real_time_factor_count",
+    ):
         grown = {r: by_route(after, name)[r] - by_route(before, name)[r] for r in ROUTES}
         assert grown == {"api": 3, "openai": 2, "ui": 1, "segment": segments}, name
     audio = sum(by_route(after, "cosyvoice_audio_duration_seconds_sum").values()) - sum(
-        by_route(before, "cosyvoice_audio_duration_seconds_sum").values())
+        by_route(before, "cosyvoice_audio_duration_seconds_sum").values()
+    )
     assert audio > 10  # seconds of speech made, the long text most of them
     for index in (0, 1):
         log = (cluster["state"] / "logs" / f"instance-{index}.log").read_text()
@@ -111,12 +148,16 @@ def test_one_request_id_in_the_answer_the_access_log_and_the_instance_log(cluste
     assert re.fullmatch(r"[0-9a-f]{32}", rid)
     port = answer.headers["X-Instance-Port"]
     index = int(port) - cluster["base"]
-    access = wait_for(lambda: [x for x in (state / "logs/nginx-access.log").read_text().splitlines()
-                               if f"rid={rid}" in x], 5, 0.1)
+    access = wait_for(
+        lambda: [x for x in (state / "logs/nginx-access.log").read_text().splitlines() if f"rid={rid}" in x], 5, 0.1
+    )
     assert len(access) == 1 and f"upstream=127.0.0.1:{port}" in access[0] and " 200 " in access[0]
     # (written after the answer went out, through supervisord's log: waited for, as the access log)
-    instance = wait_for(lambda: [x for x in (state / f"logs/instance-{index}.log").read_text().splitlines()
-                                 if f"rid={rid}" in x], 5, 0.1)
+    instance = wait_for(
+        lambda: [x for x in (state / f"logs/instance-{index}.log").read_text().splitlines() if f"rid={rid}" in x],
+        5,
+        0.1,
+    )
     assert len(instance) == 1 and "api /v1/tts 200 ok" in instance[0]
     # a caller's own id is kept; a long text's segments carry it with their number
     mine = http.post(url + "/v1/tts", json={"text": LONG}, headers={"X-Request-Id": "caller-trace-0001"}, timeout=120)
@@ -141,9 +182,14 @@ def test_the_clusters_metrics_need_a_token_and_the_scrape_token_reads_nothing_el
     scrape = {"Authorization": f"Bearer {cluster['scrape']}"}
     text = http.get(url + "/metrics", headers=scrape, timeout=10).text
     names = {f.name for f in text_string_to_metric_families(text)}
-    assert {"cosyvoice_lb_instance_up", "cosyvoice_lb_instance_restarts", "cosyvoice_lb_nginx_requests",
-            "cosyvoice_lb_probe_duration_seconds", "cosyvoice_lb_health_report_age_seconds"} <= names
-    assert 'cosyvoice_lb_nginx_up 1.0' in text and 'cosyvoice_lb_instance_ready{name="instance-1"} 1.0' in text
+    assert {
+        "cosyvoice_lb_instance_up",
+        "cosyvoice_lb_instance_restarts",
+        "cosyvoice_lb_nginx_requests",
+        "cosyvoice_lb_probe_duration_seconds",
+        "cosyvoice_lb_health_report_age_seconds",
+    } <= names
+    assert "cosyvoice_lb_nginx_up 1.0" in text and 'cosyvoice_lb_instance_ready{name="instance-1"} 1.0' in text
     relayed = http.get(url + "/metrics/instance-1", headers=scrape, timeout=10)
     assert relayed.status_code == 200 and "cosyvoice_first_package_seconds_bucket" in relayed.text
     assert http.get(url + "/admin/api/status", headers=scrape, timeout=10).status_code == 401
@@ -165,20 +211,29 @@ def test_drain_and_undrain_by_hand(cluster):
     http, url, state = cluster["http"], cluster["url"], str(cluster["state"])
     done = cli("drain", "instance-1", "--state-dir", state)
     assert done.returncode == 0 and "instance-1: drained" in done.stdout
-    status = wait_for(lambda: (s := json.loads(cli("status", "--json", "--state-dir", state).stdout))
-                      ["instances"][1]["in_rotation"] is False and s, 10)
+    status = wait_for(
+        lambda: (
+            (s := json.loads(cli("status", "--json", "--state-dir", state).stdout))["instances"][1]["in_rotation"]
+            is False
+            and s
+        ),
+        10,
+    )
     assert status and status["ok"] and status["instances"][1]["drained"] and status["instances"][1]["ready"]
     assert any("instance-1 is drained by hand" in w for w in status["warnings"])
     time.sleep(1)  # (nginx's reload: connections it had kept end)
-    ports = {http.post(url + "/v1/tts", json={"text": f"Where {i}?"}, timeout=60).headers["X-Instance-Port"]
-             for i in range(6)}
+    ports = {
+        http.post(url + "/v1/tts", json={"text": f"Where {i}?"}, timeout=60).headers["X-Instance-Port"]
+        for i in range(6)
+    }
     assert ports == {str(cluster["base"])}
     assert "was drained already" in cli("drain", "instance-1", "--state-dir", state).stdout
     unknown = cli("drain", "instance-9", "--state-dir", state)
     assert unknown.returncode == 2 and "no instance named instance-9" in unknown.stderr
     assert cli("undrain", "instance-1", "--state-dir", state).returncode == 0
-    assert wait_for(lambda: json.loads(cli("status", "--json", "--state-dir", state).stdout)
-                    ["instances"][1]["in_rotation"], 10)
+    assert wait_for(
+        lambda: json.loads(cli("status", "--json", "--state-dir", state).stdout)["instances"][1]["in_rotation"], 10
+    )
 
 
 @pytest.fixture
@@ -193,9 +248,16 @@ def prometheus(cluster, tmp_path):
     config = tmp_path / "prometheus.yml"
     config.write_text((monitoring / "prometheus.yml").read_text().replace("_interval: 15s", "_interval: 1s"))
     port = free_port_block(1)
-    process = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
-                                f"--storage.tsdb.path={tmp_path / 'data'}"], stdout=subprocess.DEVNULL,
-                               stderr=open(tmp_path / "prometheus.log", "w"))
+    process = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={config}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "prometheus.log", "w"),
+    )
     api = f"http://127.0.0.1:{port}/api/v1"
     try:
         assert wait_for(lambda: ready(api), 30, 0.2), (tmp_path / "prometheus.log").read_text()[-3000:]
@@ -220,16 +282,33 @@ def targets(api: str) -> dict[str, str]:
 
 def test_prometheus_scrapes_everything_with_the_config_up_wrote(cluster, prometheus):
     api = prometheus
-    expected = {"cosyvoice-instances/instance-0": "up", "cosyvoice-instances/instance-1": "up", "cosyvoice-lb/" +
-                f"127.0.0.1:{cluster['port']}": "up"}
+    expected = {
+        "cosyvoice-instances/instance-0": "up",
+        "cosyvoice-instances/instance-1": "up",
+        "cosyvoice-lb/" + f"127.0.0.1:{cluster['port']}": "up",
+    }
     assert wait_for(lambda: targets(api) == expected, 30, 0.5), targets(api)
     cluster["http"].post(cluster["url"] + "/v1/tts", json={"text": "Scrape me."}, timeout=60)
     rules = wait_for(lambda: requests.get(api + "/rules", timeout=5).json()["data"]["groups"], 20, 0.5)
     loaded = {rule["name"]: rule["health"] for group in rules for rule in group["rules"]}
-    assert {"CosyVoiceFirstPackageSlow", "CosyVoiceGpuMemoryHigh", "CosyVoiceInstanceDown",
-            "CosyVoiceRestartStorm"} <= set(loaded)
-    assert wait_for(lambda: all(h == "ok" for h in (r["health"] for g in requests.get(api + "/rules", timeout=5)
-                                                    .json()["data"]["groups"] for r in g["rules"])), 20, 0.5)
+    assert {
+        "CosyVoiceFirstPackageSlow",
+        "CosyVoiceGpuMemoryHigh",
+        "CosyVoiceInstanceDown",
+        "CosyVoiceRestartStorm",
+    } <= set(loaded)
+    assert wait_for(
+        lambda: all(
+            h == "ok"
+            for h in (
+                r["health"]
+                for g in requests.get(api + "/rules", timeout=5).json()["data"]["groups"]
+                for r in g["rules"]
+            )
+        ),
+        20,
+        0.5,
+    )
     # every panel of the dashboard is a query Prometheus runs; those of this CPU box have data
     dashboard = (cluster["state"] / "monitoring" / "grafana-dashboard.json").read_text()
     empty = []
@@ -255,11 +334,30 @@ def query(api: str, expr: str) -> float:
 def test_file_discovery_follows_up_when_it_adds_an_instance(cluster, prometheus):
     api = prometheus
     assert wait_for(lambda: len([t for t in targets(api) if t.startswith("cosyvoice-instances/")]) == 2, 30, 0.5)
-    done = cli("up", "--instances", "3", "--port", str(cluster["port"]), "--base-port", str(cluster["base"]),
-               "--state-dir", str(cluster["state"]), "--max-chars", "80", "--segment-chars", "80", timeout=300)
+    done = cli(
+        "up",
+        "--instances",
+        "3",
+        "--port",
+        str(cluster["port"]),
+        "--base-port",
+        str(cluster["base"]),
+        "--state-dir",
+        str(cluster["state"]),
+        "--max-chars",
+        "80",
+        "--segment-chars",
+        "80",
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     grown = wait_for(lambda: targets(api).get("cosyvoice-instances/instance-2") == "up", 60, 0.5)
     assert grown, targets(api)
     scrape = {"Authorization": f"Bearer {cluster['scrape']}"}
-    assert wait_for(lambda: 'cosyvoice_lb_instances 3.0' in cluster["http"].get(
-        cluster["url"] + "/metrics", headers=scrape, timeout=10).text, 10)
+    assert wait_for(
+        lambda: (
+            "cosyvoice_lb_instances 3.0"
+            in cluster["http"].get(cluster["url"] + "/metrics", headers=scrape, timeout=10).text
+        ),
+        10,
+    )

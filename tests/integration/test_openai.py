@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import requests
 import soundfile
-
 from conftest import cli, free_port_block, unexpected_tracebacks, wait_for
 
 openai = pytest.importorskip("openai")
@@ -33,8 +32,22 @@ LONG = "".join(SENTENCE.format(i) for i in range(10))  # ~690 characters, 9 or 1
 def cluster():
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
     port, base = free_port_block(1), free_port_block(2)
-    done = cli("up", "--instances", "2", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir),
-               "--max-chars", "80", "--segment-chars", "80", timeout=240)
+    done = cli(
+        "up",
+        "--instances",
+        "2",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        "--max-chars",
+        "80",
+        "--segment-chars",
+        "80",
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=url + "/v1", api_key="anything: no credentials configured", max_retries=2)
@@ -72,8 +85,11 @@ def test_every_format_from_the_official_client_decodes_to_speech(cluster, fmt):
 
 def test_the_default_format_is_mp3_with_its_content_type_as_open_webui_asks(cluster):
     # Open WebUI posts {model, input, voice} to {base}/audio/speech and saves the answer as .mp3
-    r = cluster["http"].post(cluster["url"] + "/v1/audio/speech",
-                             json={"model": "tts-1", "input": "Open WebUI says hello.", "voice": "nova"}, timeout=60)
+    r = cluster["http"].post(
+        cluster["url"] + "/v1/audio/speech",
+        json={"model": "tts-1", "input": "Open WebUI says hello.", "voice": "nova"},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "audio/mpeg"
     audio, rate = decode(r.content, "mp3")
@@ -83,8 +99,9 @@ def test_the_default_format_is_mp3_with_its_content_type_as_open_webui_asks(clus
 def test_models_are_listed_and_any_model_name_works(cluster):
     ids = [m.id for m in cluster["client"].models.list()]
     assert "espeak" in ids and "tts-1" in ids and "gpt-4o-mini-tts" in ids
-    response = cluster["client"].audio.speech.create(model="whatever-model", voice="echo", input="Any model.",
-                                                     response_format="wav")
+    response = cluster["client"].audio.speech.create(
+        model="whatever-model", voice="echo", input="Any model.", response_format="wav"
+    )
     assert decode(response.content, "wav")[0].size > 0
 
 
@@ -126,9 +143,18 @@ def test_a_long_text_on_v1_tts_is_joined_whole_with_no_segment_twice(cluster):
 
 
 def test_server_sent_events_carry_base64_audio_then_done(cluster):
-    r = cluster["http"].post(cluster["url"] + "/v1/audio/speech", timeout=60, stream=True,
-                             json={"model": "gpt-4o-mini-tts", "input": "Events, please.", "voice": "alloy",
-                                   "response_format": "wav", "stream_format": "sse"})
+    r = cluster["http"].post(
+        cluster["url"] + "/v1/audio/speech",
+        timeout=60,
+        stream=True,
+        json={
+            "model": "gpt-4o-mini-tts",
+            "input": "Events, please.",
+            "voice": "alloy",
+            "response_format": "wav",
+            "stream_format": "sse",
+        },
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert [e["type"] for e in events][-1] == "speech.audio.done" and events[-1]["usage"]["input_tokens"] == 15
@@ -167,10 +193,12 @@ def test_errors_raise_the_right_exception_and_say_a_retry_cannot_help(cluster):
 
 def test_speed_is_applied_and_the_instances_stayed_up(cluster):
     client = cluster["client"]
-    slow = client.audio.speech.create(model="tts-1", voice="alloy", input="Slowly now.", response_format="wav",
-                                      speed=0.6)
-    fast = client.audio.speech.create(model="tts-1", voice="alloy", input="Slowly now.", response_format="wav",
-                                      speed=1.8)
+    slow = client.audio.speech.create(
+        model="tts-1", voice="alloy", input="Slowly now.", response_format="wav", speed=0.6
+    )
+    fast = client.audio.speech.create(
+        model="tts-1", voice="alloy", input="Slowly now.", response_format="wav", speed=1.8
+    )
     assert decode(slow.content, "wav")[0].size > 1.5 * decode(fast.content, "wav")[0].size
     logs = "".join(p.read_text() for p in (cluster["state_dir"] / "logs").glob("instance-*.log"))
     assert not unexpected_tracebacks(logs)
@@ -186,33 +214,73 @@ def test_the_ui_speaks_a_long_text_across_the_instances(cluster):
 
 SPEECH = {"model": "tts-1", "input": "Hi.", "voice": "alloy"}
 HOSTILE = [
-    ("speech-not-json", "/v1/audio/speech", {"data": b"{nope", "headers": {"content-type": "application/json"}},
-     400, "not valid JSON"),
+    (
+        "speech-not-json",
+        "/v1/audio/speech",
+        {"data": b"{nope", "headers": {"content-type": "application/json"}},
+        400,
+        "not valid JSON",
+    ),
     ("speech-empty-body", "/v1/audio/speech", {"data": b""}, 400, "no body"),
     ("speech-array", "/v1/audio/speech", {"json": [SPEECH]}, 400, "JSON object"),
-    ("speech-deep-nesting", "/v1/audio/speech", {"data": b"[" * 100_000, "headers": {"content-type": "application/json"}},
-     400, "not valid JSON"),
+    (
+        "speech-deep-nesting",
+        "/v1/audio/speech",
+        {"data": b"[" * 100_000, "headers": {"content-type": "application/json"}},
+        400,
+        "not valid JSON",
+    ),
     ("speech-no-input", "/v1/audio/speech", {"json": {"model": "tts-1", "voice": "alloy"}}, 400, '"input" is missing'),
     ("speech-input-list", "/v1/audio/speech", {"json": {**SPEECH, "input": ["a"]}}, 400, "must be a string"),
     ("speech-blank-input", "/v1/audio/speech", {"json": {**SPEECH, "input": "   "}}, 400, "empty"),
-    ("speech-special-tokens", "/v1/audio/speech", {"json": {**SPEECH, "input": "hi <|endofprompt|>"}}, 400,
-     "special tokens"),
+    (
+        "speech-special-tokens",
+        "/v1/audio/speech",
+        {"json": {**SPEECH, "input": "hi <|endofprompt|>"}},
+        400,
+        "special tokens",
+    ),
     ("speech-model-number", "/v1/audio/speech", {"json": {**SPEECH, "model": 7}}, 400, '"model" must be a string'),
     ("speech-voice-number", "/v1/audio/speech", {"json": {**SPEECH, "voice": 7}}, 400, '"voice" must be'),
-    ("speech-voice-object-extra", "/v1/audio/speech", {"json": {**SPEECH, "voice": {"id": "x", "y": 1}}}, 400,
-     '"voice" must be'),
-    ("speech-format-list", "/v1/audio/speech", {"json": {**SPEECH, "response_format": ["mp3"]}}, 400,
-     "response_format"),
+    (
+        "speech-voice-object-extra",
+        "/v1/audio/speech",
+        {"json": {**SPEECH, "voice": {"id": "x", "y": 1}}},
+        400,
+        '"voice" must be',
+    ),
+    (
+        "speech-format-list",
+        "/v1/audio/speech",
+        {"json": {**SPEECH, "response_format": ["mp3"]}},
+        400,
+        "response_format",
+    ),
     ("speech-stream-format", "/v1/audio/speech", {"json": {**SPEECH, "stream_format": "ws"}}, 400, "stream_format"),
     ("speech-speed-string", "/v1/audio/speech", {"json": {**SPEECH, "speed": "fast"}}, 400, "speed"),
-    ("speech-speed-nan", "/v1/audio/speech", {"data": b'{"input": "Hi.", "speed": NaN}',
-                                              "headers": {"content-type": "application/json"}}, 400, "speed"),
+    (
+        "speech-speed-nan",
+        "/v1/audio/speech",
+        {"data": b'{"input": "Hi.", "speed": NaN}', "headers": {"content-type": "application/json"}},
+        400,
+        "speed",
+    ),
     ("speech-speed-0.1", "/v1/audio/speech", {"json": {**SPEECH, "speed": 0.1}}, 400, "0.25 and 4.0"),
     ("speech-unknown-field", "/v1/audio/speech", {"json": {**SPEECH, "temperature": 1}}, 400, "temperature"),
-    ("speech-instructions-number", "/v1/audio/speech", {"json": {**SPEECH, "instructions": 5}}, 400,
-     '"instructions" must be a string'),
-    ("speech-instructions-espeak", "/v1/audio/speech", {"json": {**SPEECH, "instructions": "Whisper."}}, 400,
-     "instruct"),
+    (
+        "speech-instructions-number",
+        "/v1/audio/speech",
+        {"json": {**SPEECH, "instructions": 5}},
+        400,
+        '"instructions" must be a string',
+    ),
+    (
+        "speech-instructions-espeak",
+        "/v1/audio/speech",
+        {"json": {**SPEECH, "instructions": "Whisper."}},
+        400,
+        "instruct",
+    ),
     ("speech-mode-unknown", "/v1/audio/speech", {"json": {**SPEECH, "mode": "sing"}}, 400, "unknown mode"),
     ("speech-seed-negative", "/v1/audio/speech", {"json": {**SPEECH, "seed": -1}}, 400, "seed"),
     ("speech-punctuation-only", "/v1/audio/speech", {"json": {**SPEECH, "input": "..."}}, 422, "no word in it"),

@@ -15,19 +15,34 @@ def test_plain_install_finds_its_templates_and_app(tmp_path):
     python = venv / "bin" / "python"
     # The package alone, installed for real; its dependencies are borrowed from this
     # interpreter (PYTHONPATH comes after the venv's own site-packages).
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(ROOT)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     share = venv / "share" / "cosyvoice-lb"
     assert (share / "app.py").is_file() and (share / "templates" / "nginx.conf.j2").is_file()
 
     env = clean_env(PYTHONPATH=sysconfig.get_path("purelib"))
-    where = subprocess.run([str(python), "-c", "import cosyvoice_lb; print(cosyvoice_lb.__file__)"],
-                           capture_output=True, text=True, env=env, cwd=str(tmp_path), check=True)
+    where = subprocess.run(
+        [str(python), "-c", "import cosyvoice_lb; print(cosyvoice_lb.__file__)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        check=True,
+    )
     assert where.stdout.strip().startswith(str(venv))  # the installed copy, not the checkout
     state = tmp_path / "s"
-    done = subprocess.run([str(venv / "bin" / "cosyvoice-lb"), "render", "--state-dir", str(state),
-                           "--instances", "1"], capture_output=True, text=True, env=env, cwd=str(tmp_path),
-                          timeout=60)
+    done = subprocess.run(
+        [str(venv / "bin" / "cosyvoice-lb"), "render", "--state-dir", str(state), "--instances", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     conf = (state / "run" / "supervisord.conf").read_text()
     # instances run a staged copy of the installed app and instance modules

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from conftest import Load, cli, free_port_block, status, wait_for
 
 INSTANCES = 3
@@ -23,10 +22,31 @@ INSTANCES = 3
 def cluster():
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
     port, base = free_port_block(1), free_port_block(INSTANCES)
-    done = cli("up", "--engine", "simulated", "--simulated-faults", "--simulated-ms-per-char", "1",
-               "--instances", str(INSTANCES), "--retries", str(INSTANCES), "--hang-timeout", "2",
-               "--probe-interval", "0.5", "--request-timeout", "60", "--port", str(port), "--base-port", str(base),
-               "--state-dir", str(state_dir), timeout=300)
+    done = cli(
+        "up",
+        "--engine",
+        "simulated",
+        "--simulated-faults",
+        "--simulated-ms-per-char",
+        "1",
+        "--instances",
+        str(INSTANCES),
+        "--retries",
+        str(INSTANCES),
+        "--hang-timeout",
+        "2",
+        "--probe-interval",
+        "0.5",
+        "--request-timeout",
+        "60",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     yield {"state_dir": state_dir, "url": f"http://127.0.0.1:{port}"}
     cli("down", "--state-dir", str(state_dir), timeout=120)

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import requests
-
 from conftest import cli, free_port_block
 
 
@@ -17,9 +16,26 @@ def test_instances_are_recycled_one_at_a_time_without_losing_a_request():
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
     port, base = free_port_block(1), free_port_block(2)
     url = f"http://127.0.0.1:{port}"
-    done = cli("up", "--engine", "espeak", "--instances", "2", "--host", "127.0.0.1", "--port", str(port),
-               "--base-port", str(base), "--state-dir", str(state_dir), "--max-requests", "25",
-               "--max-requests-jitter", "10", timeout=300)
+    done = cli(
+        "up",
+        "--engine",
+        "espeak",
+        "--instances",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        "--max-requests",
+        "25",
+        "--max-requests-jitter",
+        "10",
+        timeout=300,
+    )
     try:
         assert done.returncode == 0, done.stderr
         ok, failures, pings = 0, [], []
@@ -48,8 +64,9 @@ def test_instances_are_recycled_one_at_a_time_without_losing_a_request():
             t.start()
 
         def restarts() -> int:
-            return sum(max(0, len((state_dir / f"run/instance-{i}.starts").read_text().split("\n")) - 2)
-                       for i in (0, 1))
+            return sum(
+                max(0, len((state_dir / f"run/instance-{i}.starts").read_text().split("\n")) - 2) for i in (0, 1)
+            )
 
         while restarts() < 3 and time.monotonic() < deadline:
             time.sleep(0.5)

@@ -28,10 +28,31 @@ TRANSCRIPT = "希望你以后能够做的比我还好呦。"
 
 
 def up(state_dir: Path, port: int, base: int) -> None:
-    done = cli("up", "--engine", "cosyvoice3", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE),
-               "--instances", "2", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir),
-               "--max-chars", "60", "--segment-chars", "40", "--openai-voices", "alloy=narrator",
-               env=clean_env(FAKE_COSYVOICE_LOAD_SECONDS="0.2", FAKE_COSYVOICE_CHUNK_SECONDS="0.1"), timeout=240)
+    done = cli(
+        "up",
+        "--engine",
+        "cosyvoice3",
+        "--model-dir",
+        str(V3),
+        "--cosyvoice-root",
+        str(FAKE),
+        "--instances",
+        "2",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        "--max-chars",
+        "60",
+        "--segment-chars",
+        "40",
+        "--openai-voices",
+        "alloy=narrator",
+        env=clean_env(FAKE_COSYVOICE_LOAD_SECONDS="0.2", FAKE_COSYVOICE_CHUNK_SECONDS="0.1"),
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -49,15 +70,20 @@ def cluster():
 
 def register(cluster, name: str, url: str | None = None, **fields) -> requests.Response:
     with open(PROMPT, "rb") as prompt:
-        return cluster["http"].post((url or cluster["url"]) + "/v1/audio/voices", timeout=60,
-                                    data={"name": name, "prompt_text": TRANSCRIPT, "consent": "yes", **fields},
-                                    files={"audio_sample": ("me.wav", prompt, "audio/wav")})
+        return cluster["http"].post(
+            (url or cluster["url"]) + "/v1/audio/voices",
+            timeout=60,
+            data={"name": name, "prompt_text": TRANSCRIPT, "consent": "yes", **fields},
+            files={"audio_sample": ("me.wav", prompt, "audio/wav")},
+        )
 
 
 def speech(cluster, url: str, voice, **extra) -> requests.Response:
-    return cluster["http"].post(url + "/v1/audio/speech", timeout=60,
-                                json={"model": "tts-1", "input": "你好，世界。", "voice": voice,
-                                      "response_format": "wav", **extra})
+    return cluster["http"].post(
+        url + "/v1/audio/speech",
+        timeout=60,
+        json={"model": "tts-1", "input": "你好，世界。", "voice": voice, "response_format": "wav", **extra},
+    )
 
 
 def test_a_voice_registered_on_one_instance_is_spoken_by_every_instance(cluster):
@@ -87,8 +113,13 @@ def test_a_voice_registered_on_one_instance_is_spoken_by_every_instance(cluster)
 
 def test_the_official_client_speaks_a_saved_voice_with_instructions(cluster):
     client = openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="none-configured")
-    response = client.audio.speech.create(model="tts-1", voice={"id": cluster["voice"]}, input="慢慢说。",
-                                          instructions="Speak slowly.", response_format="flac")
+    response = client.audio.speech.create(
+        model="tts-1",
+        voice={"id": cluster["voice"]},
+        input="慢慢说。",
+        instructions="Speak slowly.",
+        response_format="flac",
+    )
     audio, rate = soundfile.read(io.BytesIO(response.content), dtype="float32")
     assert rate == 24000 and audio.size > 0
 
@@ -105,8 +136,9 @@ def test_the_ui_offers_saved_voices_and_speaks_them(cluster):
     from gradio_client import Client
 
     client = Client(cluster["url"] + "/", verbose=False)
-    path = client.predict("你好，世界。", "zero_shot", None, "", "", None, 1.0, 7, False, cluster["voice"],
-                          api_name="/generate")
+    path = client.predict(
+        "你好，世界。", "zero_shot", None, "", "", None, 1.0, 7, False, cluster["voice"], api_name="/generate"
+    )
     audio, rate = soundfile.read(path, dtype="float32")
     assert rate == 24000 and audio.size > 0
     config = cluster["http"].get(cluster["url"] + "/config", timeout=10).json()
@@ -118,8 +150,9 @@ def test_a_streamed_long_text_sends_its_first_segment_long_before_the_last(clust
     text = "这是一个很长的句子，用来测试长文本的切分。" * 12  # 252 characters, 7 segments, 2 instances
     t0 = time.monotonic()
     arrivals = []
-    with cluster["http"].post(cluster["url"] + "/v1/tts", json={"text": text, "voice": "narrator", "stream": True},
-                              stream=True, timeout=120) as r:
+    with cluster["http"].post(
+        cluster["url"] + "/v1/tts", json={"text": text, "voice": "narrator", "stream": True}, stream=True, timeout=120
+    ) as r:
         assert r.status_code == 200, r.text
         for chunk in r.iter_content(None):
             arrivals.append((time.monotonic() - t0, len(chunk)))
@@ -135,8 +168,9 @@ def test_with_streaming_response_the_first_bytes_come_long_before_the_last(clust
     text = "这是一个很长的句子，用来测试长文本的切分。" * 12  # 7 segments of 0.4 s on 2 instances
     t0 = time.monotonic()
     arrivals, data = [], b""
-    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="narrator", input=text,
-                                                            response_format="mp3") as response:
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="narrator", input=text, response_format="mp3"
+    ) as response:
         for chunk in response.iter_bytes():
             arrivals.append(time.monotonic() - t0)
             data += chunk
@@ -147,14 +181,18 @@ def test_with_streaming_response_the_first_bytes_come_long_before_the_last(clust
 
 def test_a_drained_restart_of_the_coordinating_instance_loses_no_long_text(cluster):
     text = "这是一个很长的句子，用来测试长文本的切分。" * 30  # 16 segments of 0.4 s: seconds of work left
-    with cluster["http"].post(cluster["url"] + "/v1/audio/speech", timeout=120, stream=True,
-                              json={"model": "tts-1", "input": text, "voice": "narrator",
-                                    "response_format": "pcm"}) as r:
+    with cluster["http"].post(
+        cluster["url"] + "/v1/audio/speech",
+        timeout=120,
+        stream=True,
+        json={"model": "tts-1", "input": text, "voice": "narrator", "response_format": "pcm"},
+    ) as r:
         assert r.status_code == 200, r.text
         coordinator = f"instance-{int(r.headers['x-instance-port']) - cluster['base']}"
         # the instance coordinating this text is restarted (drained) while the text is on its way
-        restart = threading.Thread(target=lambda: cli("restart", coordinator, "--state-dir",
-                                                      str(cluster["state_dir"]), timeout=180))
+        restart = threading.Thread(
+            target=lambda: cli("restart", coordinator, "--state-dir", str(cluster["state_dir"]), timeout=180)
+        )
         restart.start()
         size = sum(len(chunk) for chunk in r.iter_content(None))
     restart.join(180)
@@ -166,24 +204,33 @@ def test_a_drained_restart_of_the_coordinating_instance_loses_no_long_text(clust
 def test_registration_applies_the_prompt_rules(cluster):
     silent = io.BytesIO()
     soundfile.write(silent, np.zeros(48000, dtype=np.float32), 16000, format="WAV")
-    r = cluster["http"].post(cluster["url"] + "/v1/audio/voices", timeout=30,
-                             data={"name": "quiet", "prompt_text": "x", "consent": "yes"},
-                             files={"audio_sample": ("q.wav", silent.getvalue(), "audio/wav")})
+    r = cluster["http"].post(
+        cluster["url"] + "/v1/audio/voices",
+        timeout=30,
+        data={"name": "quiet", "prompt_text": "x", "consent": "yes"},
+        files={"audio_sample": ("q.wav", silent.getvalue(), "audio/wav")},
+    )
     assert r.status_code == 400 and "silent" in r.json()["error"]["message"]
     assert r.headers["x-should-retry"] == "false"
     for seconds in (0.5, 2.9):  # what the README and the UI say: 3-15 s
         short = io.BytesIO()
         soundfile.write(short, soundfile.read(PROMPT, dtype="float32")[0][: int(seconds * 16000)], 16000, format="WAV")
-        r = cluster["http"].post(cluster["url"] + "/v1/audio/voices", timeout=30,
-                                 data={"name": "short", "prompt_text": TRANSCRIPT, "consent": "yes"},
-                                 files={"audio_sample": ("s.wav", short.getvalue(), "audio/wav")})
+        r = cluster["http"].post(
+            cluster["url"] + "/v1/audio/voices",
+            timeout=30,
+            data={"name": "short", "prompt_text": TRANSCRIPT, "consent": "yes"},
+            files={"audio_sample": ("s.wav", short.getvalue(), "audio/wav")},
+        )
         assert r.status_code == 400, r.text
         assert f"is {seconds:.1f} s long: cloning a voice needs 3-15 s" in r.json()["error"]["message"]
     for consent in ({}, {"consent": "no"}, {"consent": "ok"}):  # only an explicit yes saves someone's voice
         with open(PROMPT, "rb") as prompt:
-            r = cluster["http"].post(cluster["url"] + "/v1/audio/voices", timeout=30,
-                                     data={"name": "unasked", "prompt_text": TRANSCRIPT, **consent},
-                                     files={"audio_sample": ("me.wav", prompt, "audio/wav")})
+            r = cluster["http"].post(
+                cluster["url"] + "/v1/audio/voices",
+                timeout=30,
+                data={"name": "unasked", "prompt_text": TRANSCRIPT, **consent},
+                files={"audio_sample": ("me.wav", prompt, "audio/wav")},
+            )
         assert r.status_code == 400 and "send consent=yes" in r.json()["error"]["message"], r.text
     names = [v["name"] for v in cluster["http"].get(cluster["url"] + "/v1/audio/voices", timeout=10).json()["data"]]
     assert "short" not in names and "unasked" not in names
@@ -200,8 +247,11 @@ def test_voices_survive_down_and_up_then_a_deleted_voice_stops_everywhere(cluste
     up(cluster["state_dir"], cluster["port"], cluster["base"])
     assert speech(cluster, cluster["url"], cluster["voice"]).status_code == 200
     r = cluster["http"].delete(f"{cluster['url']}/v1/audio/voices/{cluster['voice']}", timeout=10)
-    assert r.status_code == 200 and r.json() == {"id": cluster["voice"], "object": "audio.voice.deleted",
-                                                 "deleted": True}
+    assert r.status_code == 200 and r.json() == {
+        "id": cluster["voice"],
+        "object": "audio.voice.deleted",
+        "deleted": True,
+    }
     for i in (0, 1):
         url = f"http://127.0.0.1:{cluster['base'] + i}"
         r = speech(cluster, url, cluster["voice"])

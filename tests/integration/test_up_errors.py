@@ -8,7 +8,6 @@ import sys
 import time
 
 import psutil
-
 from conftest import ROOT, clean_env, cli, free_port_block, wait_for
 
 
@@ -21,8 +20,21 @@ def cluster_processes(state_dir) -> list[psutil.Process]:
 
 
 def up(state_dir, port, base, *extra):
-    return cli("up", "--instances", "2", "--host", "127.0.0.1", "--port", str(port),
-               "--base-port", str(base), "--state-dir", str(state_dir), *extra, timeout=240)
+    return cli(
+        "up",
+        "--instances",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        *extra,
+        timeout=240,
+    )
 
 
 def test_public_port_in_use(state_dir):
@@ -64,7 +76,7 @@ def test_instance_that_dies_after_starting_is_reported_quickly(state_dir, tmp_pa
     # The instance imports fine, then its engine cannot find espeak-ng and it exits;
     # supervisord restarts it forever, so `up` must notice the loop itself.
     wrapper = tmp_path / "python-without-espeak"
-    wrapper.write_text(f"#!/bin/sh\nPATH=/nonexistent exec {sys.executable} \"$@\"\n")
+    wrapper.write_text(f'#!/bin/sh\nPATH=/nonexistent exec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     done = up(state_dir, free_port_block(1), free_port_block(2), "--python", str(wrapper), "--start-retries", "1")
     assert done.returncode != 0
@@ -110,9 +122,28 @@ def test_a_supervisord_that_stops_answering_while_up_waits_is_a_clear_error_and_
     port, base = free_port_block(1), free_port_block(2)
     env = clean_env()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cosyvoice_lb.cli", "up", "--instances", "2", "--host", "127.0.0.1",
-         "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+        [
+            sys.executable,
+            "-m",
+            "cosyvoice_lb.cli",
+            "up",
+            "--instances",
+            "2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--base-port",
+            str(base),
+            "--state-dir",
+            str(state_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+    )
     pid_file = state_dir / "run/supervisord.pid"
     stopped = None
     deadline = time.monotonic() + 60
@@ -131,5 +162,7 @@ def test_a_supervisord_that_stops_answering_while_up_waits_is_a_clear_error_and_
     assert proc.returncode != 0
     assert "supervisord" in err and "The cluster was stopped" in err, err
     assert "Traceback" not in err
-    left = wait_for(lambda: [] if not cluster_processes(state_dir) else None, timeout=30) or cluster_processes(state_dir)
+    left = wait_for(lambda: [] if not cluster_processes(state_dir) else None, timeout=30) or cluster_processes(
+        state_dir
+    )
     assert left == [], [p.info["cmdline"] for p in left]

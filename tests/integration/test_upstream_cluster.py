@@ -33,15 +33,45 @@ RATE = 24000
 def cluster(upstream):
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
     port, base = free_port_block(1), free_port_block(2)
-    done = cli("up", "--engine", "cosyvoice3", "--model-dir", str(upstream.model_dir),
-               "--cosyvoice-root", str(upstream.root), "--python", str(upstream.python), "--instances", "2",
-               "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir),
-               "--max-chars", "60", "--segment-chars", "40", "--openai-voices", "alloy=narrator",
-               env=clean_env(), timeout=600)
+    done = cli(
+        "up",
+        "--engine",
+        "cosyvoice3",
+        "--model-dir",
+        str(upstream.model_dir),
+        "--cosyvoice-root",
+        str(upstream.root),
+        "--python",
+        str(upstream.python),
+        "--instances",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        "--max-chars",
+        "60",
+        "--segment-chars",
+        "40",
+        "--openai-voices",
+        "alloy=narrator",
+        env=clean_env(),
+        timeout=600,
+    )
     http = requests.Session()
     http.trust_env = False
-    yield {"up": done, "url": f"http://127.0.0.1:{port}", "base": base, "state_dir": state_dir, "http": http,
-           "upstream": upstream}
+    yield {
+        "up": done,
+        "url": f"http://127.0.0.1:{port}",
+        "base": base,
+        "state_dir": state_dir,
+        "http": http,
+        "upstream": upstream,
+    }
     cli("down", "--state-dir", str(state_dir), timeout=120)
     shutil.rmtree(state_dir, ignore_errors=True)
 
@@ -73,11 +103,14 @@ def test_up_starts_instances_on_upstreams_code_in_its_own_python(cluster):
     assert status.returncode == 0 and len(instances) == 2 and all(i["ready"] for i in instances)
 
 
-@pytest.mark.parametrize("fields", [
-    {"text": "八百标兵奔北坡。", "mode": "zero_shot", "prompt_text": TRANSCRIPT},
-    {"text": "Hello from another language.", "mode": "cross_lingual"},
-    {"text": "Hello there.", "mode": "instruct", "instruct_text": "请用广东话表达。"},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"text": "八百标兵奔北坡。", "mode": "zero_shot", "prompt_text": TRANSCRIPT},
+        {"text": "Hello from another language.", "mode": "cross_lingual"},
+        {"text": "Hello there.", "mode": "instruct", "instruct_text": "请用广东话表达。"},
+    ],
+)
 def test_every_mode_in_cosyvoice3s_prompt_form_through_nginx(cluster, fields):
     # Upstream's LLM asserts <|endofprompt|> in every v3 call: the adapter's forms pass it.
     audio = decoded(tts(cluster, fields, PROMPT.read_bytes()))
@@ -86,8 +119,7 @@ def test_every_mode_in_cosyvoice3s_prompt_form_through_nginx(cluster, fields):
 
 def test_the_same_seed_gives_the_same_audio_on_either_instance(cluster):
     fields = {"text": "Same seed, same voice.", "mode": "cross_lingual", "seed": "42"}
-    served = [tts(cluster, fields, PROMPT.read_bytes(), url=f"http://127.0.0.1:{cluster['base'] + i}")
-              for i in (0, 1)]
+    served = [tts(cluster, fields, PROMPT.read_bytes(), url=f"http://127.0.0.1:{cluster['base'] + i}") for i in (0, 1)]
     assert served[0].status_code == served[1].status_code == 200
     assert np.array_equal(decoded(served[0]), decoded(served[1]))
     other = tts(cluster, {**fields, "seed": "43"}, PROMPT.read_bytes())
@@ -95,8 +127,16 @@ def test_the_same_seed_gives_the_same_audio_on_either_instance(cluster):
 
 
 def test_a_stream_comes_in_chunks_and_frees_its_slot(cluster):
-    with tts(cluster, {"text": "A longer sentence, so that upstream streams it in several chunks of audio.",
-                       "mode": "cross_lingual", "stream": "true"}, PROMPT.read_bytes(), stream=True) as r:
+    with tts(
+        cluster,
+        {
+            "text": "A longer sentence, so that upstream streams it in several chunks of audio.",
+            "mode": "cross_lingual",
+            "stream": "true",
+        },
+        PROMPT.read_bytes(),
+        stream=True,
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
         assert "content-length" not in r.headers  # sent as upstream yields it
         body = b"".join(r.iter_content(chunk_size=None))
@@ -112,8 +152,9 @@ def first_chunk_seconds(log: str, text: str) -> float:
     'yield speech len <seconds>' per chunk)."""
     lines = log.splitlines()
     start = max(i for i, line in enumerate(lines) if "synthesis text" in line and text in line)
-    return float(next(line for line in lines[start:] if "yield speech len" in line)
-                 .split("yield speech len")[1].split(",")[0])
+    return float(
+        next(line for line in lines[start:] if "yield speech len" in line).split("yield speech len")[1].split(",")[0]
+    )
 
 
 def test_every_stream_starts_with_a_first_chunk_as_short_as_the_first_streams(cluster):
@@ -123,8 +164,13 @@ def test_every_stream_starts_with_a_first_chunk_as_short_as_the_first_streams(cl
     url = f"http://127.0.0.1:{cluster['base']}"
     texts = [f"Stream {n}: several chunks of audio, one after another." for n in ("one", "two", "three")]
     for text in texts:
-        with tts(cluster, {"text": text, "mode": "cross_lingual", "stream": "true"}, PROMPT.read_bytes(), url=url,
-                 stream=True) as r:
+        with tts(
+            cluster,
+            {"text": text, "mode": "cross_lingual", "stream": "true"},
+            PROMPT.read_bytes(),
+            url=url,
+            stream=True,
+        ) as r:
             assert r.status_code == 200
             b"".join(r.iter_content(chunk_size=None))
     log = next((cluster["state_dir"] / "logs").glob("instance-0*.log")).read_text()
@@ -145,16 +191,19 @@ def low_rate_prompt() -> bytes:
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("fields, prompt, status, words", [
-    ({"text": "hi", "mode": "zero_shot", "prompt_text": "x"}, None, 400, "needs prompt_audio"),
-    ({"text": "hi", "mode": "zero_shot"}, "prompt", 400, "needs prompt_text"),
-    ({"text": "hi", "mode": "sft"}, "prompt", 400, "not available with this model"),
-    ({"text": "hi", "mode": "cross_lingual"}, "8k", 400, "8000 Hz"),
-    ({"text": "hi", "mode": "cross_lingual", "stream": "true", "speed": "1.5"}, "prompt", 400, "without streaming"),
-    ({"text": "。！？", "mode": "cross_lingual"}, "prompt", 422, "no word in it"),
-    ({"text": "……", "mode": "zero_shot", "prompt_text": TRANSCRIPT}, "prompt", 422, "no word in it"),
-    ({"text": "hi <|endofprompt|>", "mode": "cross_lingual"}, "prompt", 400, "special tokens"),
-])
+@pytest.mark.parametrize(
+    "fields, prompt, status, words",
+    [
+        ({"text": "hi", "mode": "zero_shot", "prompt_text": "x"}, None, 400, "needs prompt_audio"),
+        ({"text": "hi", "mode": "zero_shot"}, "prompt", 400, "needs prompt_text"),
+        ({"text": "hi", "mode": "sft"}, "prompt", 400, "not available with this model"),
+        ({"text": "hi", "mode": "cross_lingual"}, "8k", 400, "8000 Hz"),
+        ({"text": "hi", "mode": "cross_lingual", "stream": "true", "speed": "1.5"}, "prompt", 400, "without streaming"),
+        ({"text": "。！？", "mode": "cross_lingual"}, "prompt", 422, "no word in it"),
+        ({"text": "……", "mode": "zero_shot", "prompt_text": TRANSCRIPT}, "prompt", 422, "no word in it"),
+        ({"text": "hi <|endofprompt|>", "mode": "cross_lingual"}, "prompt", 400, "special tokens"),
+    ],
+)
 def test_the_prompt_rules_answer_4xx_before_upstream_sees_the_request(cluster, fields, prompt, status, words):
     data = {"prompt": PROMPT.read_bytes(), "8k": low_rate_prompt(), None: None}[prompt]
     r = tts(cluster, fields, data)
@@ -184,9 +233,12 @@ def test_json_without_a_prompt_uses_the_checkouts_bundled_one_or_asks_for_one(cl
 def voice(cluster) -> str:
     """A saved voice, registered once, on the first instance (the registry is the cluster's)."""
     with open(PROMPT, "rb") as prompt:
-        r = cluster["http"].post(f"http://127.0.0.1:{cluster['base']}/v1/audio/voices", timeout=120,
-                                 files={"audio_sample": ("me.wav", prompt)},
-                                 data={"name": "narrator", "prompt_text": TRANSCRIPT, "consent": "yes"})
+        r = cluster["http"].post(
+            f"http://127.0.0.1:{cluster['base']}/v1/audio/voices",
+            timeout=120,
+            files={"audio_sample": ("me.wav", prompt)},
+            data={"name": "narrator", "prompt_text": TRANSCRIPT, "consent": "yes"},
+        )
     assert r.status_code == 200, r.text
     return r.json()["id"]
 
@@ -202,12 +254,20 @@ def test_a_saved_voice_enters_each_instances_speaker_cache_once(cluster, voice):
         url = f"http://127.0.0.1:{cluster['base'] + index}"
         misses, hits = cache_counts(cluster, index)
         for mode in ("zero_shot", "cross_lingual", "zero_shot"):  # upstream's add_zero_shot_spk, then by id
-            decoded(cluster["http"].post(url + "/v1/tts", json={"text": "你好，世界。", "voice": voice, "mode": mode},
-                                         timeout=120))
+            decoded(
+                cluster["http"].post(
+                    url + "/v1/tts", json={"text": "你好，世界。", "voice": voice, "mode": mode}, timeout=120
+                )
+            )
         # instruct with a saved voice: the prompt audio, not the cache (upstream's cached
         # speaker would drop the instruction)
-        decoded(cluster["http"].post(url + "/v1/tts", json={"text": "Hello.", "voice": voice, "mode": "instruct",
-                                                            "instruct_text": "Speak slowly."}, timeout=120))
+        decoded(
+            cluster["http"].post(
+                url + "/v1/tts",
+                json={"text": "Hello.", "voice": voice, "mode": "instruct", "instruct_text": "Speak slowly."},
+                timeout=120,
+            )
+        )
         after = cache_counts(cluster, index)
         assert after[0] == 1  # put in this instance's cache once, whatever spoke it before
         assert (after[0] - misses) + (after[1] - hits) == 3  # every cloning call went through the cache
@@ -215,12 +275,17 @@ def test_a_saved_voice_enters_each_instances_speaker_cache_once(cluster, voice):
 
 def test_the_openai_route_speaks_a_saved_voice_and_a_mapped_name(cluster, voice):
     for key in (voice, "alloy"):
-        r = cluster["http"].post(cluster["url"] + "/v1/audio/speech", timeout=120,
-                                 json={"model": "tts-1", "input": "你好，世界。", "voice": key,
-                                       "response_format": "wav"})
+        r = cluster["http"].post(
+            cluster["url"] + "/v1/audio/speech",
+            timeout=120,
+            json={"model": "tts-1", "input": "你好，世界。", "voice": key, "response_format": "wav"},
+        )
         decoded(r)
-    pcm = cluster["http"].post(cluster["url"] + "/v1/audio/speech", timeout=120,
-                               json={"model": "tts-1", "input": "Hello.", "voice": voice, "response_format": "pcm"})
+    pcm = cluster["http"].post(
+        cluster["url"] + "/v1/audio/speech",
+        timeout=120,
+        json={"model": "tts-1", "input": "Hello.", "voice": voice, "response_format": "pcm"},
+    )
     assert pcm.status_code == 200 and len(pcm.content) > 0.3 * RATE * 2
 
 

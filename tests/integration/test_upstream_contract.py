@@ -23,16 +23,31 @@ OUTPUTS = ("zero_shot", "zero_shot_stream", "cross_lingual", "instruct2", "cache
 
 
 def probe(python, root, model_dir) -> dict:
-    done = subprocess.run([str(python), str(PROBE), "--cosyvoice-root", str(root), "--model-dir", str(model_dir),
-                           "--prompt", str(PROMPT)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            str(python),
+            str(PROBE),
+            "--cosyvoice-root",
+            str(root),
+            "--model-dir",
+            str(model_dir),
+            "--prompt",
+            str(PROMPT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def facts(upstream):
-    return {"upstream": probe(upstream.python, upstream.root, upstream.model_dir),
-            "fake": probe(upstream.python, FAKE, FAKE_V3)}
+    return {
+        "upstream": probe(upstream.python, upstream.root, upstream.model_dir),
+        "fake": probe(upstream.python, FAKE, FAKE_V3),
+    }
 
 
 def test_both_load_a_cosyvoice3_model_with_the_same_classes_and_signatures(facts):
@@ -56,11 +71,22 @@ def test_every_call_yields_what_the_adapter_reads(facts, call):
         assert real["items"] == fake["items"] == 1  # one sentence: one piece
 
 
-@pytest.mark.parametrize("key", [
-    "same_seed_same_audio", "other_seed_other_audio", "speed_2_length_ratio", "stream_with_speed",
-    "punctuation_only", "punctuation_only_cross_lingual", "prompt_8khz", "prompt_31s", "add_zero_shot_spk", "speakers_after_add",
-    "unknown_cached_id",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "same_seed_same_audio",
+        "other_seed_other_audio",
+        "speed_2_length_ratio",
+        "stream_with_speed",
+        "punctuation_only",
+        "punctuation_only_cross_lingual",
+        "prompt_8khz",
+        "prompt_31s",
+        "add_zero_shot_spk",
+        "speakers_after_add",
+        "unknown_cached_id",
+    ],
+)
 def test_seeds_speed_prompts_and_the_speaker_cache_behave_alike(facts, key):
     assert facts["fake"][key] == facts["upstream"][key]
 
@@ -79,6 +105,9 @@ def test_the_known_differences_are_the_only_ones(facts):
     for side in (real, fake):  # doubled after each chunk but the last, up to 4x, and left there
         hop = side["stream_chunk_tokens"]
         assert hop["loaded"] == 25 and hop["after"] == min(100, 25 * 2 ** (hop["chunks"] - 1)), hop
-    differing = {k for k in real if real[k] != fake[k]} - set(OUTPUTS) - {
-        "no_endofprompt", "no_endofprompt_stream_hangs", "stream_chunk_tokens"}
+    differing = (
+        {k for k in real if real[k] != fake[k]}
+        - set(OUTPUTS)
+        - {"no_endofprompt", "no_endofprompt_stream_hangs", "stream_chunk_tokens"}
+    )
     assert differing == set()

@@ -27,9 +27,28 @@ SHORT = "a" * 10  # 40 ms
 
 
 def up(state_dir: Path, port: int, base: int, *extra: str) -> None:
-    cli("up", "--engine", "simulated", "--simulated-ms-per-char", "4", "--max-queue", "16", "--host", "127.0.0.1",
-        "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir), "--probe-interval", "0.5",
-        *extra, timeout=300, check=True)
+    cli(
+        "up",
+        "--engine",
+        "simulated",
+        "--simulated-ms-per-char",
+        "4",
+        "--max-queue",
+        "16",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+        "--probe-interval",
+        "0.5",
+        *extra,
+        timeout=300,
+        check=True,
+    )
 
 
 def routing(port: int) -> dict:
@@ -38,12 +57,17 @@ def routing(port: int) -> dict:
 
 def hold(url: str, ports: list[int]) -> list[threading.Thread]:
     """A long synthesis on each instance of ``ports`` (sent straight to it), running on return."""
-    threads = [threading.Thread(target=requests.post, args=(f"http://127.0.0.1:{p}/v1/tts",),
-                                kwargs={"json": {"text": LONG}, "timeout": 30}) for p in ports]
+    threads = [
+        threading.Thread(
+            target=requests.post, args=(f"http://127.0.0.1:{p}/v1/tts",), kwargs={"json": {"text": LONG}, "timeout": 30}
+        )
+        for p in ports
+    ]
     for t in threads:
         t.start()
-    assert wait_for(lambda: all(requests.get(f"http://127.0.0.1:{p}/ping", timeout=5).json()["inflight"]
-                                for p in ports), 10, 0.02)
+    assert wait_for(
+        lambda: all(requests.get(f"http://127.0.0.1:{p}/ping", timeout=5).json()["inflight"] for p in ports), 10, 0.02
+    )
     return threads
 
 
@@ -123,9 +147,12 @@ def test_a_busy_instance_declines_and_a_request_every_instance_declines_is_serve
 
         # 3. nginx killed outright leaves its last resort's socket behind: supervisord's
         # restart clears it and binds again (nginx cannot bind a unix socket that exists)
-        nginx = next(p for p in psutil.process_iter(["cmdline"])
-                     if str(state_dir / "nginx" / "nginx.conf") in " ".join(p.info["cmdline"] or [])
-                     and "master" in " ".join(p.info["cmdline"] or []))
+        nginx = next(
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if str(state_dir / "nginx" / "nginx.conf") in " ".join(p.info["cmdline"] or [])
+            and "master" in " ".join(p.info["cmdline"] or [])
+        )
         nginx.kill()
         assert (state_dir / "run" / "overflow.sock").exists()
 
@@ -158,8 +185,12 @@ def test_a_busy_instance_declines_and_a_request_every_instance_declines_is_serve
 
 BENCHES = {  # script, its arguments, what it says with its state dir, what it says once its cluster serves
     "run": ("run.py", ["--quick"], "cluster state dir ", "overhead: direct"),
-    "chaos": ("chaos.py", ["--only", "kill-instance", "--instances", "2", "--clients", "2"],
-              "starting the cluster in ", "load on"),
+    "chaos": (
+        "chaos.py",
+        ["--only", "kill-instance", "--instances", "2", "--clients", "2"],
+        "starting the cluster in ",
+        "load on",
+    ),
 }
 
 
@@ -169,8 +200,16 @@ def test_a_benchmark_takes_its_cluster_down_when_stopped(tmp_path, bench):
     script, args, says_state, says_serving = BENCHES[bench]
     for sig in (signal.SIGTERM, signal.SIGINT):
         process = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / script), *args, *(["--out", str(tmp_path)] if bench == "run" else [])],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
+            [
+                sys.executable,
+                str(ROOT / "bench" / script),
+                *args,
+                *(["--out", str(tmp_path)] if bench == "run" else []),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=str(ROOT),
             # (a background shell starts its jobs with SIGINT ignored: Ctrl-C must reach it)
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )

@@ -15,7 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-
 from conftest import Load, cli, free_port_block, status, wait_for
 
 # Long enough that each espeak-ng run takes a moment: a child to catch and stop.
@@ -26,8 +25,20 @@ LONG_TEXT = " ".join(["The quick brown fox jumps over the lazy dog near the quie
 def cluster():
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
     port, base = free_port_block(1), free_port_block(2)
-    args = ["--engine", "espeak", "--instances", "2", "--host", "127.0.0.1", "--port", str(port),
-            "--base-port", str(base), "--state-dir", str(state_dir)]
+    args = [
+        "--engine",
+        "espeak",
+        "--instances",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-port",
+        str(base),
+        "--state-dir",
+        str(state_dir),
+    ]
     done = cli("up", *args, "--hang-timeout", "3", timeout=300)
     assert done.returncode == 0, done.stderr
     yield {"state_dir": state_dir, "url": f"http://127.0.0.1:{port}", "args": args, "base": base}
@@ -68,8 +79,12 @@ def test_a_stuck_synthesis_is_restarted_and_its_request_retried_elsewhere(cluste
     with Load(cluster["url"], threads=2, limit=2000, seconds=90, text=LONG_TEXT) as load:
         child = stop_a_synthesis(victim["pid"])
         try:
-            back = wait_for(lambda: (lambda i: i["pid"] != victim["pid"] and i["ready"] and i["in_rotation"])(
-                instance(state_dir, "instance-0")), timeout=60)
+            back = wait_for(
+                lambda: (lambda i: i["pid"] != victim["pid"] and i["ready"] and i["in_rotation"])(
+                    instance(state_dir, "instance-0")
+                ),
+                timeout=60,
+            )
             # the hung instance's child went with it (it runs in its own session)
             assert wait_for(lambda: not child.is_running(), timeout=5, interval=0.1)
         finally:
@@ -119,8 +134,10 @@ def test_a_request_past_its_time_bound_gets_a_clear_504(cluster):
     assert found, load.failures
     # requests queued behind it also got their 504 at the bound, never a hang or a bare error
     assert all(f.startswith("504 ") and (stuck in f or queued in f) for f in load.failures), load.failures
-    print(f"request bound: stuck request answered 504 after {elapsed:.1f}s; {load.ok} ok, "
-          f"{len(load.failures)} answered 504")
+    print(
+        f"request bound: stuck request answered 504 after {elapsed:.1f}s; {load.ok} ok, "
+        f"{len(load.failures)} answered 504"
+    )
     assert wait_for(lambda: status(state_dir)[0] == 0, timeout=30)
 
 

@@ -35,8 +35,13 @@ QWEN_ORDINARY = 151643  # Qwen2's ordinary tokens; its specials follow from this
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ENDOFPROMPT_ID = 151646  # what upstream's CosyVoice3LM asserts on (cosyvoice/llm/llm.py)
 SPEECH_TOKENS = 6561
-QWEN_DIMS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-             "num_key_value_heads": 1}
+QWEN_DIMS = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
 
 
 def build_tokenizer(where: Path) -> None:
@@ -50,8 +55,9 @@ def build_tokenizer(where: Path) -> None:
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    tokenizer = Qwen2TokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   unk_token=None, bos_token=None)
+    tokenizer = Qwen2TokenizerFast(
+        tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token=None, bos_token=None
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:]})
     ids = tokenizer.convert_tokens_to_ids(QWEN_SPECIALS)
     assert ids == list(range(QWEN_ORDINARY, QWEN_ORDINARY + 3)), ids
@@ -63,8 +69,14 @@ def build_qwen(where: Path, vocab_size: int) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=vocab_size, max_position_embeddings=4096, tie_word_embeddings=True,
-                         use_sliding_window=False, sliding_window=None, **QWEN_DIMS)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        sliding_window=None,
+        **QWEN_DIMS,
+    )
     Qwen2ForCausalLM(config).save_pretrained(str(where))
 
 
@@ -82,32 +94,47 @@ def build_onnx(where: Path) -> None:
 
     # campplus: kaldi fbank [1, T, 80] -> a 192-dim speaker embedding [1, 192]
     weight = numpy_helper.from_array(rng.standard_normal((80, 192)).astype(np.float32), "weight")
-    save(helper.make_graph(
-        [helper.make_node("ReduceMean", ["input"], ["mean"], axes=[1], keepdims=0),
-         helper.make_node("MatMul", ["mean", "weight"], ["output"])],
-        "campplus",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, "T", 80])],
-        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 192])],
-        [weight]), "campplus.onnx")
+    save(
+        helper.make_graph(
+            [
+                helper.make_node("ReduceMean", ["input"], ["mean"], axes=[1], keepdims=0),
+                helper.make_node("MatMul", ["mean", "weight"], ["output"]),
+            ],
+            "campplus",
+            [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, "T", 80])],
+            [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 192])],
+            [weight],
+        ),
+        "campplus.onnx",
+    )
 
     # speech tokenizer v3: whisper log-mel [1, 128, T] at 100 frames/s and its length ->
     # one token per 4 frames (25 Hz), each in 0..6560
-    consts = [numpy_helper.from_array(np.array(v, dtype=np.int64), n)
-              for v, n in (([0], "starts"), ([2**62], "ends"), ([2], "axes"), ([4], "steps"),
-                           (SPEECH_TOKENS, "vocab"))]
+    consts = [
+        numpy_helper.from_array(np.array(v, dtype=np.int64), n)
+        for v, n in (([0], "starts"), ([2**62], "ends"), ([2], "axes"), ([4], "steps"), (SPEECH_TOKENS, "vocab"))
+    ]
     consts.append(numpy_helper.from_array(np.array(997.0, dtype=np.float32), "scale"))
-    save(helper.make_graph(
-        [helper.make_node("Slice", ["feats", "starts", "ends", "axes", "steps"], ["frames"]),
-         helper.make_node("ReduceSum", ["frames", "sum_axes"], ["energy"], keepdims=0),
-         helper.make_node("Mul", ["energy", "scale"], ["scaled"]),
-         helper.make_node("Abs", ["scaled"], ["magnitude"]),
-         helper.make_node("Cast", ["magnitude"], ["whole"], to=TensorProto.INT64),
-         helper.make_node("Mod", ["whole", "vocab"], ["indices"])],
-        "speech_tokenizer_v3",
-        [helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
-         helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])],
-        [helper.make_tensor_value_info("indices", TensorProto.INT64, [1, "N"])],
-        [*consts, numpy_helper.from_array(np.array([1], dtype=np.int64), "sum_axes")]), "speech_tokenizer_v3.onnx")
+    save(
+        helper.make_graph(
+            [
+                helper.make_node("Slice", ["feats", "starts", "ends", "axes", "steps"], ["frames"]),
+                helper.make_node("ReduceSum", ["frames", "sum_axes"], ["energy"], keepdims=0),
+                helper.make_node("Mul", ["energy", "scale"], ["scaled"]),
+                helper.make_node("Abs", ["scaled"], ["magnitude"]),
+                helper.make_node("Cast", ["magnitude"], ["whole"], to=TensorProto.INT64),
+                helper.make_node("Mod", ["whole", "vocab"], ["indices"]),
+            ],
+            "speech_tokenizer_v3",
+            [
+                helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
+                helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1]),
+            ],
+            [helper.make_tensor_value_info("indices", TensorProto.INT64, [1, "N"])],
+            [*consts, numpy_helper.from_array(np.array([1], dtype=np.int64), "sum_axes")],
+        ),
+        "speech_tokenizer_v3.onnx",
+    )
 
 
 def speak_like_a_trained_model(llm) -> None:
@@ -133,7 +160,7 @@ def speak_like_a_trained_model(llm) -> None:
         decoder[:, 0] = 0.0
         decoder[rows:, :] = 0.0
         decoder[rows, 0] = 1.2  # the stop token upstream holds back until the minimum length
-        decoder[rows + 1:, 0] = -10.0  # the others: never
+        decoder[rows + 1 :, 0] = -10.0  # the others: never
 
 
 def build(root: Path, out: Path) -> None:

@@ -91,8 +91,14 @@ def probe(model_dir: str, prompt: str) -> dict:
         "sample_rate": model.sample_rate,
         "signatures": {
             name: list(inspect.signature(getattr(cls, name)).parameters)
-            for name in ("__init__", "inference_zero_shot", "inference_cross_lingual", "inference_instruct2",
-                         "add_zero_shot_spk", "list_available_spks")
+            for name in (
+                "__init__",
+                "inference_zero_shot",
+                "inference_cross_lingual",
+                "inference_instruct2",
+                "add_zero_shot_spk",
+                "list_available_spks",
+            )
         },
         "speakers": model.list_available_spks(),
     }
@@ -101,11 +107,13 @@ def probe(model_dir: str, prompt: str) -> dict:
     facts["zero_shot_stream"] = describe(zero_shot(stream=True))
     # the streaming chunk size (tokens) as loaded, then after one stream: upstream doubles it
     # after every streamed chunk and leaves it there (the adapter resets it for each stream)
-    facts["stream_chunk_tokens"] = {"loaded": loaded_hop, "after": getattr(model.model, "token_hop_len", None),
-                                    "chunks": facts["zero_shot_stream"]["items"]}
+    facts["stream_chunk_tokens"] = {
+        "loaded": loaded_hop,
+        "after": getattr(model.model, "token_hop_len", None),
+        "chunks": facts["zero_shot_stream"]["items"],
+    }
     facts["cross_lingual"] = describe(model.inference_cross_lingual(f"{SYSTEM}{ENDOFPROMPT}{TEXT}", prompt))
-    facts["instruct2"] = describe(
-        model.inference_instruct2(TEXT, f"{SYSTEM} Speak slowly.{ENDOFPROMPT}", prompt))
+    facts["instruct2"] = describe(model.inference_instruct2(TEXT, f"{SYSTEM} Speak slowly.{ENDOFPROMPT}", prompt))
 
     def seeded(seed: int, **kw):
         """The whole zero-shot audio after upstream's own seeding."""
@@ -121,10 +129,12 @@ def probe(model_dir: str, prompt: str) -> dict:
     facts["punctuation_only"] = describe(model.inference_zero_shot("。！？", TRANSCRIPT, prompt))["items"]
     # v3's cross-lingual form holds a special token: upstream's text frontend skips itself
     facts["punctuation_only_cross_lingual"] = describe(
-        model.inference_cross_lingual(f"{SYSTEM}{ENDOFPROMPT}。！？", prompt))["items"]
+        model.inference_cross_lingual(f"{SYSTEM}{ENDOFPROMPT}。！？", prompt)
+    )["items"]
     facts["no_endofprompt"] = failure(lambda: model.inference_zero_shot(TEXT, "希望你以后能够做的比我还好呦。", prompt))
     facts["no_endofprompt_stream_hangs"] = hangs(
-        lambda: model.inference_zero_shot(TEXT, "希望你以后能够做的比我还好呦。", prompt, stream=True), 5.0)
+        lambda: model.inference_zero_shot(TEXT, "希望你以后能够做的比我还好呦。", prompt, stream=True), 5.0
+    )
     with tempfile.TemporaryDirectory() as scratch:
         low = write_wav(os.path.join(scratch, "low.wav"), 8000, 3)
         long = write_wav(os.path.join(scratch, "long.wav"), 16000, 31)
@@ -135,7 +145,8 @@ def probe(model_dir: str, prompt: str) -> dict:
     facts["speakers_after_add"] = model.list_available_spks()
     facts["cached_zero_shot"] = describe(model.inference_zero_shot(TEXT, "", "", zero_shot_spk_id="voice_a"))
     facts["cached_cross_lingual"] = describe(
-        model.inference_cross_lingual(f"{SYSTEM}{ENDOFPROMPT}{TEXT}", "", zero_shot_spk_id="voice_a"))
+        model.inference_cross_lingual(f"{SYSTEM}{ENDOFPROMPT}{TEXT}", "", zero_shot_spk_id="voice_a")
+    )
     facts["unknown_cached_id"] = failure(lambda: model.inference_zero_shot(TEXT, "", "", zero_shot_spk_id="nobody"))
     return facts
 
