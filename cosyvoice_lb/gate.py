@@ -35,14 +35,19 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
 
 
-def session_cookie(headers: dict[str, str]) -> str:
+def cookie(headers: dict[str, str], name: str) -> str:
+    """The value of the request's cookie ``name`` ("" when absent or unreadable)."""
     jar: SimpleCookie = SimpleCookie()
     try:
         jar.load(headers.get("cookie", ""))
     except CookieError:
         return ""
-    morsel = jar.get(SESSION_COOKIE)
+    morsel = jar.get(name)
     return morsel.value if morsel else ""
+
+
+def session_cookie(headers: dict[str, str]) -> str:
+    return cookie(headers, SESSION_COOKIE)
 
 
 def safe_next(target: str) -> str:

@@ -10,6 +10,8 @@ Instance side: standard library only.
 
 from __future__ import annotations
 
+import json
+from collections.abc import MutableMapping
 from typing import Any
 
 # Worth retrying: the client waits (Retry-After), and then another instance or a freed
@@ -39,3 +41,21 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def error_headers(status: int) -> dict[str, str]:
     """``x-should-retry: false`` for what a retry cannot change."""
     return {} if status in RETRYABLE else {"x-should-retry": "false"}
+
+
+def refusal(status: int, message: str, headers: dict[str, str] | None = None) -> list[MutableMapping[str, Any]]:
+    """The ASGI messages of a refusal in the one shape, for middleware that answers before
+    any route does."""
+    body = json.dumps(error_body(status, message)).encode()
+    fields = {
+        **error_headers(status),
+        **(headers or {}),
+        "content-type": "application/json",
+        "content-length": str(len(body)),
+    }
+    start = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in fields.items()],
+    }
+    return [start, {"type": "http.response.body", "body": body, "more_body": False}]

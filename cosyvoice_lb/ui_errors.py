@@ -17,7 +17,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .problems import error_body, error_headers
+from .problems import refusal
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -27,20 +27,6 @@ METHODS = frozenset({"GET", "HEAD", "OPTIONS", "POST", "PUT", "DELETE", "PATCH"}
 # Starlette's own words for a routing miss: what Gradio answers an unknown path or method with.
 MISSES = {404: "Not Found", 405: "Method Not Allowed"}
 API = "the API is POST /v1/tts, POST /v1/audio/speech, GET /v1/models and /v1/audio/voices; the UI is at /"
-
-
-def refusal(status: int, message: str, allow: str = "") -> list[Message]:
-    """The ASGI messages of a refusal in the one shape."""
-    body = json.dumps(error_body(status, message)).encode()
-    headers = {**error_headers(status), "content-type": "application/json", "content-length": str(len(body))}
-    if allow:
-        headers["allow"] = allow
-    start = {
-        "type": "http.response.start",
-        "status": status,
-        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()],
-    }
-    return [start, {"type": "http.response.body", "body": body, "more_body": False}]
 
 
 def miss_message(status: int, method: str, path: str, allow: str) -> str:
@@ -65,7 +51,7 @@ class UIErrors:
             if method in METHODS:
                 return await self.app(scope, receive, send)
             # (the API's catch-all takes the usual methods only: any other would reach Gradio)
-            for out in refusal(405, miss_message(405, method, path, "GET, POST"), "GET, POST"):
+            for out in refusal(405, miss_message(405, method, path, "GET, POST"), {"allow": "GET, POST"}):
                 await send(out)
             return
         held: list[Message] = []  # a refusal's messages, kept until it is known what it is
@@ -118,4 +104,4 @@ class UIErrors:
         if detail != MISSES[status]:  # Gradio's own refusal with its own words: its client reads them
             return held
         allow = dict(start.get("headers", [])).get(b"allow", b"").decode("latin-1")
-        return refusal(status, miss_message(status, method, path, allow), allow)
+        return refusal(status, miss_message(status, method, path, allow), {"allow": allow} if allow else None)

@@ -20,12 +20,12 @@ import json
 import os
 import re
 import secrets
-from http.cookies import CookieError, SimpleCookie
 from urllib.parse import unquote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .problems import error_body, error_headers
+from .gate import cookie
+from .problems import refusal
 
 API = "/gradio_api"
 ROUTE_COOKIE = "cvlb_route"  # nginx's sticky key: one per browser or gradio_client
@@ -63,21 +63,12 @@ def file_parts(body: bytes, content_type: str) -> list[tuple[str, bytes]] | None
 
 
 def route_of(headers: dict[str, str]) -> str:
-    jar: SimpleCookie = SimpleCookie()
-    try:
-        jar.load(headers.get("cookie", ""))
-    except CookieError:
-        return ""
-    morsel = jar.get(ROUTE_COOKIE)
-    return morsel.value if morsel else ""
+    return cookie(headers, ROUTE_COOKIE)
 
 
 async def refuse(send: Send, status: int, message: str) -> None:
-    body = json.dumps(error_body(status, message)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.encode(), v.encode()) for k, v in error_headers(status).items()]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    for message_out in refusal(status, message):
+        await send(message_out)
 
 
 class GradioFiles:
