@@ -5,6 +5,7 @@ with it and `status` reports it."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import time
 from collections.abc import Iterable
@@ -16,8 +17,24 @@ Address = tuple[str, int]
 
 # A reload under way: nginx takes a config a moment after it is written.
 RELOAD_GRACE = 5.0
-# A process's start time counts from a boot time the kernel gives in whole seconds.
-START_TIME_SLACK = 1.0
+# How much earlier than it was a process's start may read: /proc counts it in clock ticks
+# (10 ms), a file's mtime is the kernel's coarse clock (a few ms). psutil's own start time
+# counts from a boot time given in whole seconds: up to 1 s off, where /proc cannot be read.
+START_TIME_SLACK = 0.05
+COARSE_START_SLACK = 1.0
+
+
+def started(proc: psutil.Process) -> tuple[float, float]:
+    """When ``proc`` started (wall clock, seconds) and how far off that may be: from its
+    ticks since boot in /proc, against the boot clock now (a reload that failed a moment
+    after one that took must still show)."""
+    try:
+        with open(f"/proc/{proc.pid}/stat", encoding="ascii", errors="replace") as stat:
+            ticks = int(stat.read().rpartition(")")[2].split()[19])
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+        return boot + ticks / os.sysconf("SC_CLK_TCK"), START_TIME_SLACK
+    except (OSError, IndexError, ValueError, AttributeError):
+        return proc.create_time(), COARSE_START_SLACK
 
 
 def nginx_processes(master_pid: int) -> list[psutil.Process]:
@@ -88,9 +105,9 @@ def config_behind(
     started no worker since (a reload that takes starts new ones): it runs an older config.
     0.0 when it is current, or a reload may still be under way (written within ``grace``)."""
     try:
-        newest = max(p.create_time() for p in (procs[1:] or procs))
+        newest, slack = max(started(p) for p in (procs[1:] or procs))
     except (psutil.Error, ValueError):  # (none, or one went away meanwhile: the next look reads it)
         return 0.0
     written = max((f.stat().st_mtime for f in files if f.exists()), default=0.0)
     now = time.time() if now is None else now
-    return written if written - newest > START_TIME_SLACK and now - written >= grace else 0.0
+    return written if written - newest > slack and now - written >= grace else 0.0

@@ -30,3 +30,31 @@ def test_beyond_loopback_and_words():
     assert beyond_loopback({("0.0.0.0", 1)}) and beyond_loopback({("::", 1)})
     assert describe({("::", 80), ("0.0.0.0", 80)}) == "0.0.0.0:80, [::]:80"
     assert describe(set()) == "nothing"
+
+
+def test_a_config_written_just_after_the_workers_started_is_seen_as_behind(tmp_path):
+    """A reload that failed a moment after one that took: the workers are the older ones."""
+    import subprocess
+    import time
+
+    from cosyvoice_lb.listeners import config_behind, started
+
+    worker = subprocess.Popen(["sleep", "30"])
+    try:
+        proc = psutil.Process(worker.pid)
+        begun, slack = started(proc)
+        assert slack < 0.5 and abs(begun - time.time()) < 2
+        time.sleep(0.3)  # less than the whole second psutil's own start time may be off by
+        conf = tmp_path / "nginx.conf"
+        conf.write_text("events {}\n")
+        assert config_behind([proc], [conf], grace=0) == conf.stat().st_mtime
+        assert config_behind([proc], [conf], grace=60) == 0.0  # a reload may still be under way
+        newer = psutil.Process(subprocess.Popen(["sleep", "30"]).pid)  # a reload that took
+        try:
+            assert config_behind([proc, newer], [conf], grace=0) == 0.0
+        finally:
+            newer.kill()
+            newer.wait()
+    finally:
+        worker.kill()
+        worker.wait()
