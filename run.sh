@@ -127,7 +127,10 @@ case "$command" in
                 tail -n 20 "$VENV/install.log" >&2; exit 1; }
         fi
         cd "$HERE"
-        exec "$VENV/bin/python" -m pytest "$@"
+        # pytest keeps each test module's rewritten asserts in __pycache__, and the CLI and
+        # instances the tests start their compiled modules: with PYTHONDONTWRITEBYTECODE set
+        # (some shells and images set it) every run compiles them all again.
+        exec env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -m pytest "$@"
         ;;
     *)
         export COSYVOICE_LB_STATE_DIR="${COSYVOICE_LB_STATE_DIR:-$HERE}"

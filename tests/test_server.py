@@ -522,7 +522,7 @@ def test_an_instance_drained_during_its_warm_up_never_turns_ready():
 
 def test_a_stream_whose_first_chunk_never_comes_is_a_504_not_a_500():
     engine = Blocking()
-    p = pipeline(engine, port=7876, request_timeout=1.0)
+    p = pipeline(engine, port=7876, request_timeout=0.5)
     try:
         with TestClient(app(p), raise_server_exceptions=False) as c:
             r = c.post("/v1/tts", json={"text": "stuck", "stream": True})
