@@ -48,6 +48,15 @@ def cli(
     return done
 
 
+@pytest.fixture(scope="module")
+def web():
+    """A requests session for loopback: no proxy from the environment."""
+    session = requests.Session()
+    session.trust_env = False
+    yield session
+    session.close()
+
+
 @pytest.fixture
 def state_dir():
     # Short on purpose: the supervisord socket path must stay under 108 bytes.

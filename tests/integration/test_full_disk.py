@@ -69,14 +69,6 @@ def cluster(disk):
         shutil.rmtree(state_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def web():
-    session = requests.Session()
-    session.trust_env = False  # loopback only: no proxy from the environment
-    yield session
-    session.close()
-
-
 def metric(web: requests.Session, url: str, name: str) -> float:
     text = web.get(url + "/metrics", timeout=10).text
     (value,) = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]

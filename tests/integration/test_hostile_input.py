@@ -76,14 +76,6 @@ def cluster():
         shutil.rmtree(state_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def web():
-    session = requests.Session()
-    session.trust_env = False  # loopback only: no proxy from the environment
-    yield session
-    session.close()
-
-
 # --- inputs ----------------------------------------------------------------------------------
 
 
