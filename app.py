@@ -2,7 +2,7 @@
 """Entry point of one cosyvoice-lb instance: the Gradio UI, the HTTP API and /ping.
 
 supervisord runs ``python app.py --port 7860 --engine espeak ...`` once per slot; see
-``python app.py --help``. Everything lives in ``cosyvoice_lb.server``.
+``python app.py --help``. Everything lives in ``cosyvoice_lb.instance.server``.
 """
 
 import os
@@ -14,6 +14,6 @@ if __name__ == "__main__":
     here = os.path.dirname(os.path.realpath(__file__))
     if os.path.isdir(os.path.join(here, "cosyvoice_lb")):
         sys.path.insert(0, here)
-    from cosyvoice_lb.server import main
+    from cosyvoice_lb.instance.server import main
 
     main()

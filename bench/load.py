@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from cosyvoice_lb.ports import free_port_block  # noqa: F401 - the benches' port picker
+from cosyvoice_lb.launcher.cluster.ports import free_port_block  # noqa: F401 - the benches' port picker
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def cli_command() -> list[str]:
     """cosyvoice-lb as the bench scripts run it: the one next to this Python (the venv's),
     else the module."""
     script = Path(sys.executable).with_name("cosyvoice-lb")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "cosyvoice_lb.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "cosyvoice_lb.launcher.cli"]
 
 
 class Interrupted(BaseException):

@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 import load  # noqa: E402  (bench/load.py: SIGTERM stops the run as Ctrl-C does)
 
-from cosyvoice_lb.ports import free_port_block  # noqa: E402
-from cosyvoice_lb.segments import split_text  # noqa: E402
+from cosyvoice_lb.instance.audio.segments import split_text  # noqa: E402
+from cosyvoice_lb.launcher.cluster.ports import free_port_block  # noqa: E402
 
 WORDS = "the a cluster splits long texts at sentence ends and speaks every segment at once on its instances".split()
 
@@ -61,7 +61,7 @@ class Cluster:
         self.port = free_port_block(instances + 1)
         base = self.port + 1
         self.command = [
-            sys.executable, "-m", "cosyvoice_lb.cli", "up", "--engine", "simulated", "--instances", str(instances),
+            sys.executable, "-m", "cosyvoice_lb.launcher.cli", "up", "--engine", "simulated", "--instances", str(instances),
             "--port", str(self.port), "--base-port", str(base), "--state-dir", str(self.state),
             "--simulated-ms-per-char", str(args.ms_per_char), "--max-chars", "500",
             "--segment-chars", str(args.segment_chars), "--request-timeout", "600", "--hang-timeout", "300",
@@ -77,7 +77,7 @@ class Cluster:
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        subprocess.run([sys.executable, "-m", "cosyvoice_lb.cli", "down", "--state-dir", str(self.state)],
+        subprocess.run([sys.executable, "-m", "cosyvoice_lb.launcher.cli", "down", "--state-dir", str(self.state)],
                        capture_output=True, timeout=120, cwd=ROOT)  # fmt: skip
         shutil.rmtree(self.state, ignore_errors=True)
 

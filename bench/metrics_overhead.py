@@ -24,9 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cosyvoice_lb.admission import Admission  # noqa: E402
-from cosyvoice_lb.metrics import Metrics  # noqa: E402
-from cosyvoice_lb.pipeline import Pipeline  # noqa: E402
+from cosyvoice_lb.instance.metrics import Metrics  # noqa: E402
+from cosyvoice_lb.instance.speech.admission import Admission  # noqa: E402
+from cosyvoice_lb.instance.speech.pipeline import Pipeline  # noqa: E402
 
 
 class Instant:
@@ -66,7 +66,7 @@ def per_synthesis(p: Pipeline, count: int) -> float:
 def per_request(p: Pipeline, count: int) -> float:
     from fastapi.testclient import TestClient
 
-    from cosyvoice_lb.server import build_app
+    from cosyvoice_lb.instance.server import build_app
 
     with TestClient(build_app(p, "instant", 7860)) as client:
         client.post("/v1/tts", json={"text": "warm"})

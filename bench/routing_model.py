@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cosyvoice_lb.routing import DEFAULT_SLACK, Backlog, Peer, decide  # noqa: E402  (what an instance decides)
+from cosyvoice_lb.instance.routing.rule import DEFAULT_SLACK, Backlog, Peer, decide  # noqa: E402  (what an instance decides)
 
 SHORT, LONG, LONG_SHARE = 0.040, 0.400, 0.2
 MEAN = (1 - LONG_SHARE) * SHORT + LONG_SHARE * LONG

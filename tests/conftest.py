@@ -19,7 +19,7 @@ import pytest
 import requests
 from upstream_support import upstream  # noqa: F401 - the session fixture for tests marked upstream
 
-from cosyvoice_lb.ports import free_port_block, port_free  # noqa: F401 - the tests' port picker
+from cosyvoice_lb.launcher.cluster.ports import free_port_block, port_free  # noqa: F401 - the tests' port picker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def cli(
 ) -> subprocess.CompletedProcess:
     """Run ``cosyvoice-lb ARGS`` for real and capture what it prints."""
     done = subprocess.run(
-        [sys.executable, "-m", "cosyvoice_lb.cli", *args],
+        [sys.executable, "-m", "cosyvoice_lb.launcher.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

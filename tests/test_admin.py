@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from cosyvoice_lb import protocol
-from cosyvoice_lb.admin import COOKIE, build_app
-from cosyvoice_lb.cluster_metrics import ClusterView
-from cosyvoice_lb.control import Actions
-from cosyvoice_lb.credentials import write_admin_access
-from cosyvoice_lb.errors import ClusterError
-from cosyvoice_lb.layout import Layout
-from cosyvoice_lb.planner import Budget, Inventory, plan
-from cosyvoice_lb.render import cluster_json
-from cosyvoice_lb.settings import Settings
-from cosyvoice_lb.status import ClusterStatus, InstanceStatus
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus
+from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.panel.control import Actions
+from cosyvoice_lb.launcher.panel.metrics import ClusterView
+from cosyvoice_lb.launcher.panel.server import COOKIE, build_app
+from cosyvoice_lb.launcher.plan.planner import Budget, Inventory, plan
+from cosyvoice_lb.launcher.render.cluster import cluster_json
+from cosyvoice_lb.launcher.render.credentials import write_admin_access
 
 GiB = 2**30
 
@@ -266,7 +266,7 @@ def test_a_drain_that_cannot_be_written_fails_without_leaving_the_instance_busy(
     def full_disk(*_):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("cosyvoice_lb.lifecycle.set_drained", full_disk)
+    monkeypatch.setattr("cosyvoice_lb.launcher.cluster.lifecycle.set_drained", full_disk)
     failed = actions.start("instance-1", "drain")
     assert failed.state == "failed" and "No space left" in failed.detail
     monkeypatch.undo()
@@ -274,7 +274,7 @@ def test_a_drain_that_cannot_be_written_fails_without_leaving_the_instance_busy(
 
 
 def test_a_slow_view_holds_one_caller_and_the_others_get_the_last_one():
-    from cosyvoice_lb.admin import Cached
+    from cosyvoice_lb.launcher.panel.server import Cached
 
     now, calls, gate = [0.0], [], threading.Event()
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cosyvoice_lb.admission import (
+from cosyvoice_lb.instance.speech.admission import (
     Admission,
     NotReady,
     Overloaded,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from cosyvoice_lb.audio import Outputs, PromptError, StoredFile, expired, read_prompt, streaming_wav_header
+from cosyvoice_lb.instance.audio.wav import Outputs, PromptError, StoredFile, expired, read_prompt, streaming_wav_header
 
 
 def encoded(fmt: str, seconds: float = 3.0, rate: int = 24000, channels: int = 1, silent: bool = False) -> bytes:
@@ -114,7 +114,7 @@ def test_written_audio_is_readable_by_the_service_only(tmp_path):
 
 
 def test_a_wav_built_chunk_by_chunk_is_the_audio_whole():
-    from cosyvoice_lb.audio import WavBuilder
+    from cosyvoice_lb.instance.audio.wav import WavBuilder
 
     chunks = [0.5 * np.sin(np.arange(n, dtype=np.float32) / 7) for n in (1000, 1, 2400)] + [np.full(10, 2.0)]
     wav = WavBuilder(24000)
@@ -128,7 +128,7 @@ def test_a_wav_built_chunk_by_chunk_is_the_audio_whole():
 
 
 def test_a_built_wav_is_kept_as_it_is(tmp_path):
-    from cosyvoice_lb.audio import WavBuilder
+    from cosyvoice_lb.instance.audio.wav import WavBuilder
 
     wav = WavBuilder(16000)
     wav.feed(np.full(1600, 0.25, dtype=np.float32))

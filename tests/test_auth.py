@@ -7,7 +7,7 @@ import os
 import bcrypt
 import pytest
 
-from cosyvoice_lb.auth import CLOSED, Policy, PolicyFile, digest, read_htpasswd, read_tokens
+from cosyvoice_lb.instance.access.auth import CLOSED, Policy, PolicyFile, digest, read_htpasswd, read_tokens
 
 TOKEN = "t0ken-for-the-tests-0123456789"
 

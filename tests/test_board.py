@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from cosyvoice_lb.board import RING, ROWS, SIZE, Board, Opener
-from cosyvoice_lb.routing import Backlog, request_key
+from cosyvoice_lb.instance.routing.board import RING, ROWS, SIZE, Board, Opener
+from cosyvoice_lb.instance.routing.rule import Backlog, request_key
 
 
 def test_the_loop_makes_an_owner_only_board_and_keeps_a_live_one(tmp_path):
@@ -43,8 +43,8 @@ def test_another_process_sees_the_rows_and_a_dead_one_is_no_peer(tmp_path):
     board.mark_declined(1, request_key("seen"))
     script = textwrap.dedent(
         f"""
-        from cosyvoice_lb.board import Board
-        from cosyvoice_lb.routing import request_key
+        from cosyvoice_lb.instance.routing.board import Board
+        from cosyvoice_lb.instance.routing.rule import request_key
         board = Board.open({str(path)!r})
         print([(p.slot, p.load.until, p.declined) for p in board.peers(0, request_key("seen"))])
         print([(p.slot, p.declined) for p in board.peers(0, request_key("other"))])

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cosyvoice_lb.changes import described, guard_step
-from cosyvoice_lb.settings import Settings
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster.changes import described, guard_step
 
 GENERATED = "/state/api-token"
 

@@ -114,10 +114,12 @@ def test_help_lists_the_commands_and_env_vars():
 def test_readme_settings_table_is_the_one_the_settings_print():
     from conftest import ROOT
 
-    from cosyvoice_lb.settings import markdown_table
+    from cosyvoice_lb.common.settings import markdown_table
 
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("<!-- settings: python -m cosyvoice_lb.settings -->\n")[1].split("<!-- /settings -->")[0]
+    section = readme.split("<!-- settings: python -m cosyvoice_lb.common.settings -->\n")[1].split(
+        "<!-- /settings -->"
+    )[0]
     assert section == markdown_table()
     assert "`--model-dir` | `COSYVOICE_LB_MODEL_DIR`" in section
 
@@ -136,7 +138,7 @@ def test_logs_follow_keeps_going_across_a_rotation(state_dir):
         [
             sys.executable,
             "-m",
-            "cosyvoice_lb.cli",
+            "cosyvoice_lb.launcher.cli",
             "logs",
             "instance-0",
             "-f",
@@ -202,7 +204,7 @@ def test_plan_uses_a_calibrated_footprint_and_says_so(state_dir):
 
 
 def test_the_command_up_prints_to_run_next_works_as_typed(monkeypatch, tmp_path):
-    from cosyvoice_lb import cli as cli_module
+    from cosyvoice_lb.launcher import cli as cli_module
 
     monkeypatch.setenv("COSYVOICE_LB_INVOKED_AS", "./run.sh")  # what run.sh exports
     assert cli_module.invoked_as() == "./run.sh"
@@ -212,12 +214,12 @@ def test_the_command_up_prints_to_run_next_works_as_typed(monkeypatch, tmp_path)
     monkeypatch.setattr("sys.argv", [str(script), "up"])
     monkeypatch.setenv("PATH", "/nonexistent")
     assert cli_module.invoked_as() == str(script)
-    monkeypatch.setattr("sys.argv", ["/somewhere/cli.py", "up"])  # python -m cosyvoice_lb.cli
-    assert cli_module.invoked_as().endswith(" -m cosyvoice_lb.cli")
+    monkeypatch.setattr("sys.argv", ["/somewhere/cli.py", "up"])  # python -m cosyvoice_lb.launcher.cli
+    assert cli_module.invoked_as().endswith(" -m cosyvoice_lb.launcher.cli")
 
 
 def test_up_says_who_can_reach_the_service():
-    from cosyvoice_lb.cli import reach
+    from cosyvoice_lb.launcher.cli import reach
 
     assert "other machines" in reach("0.0.0.0", 8080) and "other machines" in reach("::", 8080)
     assert reach("127.0.0.1", 8080) == "from this box only (loopback)"
@@ -237,7 +239,7 @@ def test_status_watch_refreshes_until_ctrl_c(state_dir):
     ctrl_c = (
         "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
         "sys.argv = ['cosyvoice-lb', 'status', '--watch', '--interval', '0.2']; "
-        "runpy.run_module('cosyvoice_lb.cli', run_name='__main__')"
+        "runpy.run_module('cosyvoice_lb.launcher.cli', run_name='__main__')"
     )
     watcher = subprocess.Popen(
         [sys.executable, "-c", ctrl_c],

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("torch", reason="the contract fake yields torch tensors, like upstream")
 
-from cosyvoice_lb.engines import EngineError, SynthesisRequest  # noqa: E402
-from cosyvoice_lb.engines.cosyvoice import ENDOFPROMPT, CosyVoiceEngine, model_version, v2_prompt, v3_prompt  # noqa: E402
+from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest  # noqa: E402
+from cosyvoice_lb.instance.engines.cosyvoice import ENDOFPROMPT, CosyVoiceEngine, model_version, v2_prompt, v3_prompt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE / "fake_cosyvoice"

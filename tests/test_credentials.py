@@ -10,11 +10,11 @@ import stat
 import pytest
 from test_auth import TOKEN, bcrypt_line
 
-from cosyvoice_lb.auth import Policy, digest
-from cosyvoice_lb.credentials import open_warning, write_policy
-from cosyvoice_lb.errors import ClusterError
-from cosyvoice_lb.layout import Layout
-from cosyvoice_lb.settings import Settings, problems
+from cosyvoice_lb.common.settings import Settings, problems
+from cosyvoice_lb.instance.access.auth import Policy, digest
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.render.credentials import open_warning, write_policy
 
 
 def private(path, text: str) -> str:
@@ -129,7 +129,7 @@ def test_back_to_loopback_removes_the_policy(tmp_path):
 
 
 def test_up_says_who_may_get_in_in_each_mode(tmp_path):
-    from cosyvoice_lb.cli import access_lines
+    from cosyvoice_lb.launcher.cli import access_lines
 
     lay = Layout(tmp_path)
     url = "http://127.0.0.1:8080"

@@ -8,8 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from cosyvoice_lb.engines import SynthesisRequest, Unspeakable, create_engine
-from cosyvoice_lb.engines.espeak import EspeakEngine, speakable, split_runs
+from cosyvoice_lb.instance.engines import SynthesisRequest, Unspeakable, create_engine
+from cosyvoice_lb.instance.engines.espeak import EspeakEngine, speakable, split_runs
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_length_grows_with_text_and_shrinks_with_speed(engine):
 
 
 def test_missing_binary_is_a_clear_error():
-    from cosyvoice_lb.engines import EngineError
+    from cosyvoice_lb.instance.engines import EngineError
 
     with pytest.raises(EngineError, match="apt-get install espeak-ng"):
         EspeakEngine(binary="espeak-ng-missing").load()

@@ -15,8 +15,8 @@ import pytest
 import soundfile
 from conftest import http_server
 
-from cosyvoice_lb.admission import TimedOut
-from cosyvoice_lb.fanout import SEGMENT_HEADER, Balancer, FanOut, SegmentFailed, blocking
+from cosyvoice_lb.instance.speech.admission import TimedOut
+from cosyvoice_lb.instance.speech.fanout import SEGMENT_HEADER, Balancer, FanOut, SegmentFailed, blocking
 
 
 def wav(value: float, samples: int) -> bytes:

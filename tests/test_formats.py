@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import soundfile
 
-from cosyvoice_lb import formats
-from cosyvoice_lb.formats import (
+from cosyvoice_lb.instance.audio import formats
+from cosyvoice_lb.instance.audio.formats import (
     CONTENT_TYPES,
     FORMATS,
     OUTPUT_RATE,

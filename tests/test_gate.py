@@ -7,12 +7,12 @@ import pytest
 from fastapi.testclient import TestClient
 from test_auth import TOKEN, bcrypt_line
 
-from cosyvoice_lb.admission import Admission
-from cosyvoice_lb.auth import SESSION_COOKIE, Policy, PolicyFile, digest, read_htpasswd
-from cosyvoice_lb.engines import create_engine
-from cosyvoice_lb.gate import safe_next
-from cosyvoice_lb.pipeline import Pipeline
-from cosyvoice_lb.server import build_app
+from cosyvoice_lb.instance.access.auth import SESSION_COOKIE, Policy, PolicyFile, digest, read_htpasswd
+from cosyvoice_lb.instance.access.gate import safe_next
+from cosyvoice_lb.instance.engines import create_engine
+from cosyvoice_lb.instance.server import build_app
+from cosyvoice_lb.instance.speech.admission import Admission
+from cosyvoice_lb.instance.speech.pipeline import Pipeline
 
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 JSON_TEXT = {"text": "Hello there."}

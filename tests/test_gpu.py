@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cosyvoice_lb.gpu import GpuReading, gpu_readings, inventory, process_gpu_memory, visible_indexes
+from cosyvoice_lb.launcher.plan.gpu import GpuReading, gpu_readings, inventory, process_gpu_memory, visible_indexes
 
 UUIDS = ["GPU-8932f937-aaaa", "GPU-1a2b3c4d-bbbb", "GPU-8932f000-cccc"]
 

@@ -10,12 +10,12 @@ import dataclasses
 
 import pytest
 
-from cosyvoice_lb.health import Policy, Track, judge
-from cosyvoice_lb.pool import PARKED
-from cosyvoice_lb.probe import Probe
-from cosyvoice_lb.protocol import DrainAction
-from cosyvoice_lb.settings import Settings
-from cosyvoice_lb.supervision import ProcessInfo
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
+from cosyvoice_lb.launcher.health.probe import Probe
+from cosyvoice_lb.launcher.health.rotation import PARKED
+from cosyvoice_lb.launcher.health.rules import Policy, Track, judge
 
 NOW = 1_700_000_000.0
 POLICY = Policy(fail_threshold=3, recover_threshold=2, hang_timeout=120.0, startup_timeout=300.0)
@@ -150,7 +150,7 @@ def test_failed_probes_mean_a_restart_now_not_a_drain():
 
 # --- drains (planned stops) ----------------------------------------------------------------
 
-from cosyvoice_lb.health import drain_done, failed_starts, start_drain  # noqa: E402
+from cosyvoice_lb.launcher.health.rules import drain_done, failed_starts, start_drain  # noqa: E402
 
 
 def test_start_drain_takes_it_out_and_counts_one_restart():
@@ -341,7 +341,7 @@ def test_full_cycle_failure_restart_and_recovery():
     assert all(v.restart == "" for v in verdicts)
 
 
-from cosyvoice_lb.health import pick_recycle, recycle_due  # noqa: E402
+from cosyvoice_lb.launcher.health.rules import pick_recycle, recycle_due  # noqa: E402
 
 RECYCLE = Policy(max_requests=100, max_memory=8 * 2**30)
 SERVING = Track(in_rotation=True, ever_ready=True, pid=7, recycle_at=110)

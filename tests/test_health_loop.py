@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from cosyvoice_lb import protocol
-from cosyvoice_lb.health import RESTART_REASONS, pick_recycle, restarts_by_reason
-from cosyvoice_lb.health_loop import HealthLoop, Host
-from cosyvoice_lb.layout import Layout
-from cosyvoice_lb.planner import Slot
-from cosyvoice_lb.probe import Probe
-from cosyvoice_lb.protocol import DrainAction
-from cosyvoice_lb.settings import Settings
-from cosyvoice_lb.supervision import ProcessInfo, SupervisionError
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo, SupervisionError
+from cosyvoice_lb.launcher.health.loop import HealthLoop, Host
+from cosyvoice_lb.launcher.health.probe import Probe
+from cosyvoice_lb.launcher.health.rules import RESTART_REASONS, pick_recycle, restarts_by_reason
+from cosyvoice_lb.launcher.plan.planner import Slot
 
 T0 = 1_700_000_000.0
 SLOTS = (Slot(0, 7860, None, 0), Slot(1, 7861, None, 0))
@@ -527,7 +527,7 @@ def test_the_report_has_each_probes_latency(make_rig):
 
 
 def board_of(rig: Rig):
-    from cosyvoice_lb.board import Board
+    from cosyvoice_lb.instance.routing.board import Board
 
     board = Board.open(rig.layout.routing_board)
     assert board is not None

@@ -15,15 +15,15 @@ import re
 import pytest
 from test_health_loop import READY, Clock, FakeHost, FakeSupervisor
 
-from cosyvoice_lb import protocol
-from cosyvoice_lb.health import pick_recycle
-from cosyvoice_lb.health_loop import HealthLoop
-from cosyvoice_lb.layout import Layout
-from cosyvoice_lb.planner import Pool, Slot
-from cosyvoice_lb.pool import PARKED, SPARE
-from cosyvoice_lb.probe import Probe
-from cosyvoice_lb.protocol import DrainAction
-from cosyvoice_lb.settings import Settings
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.health.loop import HealthLoop
+from cosyvoice_lb.launcher.health.probe import Probe
+from cosyvoice_lb.launcher.health.rotation import PARKED, SPARE
+from cosyvoice_lb.launcher.health.rules import pick_recycle
+from cosyvoice_lb.launcher.plan.planner import Pool, Slot
 
 SLOTS = tuple(Slot(i, 7860 + i, None, 0) for i in range(4))
 NAMES = [s.name for s in SLOTS]
@@ -219,7 +219,7 @@ def test_no_scaling_during_a_roll_out(tmp_path, rigs):
 
 
 def test_pick_recycle_counts_spares_and_parked_slots_aside():
-    from cosyvoice_lb.health import Track
+    from cosyvoice_lb.launcher.health.rules import Track
 
     tracks = {I0: Track(in_rotation=True), I1: Track(in_rotation=True), I2: Track(reason=SPARE), I3: Track()}
     due = {I0: "served 11 requests", I1: "", I2: "", I3: ""}

@@ -11,7 +11,7 @@ import ast
 from pathlib import Path, PurePosixPath
 
 import cosyvoice_lb
-from cosyvoice_lb.resources import instance_files
+from cosyvoice_lb.launcher.render.staging import instance_files
 
 CHECKOUT = Path(cosyvoice_lb.__file__).resolve().parent.parent
 

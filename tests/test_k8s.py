@@ -13,10 +13,10 @@ import pytest
 import yaml
 from conftest import ROOT, cli
 
-from cosyvoice_lb.cluster_metrics import ClusterView, families
-from cosyvoice_lb.k8s import PRE_STOP_SECONDS, Deployment, manifests, write_manifests
-from cosyvoice_lb.settings import ENV_PREFIX, Settings, envvar
-from cosyvoice_lb.status import ClusterStatus, InstanceStatus
+from cosyvoice_lb.common.settings import ENV_PREFIX, Settings, envvar
+from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus
+from cosyvoice_lb.launcher.k8s.manifests import PRE_STOP_SECONDS, Deployment, manifests, write_manifests
+from cosyvoice_lb.launcher.panel.metrics import ClusterView, families
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 VERSIONS = ("1.30.0", "1.37.0")

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from cosyvoice_lb.admission import Admission
-from cosyvoice_lb.engines import create_engine
-from cosyvoice_lb.ledger import SPOKEN, Ledger, Poisoned, fingerprint
-from cosyvoice_lb.pipeline import Pipeline, describe
+from cosyvoice_lb.instance.engines import create_engine
+from cosyvoice_lb.instance.speech.admission import Admission
+from cosyvoice_lb.instance.speech.pipeline import Pipeline, describe
+from cosyvoice_lb.instance.speech.poison import SPOKEN, Ledger, Poisoned, fingerprint
 
 
 class Processes:
@@ -140,7 +140,7 @@ def test_a_cut_or_failed_synthesis_is_not_a_success(tmp_path):
 def test_a_zombie_is_dead_and_a_running_process_alive():
     import subprocess
 
-    from cosyvoice_lb.ledger import pid_alive
+    from cosyvoice_lb.instance.speech.poison import pid_alive
 
     child = subprocess.Popen(["sleep", "30"])
     try:

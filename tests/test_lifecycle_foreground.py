@@ -9,11 +9,11 @@ import signal
 import pytest
 from click.testing import CliRunner
 
-from cosyvoice_lb import lifecycle
-from cosyvoice_lb.cli import main
-from cosyvoice_lb.errors import ClusterError
-from cosyvoice_lb.layout import Layout
-from cosyvoice_lb.settings import Settings
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cli import main
+from cosyvoice_lb.launcher.cluster import lifecycle
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.errors import ClusterError
 
 
 class Clock:

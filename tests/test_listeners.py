@@ -6,7 +6,7 @@ import socket
 
 import psutil
 
-from cosyvoice_lb.listeners import beyond_loopback, describe, listening, wanted
+from cosyvoice_lb.launcher.cluster.listeners import beyond_loopback, describe, listening, wanted
 
 
 def test_the_sockets_a_process_holds_are_read_from_the_os():
@@ -37,7 +37,7 @@ def test_a_config_written_just_after_the_workers_started_is_seen_as_behind(tmp_p
     import subprocess
     import time
 
-    from cosyvoice_lb.listeners import config_behind, started
+    from cosyvoice_lb.launcher.cluster.listeners import config_behind, started
 
     worker = subprocess.Popen(["sleep", "30"])
     try:

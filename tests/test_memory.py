@@ -6,7 +6,7 @@ import numpy as np
 import psutil
 import pytest
 
-from cosyvoice_lb.memory import release
+from cosyvoice_lb.instance.speech.memory import release
 
 MiB = 2**20
 pytestmark = pytest.mark.skipif(not release(), reason="this C library has no malloc_trim")

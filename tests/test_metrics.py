@@ -14,11 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from cosyvoice_lb.admission import Admission
-from cosyvoice_lb.engines import EngineError
-from cosyvoice_lb.metrics import OUTCOMES, ROUTES, Metrics, outcome_of
-from cosyvoice_lb.pipeline import Pipeline
-from cosyvoice_lb.server import build_app
+from cosyvoice_lb.instance.engines import EngineError
+from cosyvoice_lb.instance.metrics import OUTCOMES, ROUTES, Metrics, outcome_of
+from cosyvoice_lb.instance.server import build_app
+from cosyvoice_lb.instance.speech.admission import Admission
+from cosyvoice_lb.instance.speech.pipeline import Pipeline
 
 PROMTOOL = shutil.which("promtool")
 

@@ -19,8 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cosyvoice_lb.layout import Layout
-from cosyvoice_lb.monitoring import (
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.plan.planner import Budget, GiB, Gpu, Inventory, MiB, Slot, plan
+from cosyvoice_lb.launcher.render.cluster import balancer_url
+from cosyvoice_lb.launcher.render.monitoring import (
     DATASOURCE,
     alert_rules,
     balancer_target,
@@ -30,9 +33,6 @@ from cosyvoice_lb.monitoring import (
     prometheus_config,
     scrape_targets,
 )
-from cosyvoice_lb.planner import Budget, GiB, Gpu, Inventory, MiB, Slot, plan
-from cosyvoice_lb.render import balancer_url
-from cosyvoice_lb.settings import Settings
 
 HERE = Path(__file__).resolve().parent
 ALERTS_TEST = HERE / "monitoring" / "alerts_test.yml"

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cosyvoice_lb import mps
+from cosyvoice_lb.launcher.cluster import mps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,13 +81,13 @@ def wait_until(what: str, predicate: Callable[[], bool], timeout: float = 15.0) 
 
 
 class Wrapper:
-    """``python -m cosyvoice_lb.mps`` with a fake control binary, in tmp_path."""
+    """``python -m cosyvoice_lb.launcher.cluster.mps`` with a fake control binary, in tmp_path."""
 
     def __init__(self, tmp_path: Path, mode: str = "normal", stop_timeout: float = 10.0) -> None:
         self.pipe = tmp_path / "state" / "run" / "mps-gpu1"
         self.logs = tmp_path / "state" / "logs" / "mps-gpu1"
         env = {**os.environ, "MPS_TEST_INHERITED": "yes", "PYTHONPATH": str(ROOT)}
-        command = [sys.executable, "-m", "cosyvoice_lb.mps", "--gpu", "1", "--pipe-dir", str(self.pipe),
+        command = [sys.executable, "-m", "cosyvoice_lb.launcher.cluster.mps", "--gpu", "1", "--pipe-dir", str(self.pipe),
                    "--log-dir", str(self.logs), "--control", str(fake_control(tmp_path, mode)),
                    "--stop-timeout", str(stop_timeout)]  # fmt: skip
         self.process = subprocess.Popen(command, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
@@ -219,7 +219,7 @@ def test_a_daemon_that_dies_by_itself_ends_the_wrapper_with_its_status(wrappers)
 
 def test_a_missing_control_binary_fails_with_what_is_missing(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cosyvoice_lb.mps", "--gpu", "0", "--pipe-dir", str(tmp_path / "p"),
+        [sys.executable, "-m", "cosyvoice_lb.launcher.cluster.mps", "--gpu", "0", "--pipe-dir", str(tmp_path / "p"),
          "--log-dir", str(tmp_path / "l"), "--control", str(tmp_path / "no-such-control")],
         capture_output=True, text=True, timeout=30, cwd=str(ROOT),
     )  # fmt: skip
@@ -230,7 +230,7 @@ def test_a_missing_control_binary_fails_with_what_is_missing(tmp_path: Path) -> 
 
 def test_importing_it_installs_no_signal_handler() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", "import signal, cosyvoice_lb.mps; print(signal.getsignal(signal.SIGTERM))"],
+        [sys.executable, "-c", "import signal, cosyvoice_lb.launcher.cluster.mps; print(signal.getsignal(signal.SIGTERM))"],
         capture_output=True, text=True, timeout=30, cwd=str(ROOT),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -10,12 +10,12 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cosyvoice_lb.admission import Admission
-from cosyvoice_lb.engines.simulated import SimulatedEngine
-from cosyvoice_lb.openai_api import OPENAI_FIELDS, speech_request, voice_target
-from cosyvoice_lb.pipeline import Pipeline
-from cosyvoice_lb.server import build_app
-from cosyvoice_lb.validation import BadRequest
+from cosyvoice_lb.instance.api.openai import OPENAI_FIELDS, speech_request, voice_target
+from cosyvoice_lb.instance.engines.simulated import SimulatedEngine
+from cosyvoice_lb.instance.server import build_app
+from cosyvoice_lb.instance.speech.admission import Admission
+from cosyvoice_lb.instance.speech.pipeline import Pipeline
+from cosyvoice_lb.instance.speech.validation import BadRequest
 
 
 @pytest.fixture(scope="module")

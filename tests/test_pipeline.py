@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import soundfile
 
-from cosyvoice_lb.admission import Admission, Cancelled, NotReady, Overloaded, TimedOut
-from cosyvoice_lb.audio import PromptError
-from cosyvoice_lb.engines import EngineError, SynthesisRequest
-from cosyvoice_lb.pipeline import ERRORS, Job, NoAudio, Pipeline, describe
-from cosyvoice_lb.validation import BadRequest
+from cosyvoice_lb.instance.audio.wav import PromptError
+from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest
+from cosyvoice_lb.instance.speech.admission import Admission, Cancelled, NotReady, Overloaded, TimedOut
+from cosyvoice_lb.instance.speech.pipeline import ERRORS, Job, NoAudio, Pipeline, describe
+from cosyvoice_lb.instance.speech.validation import BadRequest
 
 
 @pytest.mark.parametrize(

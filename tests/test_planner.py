@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from cosyvoice_lb.gpu import parse_gpus
-from cosyvoice_lb.planner import (
+from cosyvoice_lb.launcher.plan.gpu import parse_gpus
+from cosyvoice_lb.launcher.plan.planner import (
     Budget,
     GiB,
     Gpu,
@@ -538,7 +538,7 @@ def test_slot_name_and_env_properties():
 
 
 def test_a_running_cluster_counts_its_own_memory_as_free_when_re_planned():
-    from cosyvoice_lb.planner import with_own_slots
+    from cosyvoice_lb.launcher.plan.planner import with_own_slots
 
     # Four 5 GiB instances run on a 24 GiB card: 4 GiB is free now.
     busy = Inventory(

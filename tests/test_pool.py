@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cosyvoice_lb.planner import (
+from cosyvoice_lb.launcher.health.rotation import rotation, spares_of
+from cosyvoice_lb.launcher.plan.planner import (
     Budget,
     GiB,
     Gpu,
@@ -18,7 +19,6 @@ from cosyvoice_lb.planner import (
     startable,
     with_own_slots,
 )
-from cosyvoice_lb.pool import rotation, spares_of
 
 
 def cards(*sizes_gib: float, free_gib: tuple[float, ...] | None = None) -> Inventory:

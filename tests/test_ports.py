@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from cosyvoice_lb.ports import LINUX_DEFAULT, block_starts, ephemeral_range, free_port_block
+from cosyvoice_lb.launcher.cluster.ports import LINUX_DEFAULT, block_starts, ephemeral_range, free_port_block
 
 
 def test_the_range_is_read_from_the_kernel_file(tmp_path):

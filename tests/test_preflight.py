@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cosyvoice_lb.preflight import INSTANCE_NEEDS, UPSTREAM_MODULE, env_problem
+from cosyvoice_lb.launcher.plan.preflight import INSTANCE_NEEDS, UPSTREAM_MODULE, env_problem
 
 PY = "/opt/cv/bin/python"
 NEEDS = {**INSTANCE_NEEDS, "torch": "torch"}

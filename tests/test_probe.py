@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from conftest import http_server
 
-from cosyvoice_lb.probe import Probe, Prober, probe
+from cosyvoice_lb.launcher.health.probe import Probe, Prober, probe
 
 # --- probe() against a real HTTP server on 127.0.0.1 --------------------------------------
 

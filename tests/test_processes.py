@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_lb.layout import Layout
-from cosyvoice_lb.processes import is_cluster_program, port_taken
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.processes import is_cluster_program, port_taken
 
 LAYOUT = Layout(Path("/srv/cvlb"))
 
@@ -19,8 +19,8 @@ LAYOUT = Layout(Path("/srv/cvlb"))
         ["/usr/bin/python3", "-m", "supervisor.supervisord", "-c", "/srv/cvlb/run/supervisord.conf"],
         ["/usr/sbin/nginx", "-p", "/srv/cvlb/nginx", "-c", "/srv/cvlb/nginx/nginx.conf", "-e", "/srv/cvlb/logs/x.log"],
         ["/venv/bin/python", "/x/app.py", "--port", "7860", "--starts-file", "/srv/cvlb/run/instance-0.starts"],
-        ["/venv/bin/python", "-m", "cosyvoice_lb.health_loop", "--state-dir", "/srv/cvlb"],
-        ["/venv/bin/python", "-m", "cosyvoice_lb.admin", "--state-dir", "/srv/cvlb"],
+        ["/venv/bin/python", "-m", "cosyvoice_lb.launcher.health.loop", "--state-dir", "/srv/cvlb"],
+        ["/venv/bin/python", "-m", "cosyvoice_lb.launcher.panel.server", "--state-dir", "/srv/cvlb"],
     ],
 )
 def test_the_cluster_programs_are_recognised(args):
@@ -30,11 +30,11 @@ def test_the_cluster_programs_are_recognised(args):
 @pytest.mark.parametrize(
     "args",
     [
-        ["/venv/bin/python", "-m", "cosyvoice_lb.cli", "logs", "health", "-f", "--state-dir", "/srv/cvlb"],
+        ["/venv/bin/python", "-m", "cosyvoice_lb.launcher.cli", "logs", "health", "-f", "--state-dir", "/srv/cvlb"],
         ["python3", "-c", "import time; time.sleep(50)", "--state-dir", "/srv/cvlb"],
         ["tail", "-f", "/srv/cvlb/logs/instance-0.log"],
-        ["/venv/bin/python", "-m", "cosyvoice_lb.health_loop", "--state-dir", "/srv/cvlb-other"],
-        ["/venv/bin/python", "-m", "cosyvoice_lb.admin", "--state-dir", "/srv/cvlb-other"],
+        ["/venv/bin/python", "-m", "cosyvoice_lb.launcher.health.loop", "--state-dir", "/srv/cvlb-other"],
+        ["/venv/bin/python", "-m", "cosyvoice_lb.launcher.panel.server", "--state-dir", "/srv/cvlb-other"],
         ["/usr/sbin/nginx", "-c", "/srv/cvlb-other/nginx/nginx.conf"],
         ["/venv/bin/python", "app.py", "--starts-file", "/srv/cvlb/runaway/instance-0.starts"],
         [],
@@ -61,7 +61,7 @@ def test_listening_is_seen_per_process():
 
     import psutil
 
-    from cosyvoice_lb.processes import _listens_on
+    from cosyvoice_lb.launcher.cluster.processes import _listens_on
 
     with socket_module.socket() as sock:
         sock.bind(("127.0.0.1", 0))

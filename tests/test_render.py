@@ -22,10 +22,10 @@ import pytest
 from supervisor.datatypes import RestartUnconditionally, dict_of_key_value_pairs
 from supervisor.options import ServerOptions
 
-from cosyvoice_lb.credentials import write_segment_key
-from cosyvoice_lb.layout import Layout
-from cosyvoice_lb.planner import Budget, GiB, Gpu, Inventory, MiB, plan
-from cosyvoice_lb.render import (
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.plan.planner import Budget, GiB, Gpu, Inventory, MiB, plan
+from cosyvoice_lb.launcher.render.cluster import (
     MAX_SOCKET_PATH,
     Programs,
     RenderError,
@@ -35,7 +35,7 @@ from cosyvoice_lb.render import (
     render,
     render_upstreams,
 )
-from cosyvoice_lb.settings import Settings
+from cosyvoice_lb.launcher.render.credentials import write_segment_key
 
 NGINX = shutil.which("nginx") or shutil.which("/usr/sbin/nginx")
 SHORT = Path("/tmp/cvlb-t")  # never created: pure renders only
@@ -176,7 +176,7 @@ def test_supervisord_conf_has_one_program_per_slot(kind):
         [f"program:{s.name}" for s in the_plan.slots] + ["program:nginx", "program:health", "program:admin"]
     )
     admin = shlex.split(conf["program:admin"]["command"])
-    assert admin[1:] == ["-m", "cosyvoice_lb.admin", "--state-dir", str(SHORT)]
+    assert admin[1:] == ["-m", "cosyvoice_lb.launcher.panel.server", "--state-dir", str(SHORT)]
     # (stopped before the instances: a panel action never restarts one while the cluster goes down)
     assert int(conf["program:admin"]["priority"]) > int(conf[f"program:{the_plan.slots[0].name}"]["priority"])
     for slot in the_plan.slots:
@@ -252,7 +252,7 @@ def test_supervisord_conf_nginx_and_health_programs():
     assert shlex.split(conf["program:health"]["command"]) == [
         sys.executable,
         "-m",
-        "cosyvoice_lb.health_loop",
+        "cosyvoice_lb.launcher.health.loop",
         "--state-dir",
         str(SHORT),
     ]
@@ -632,7 +632,7 @@ def test_ipv6_host_renders_a_listen_nginx_accepts(state_dir):
 
 @pytest.mark.parametrize("hang, request_timeout, warned", [(60.0, 90.0, False), (90.0, 90.0, True), (30.0, 3.0, True)])
 def test_a_hang_timeout_not_below_the_request_timeout_is_warned_about(hang, request_timeout, warned):
-    from cosyvoice_lb.render import warnings
+    from cosyvoice_lb.launcher.render.cluster import warnings
 
     found = warnings(Settings(hang_timeout=hang, request_timeout=request_timeout))
     assert bool(found) is warned
@@ -842,7 +842,7 @@ def test_mps_runs_one_daemon_per_gpu_and_points_each_instance_at_its_cards(state
     for gpu in (0, 1):
         daemon = programs[f"mps-gpu{gpu}"]
         argv = shlex.split(daemon.command)
-        assert argv[1:3] == ["-m", "cosyvoice_lb.mps"]
+        assert argv[1:3] == ["-m", "cosyvoice_lb.launcher.cluster.mps"]
         assert argv[argv.index("--gpu") + 1] == str(gpu)
         assert argv[argv.index("--pipe-dir") + 1] == str(state_dir / "run" / f"mps-gpu{gpu}")
         # up before the instances, down after them (supervisord stops by descending priority)

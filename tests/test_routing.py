@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from cosyvoice_lb.board import Board
-from cosyvoice_lb.router import Router
-from cosyvoice_lb.routing import (
+from cosyvoice_lb.instance.routing.board import Board
+from cosyvoice_lb.instance.routing.router import Router
+from cosyvoice_lb.instance.routing.rule import (
     Backlog,
     Peer,
     Rate,

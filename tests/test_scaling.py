@@ -3,7 +3,7 @@ one fewer after --idle-release without requests, within the bounds, held while t
 
 from __future__ import annotations
 
-from cosyvoice_lb.scaling import HISTORY, Bounds, Decision, Load, Scale, decide
+from cosyvoice_lb.launcher.health.scaling import HISTORY, Bounds, Decision, Load, Scale, decide
 
 BOUNDS = Bounds(low=1, high=3, scale_up_after=30, idle_release=600)
 BUSY = [Load(inflight=1, waiting=2), Load(inflight=1, waiting=1)]

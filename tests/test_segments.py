@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cosyvoice_lb.segments import Joiner, join, split_text
+from cosyvoice_lb.instance.audio.segments import Joiner, join, split_text
 
 
 def squeezed(text: str) -> str:

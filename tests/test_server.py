@@ -16,13 +16,13 @@ import soundfile
 from conftest import free_port_block
 from fastapi.testclient import TestClient
 
-from cosyvoice_lb.admission import Admission, Overloaded
-from cosyvoice_lb.audio import Outputs
-from cosyvoice_lb.engines import EngineError, SynthesisRequest
-from cosyvoice_lb.engines.espeak import EspeakEngine
-from cosyvoice_lb.pipeline import Job, Pipeline
-from cosyvoice_lb.server import build_app
-from cosyvoice_lb.validation import Limits
+from cosyvoice_lb.instance.audio.wav import Outputs
+from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest
+from cosyvoice_lb.instance.engines.espeak import EspeakEngine
+from cosyvoice_lb.instance.server import build_app
+from cosyvoice_lb.instance.speech.admission import Admission, Overloaded
+from cosyvoice_lb.instance.speech.pipeline import Job, Pipeline
+from cosyvoice_lb.instance.speech.validation import Limits
 
 
 def pipeline(
@@ -163,7 +163,7 @@ def test_a_stop_signal_drains_syntheses_in_flight_before_the_server_exits():
 
     import uvicorn
 
-    from cosyvoice_lb.server import draining_server
+    from cosyvoice_lb.instance.server import draining_server
 
     admission = Admission()
     admission.become_ready()
@@ -186,7 +186,7 @@ def test_the_drain_is_bounded():
 
     import uvicorn
 
-    from cosyvoice_lb.server import draining_server
+    from cosyvoice_lb.instance.server import draining_server
 
     admission = Admission()
     admission.become_ready()
@@ -404,7 +404,7 @@ def test_a_slow_stream_reader_is_not_a_stalled_synthesis():
 def test_the_simulated_engine_waits_in_proportion_to_the_text_and_returns_silence():
     import time
 
-    from cosyvoice_lb.engines import create_engine
+    from cosyvoice_lb.instance.engines import create_engine
 
     engine = create_engine("simulated", simulated_ms_per_char=10.0, simulated_base_ms=20.0, model_dir="ignored")
     assert engine.service_seconds("x" * 10) == pytest.approx(0.12)
@@ -504,7 +504,7 @@ def test_an_instance_drained_during_its_warm_up_never_turns_ready():
 
     import uvicorn
 
-    from cosyvoice_lb.server import draining_server
+    from cosyvoice_lb.instance.server import draining_server
 
     engine = WarmUpGate()
     p = pipeline(engine, ready=False)
@@ -561,7 +561,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.parametrize("disk,cause", [("full", "No space left on device"), ("readonly", "Read-only file system")])
 def test_a_result_that_cannot_be_kept_is_a_507_naming_the_cause(loaded, small_disk, disk, cause):
-    from cosyvoice_lb.audio import Outputs
+    from cosyvoice_lb.instance.audio.wav import Outputs
 
     directory = small_disk[disk]
     if disk == "full":
@@ -586,7 +586,7 @@ def test_a_prompt_that_cannot_be_written_is_a_507(loaded, small_disk):
     with pytest.raises(OSError) as caught:
         p.prepare_prompt(prompt.getvalue())
     assert "Read-only file system" in str(caught.value) and "disk" in str(caught.value)
-    from cosyvoice_lb.pipeline import describe
+    from cosyvoice_lb.instance.speech.pipeline import describe
 
     assert describe(caught.value).status == 507
 
@@ -711,10 +711,10 @@ def test_a_busy_instance_declines_for_a_freer_one_at_once_and_the_last_resort_is
     (nginx's last resort) is served; one straight at the port is never declined."""
     import os
 
-    from cosyvoice_lb.board import Board
-    from cosyvoice_lb.engines.simulated import SimulatedEngine
-    from cosyvoice_lb.router import Router
-    from cosyvoice_lb.routing import Backlog
+    from cosyvoice_lb.instance.engines.simulated import SimulatedEngine
+    from cosyvoice_lb.instance.routing.board import Board
+    from cosyvoice_lb.instance.routing.router import Router
+    from cosyvoice_lb.instance.routing.rule import Backlog
 
     board = Board.create(tmp_path / "routing.board")
     board.configure(True, 0.05)

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from cosyvoice_lb.settings import (
+from cosyvoice_lb.common.settings import (
     Settings,
     declarations,
     flag,
@@ -16,7 +16,7 @@ from cosyvoice_lb.settings import (
     parse_instance_args,
     problems,
 )
-from cosyvoice_lb.timeouts import Timeouts
+from cosyvoice_lb.common.timeouts import Timeouts
 
 INSTANCE_ONLY = {"port", "host", "starts_file"}
 
@@ -131,7 +131,7 @@ def test_an_instance_started_with_an_earlier_version_s_flags_still_starts():
 @pytest.mark.parametrize("name", ["request_timeout", "drain_timeout", "probe_interval", "simulated_ms_per_char"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_infinite_or_nan_seconds_are_refused(name, value):
-    from cosyvoice_lb.settings import problems
+    from cosyvoice_lb.common.settings import problems
 
     found = problems(Settings(**{name: value}))
     assert any(f"--{name.replace('_', '-')} must be" in p for p in found), found

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from cosyvoice_lb.resources import CODE_FILE, code_digest, instance_files, prune, stage, staged_digest
+from cosyvoice_lb.launcher.render.staging import CODE_FILE, code_digest, instance_files, prune, stage, staged_digest
 
 V1 = {"app.py": "print('one')\n", "cosyvoice_lb/server.py": "X = 1\n"}
 V2 = {"app.py": "print('one')\n", "cosyvoice_lb/server.py": "X = 2\n"}
@@ -50,4 +50,6 @@ def test_a_plain_dir_staged_by_an_older_version_is_replaced(tmp_path):
 def test_the_real_instance_code_stages(tmp_path):
     digest, _ = stage(tmp_path / "lib")
     assert digest == code_digest(instance_files())
-    assert (tmp_path / "lib" / "cosyvoice_lb" / "server.py").exists() and (tmp_path / "lib" / "app.py").exists()
+    assert (tmp_path / "lib" / "cosyvoice_lb" / "instance" / "server.py").exists() and (
+        tmp_path / "lib" / "app.py"
+    ).exists()

@@ -9,13 +9,21 @@ import threading
 import pytest
 from rich.console import Console
 
-from cosyvoice_lb.gpu import GpuReading
-from cosyvoice_lb.layout import Layout
-from cosyvoice_lb.planner import Slot
-from cosyvoice_lb.pool import PARKED
-from cosyvoice_lb.settings import Settings
-from cosyvoice_lb.status import NO_TELEMETRY, ClusterStatus, InstanceStatus, Telemetry, ask_all, public_url, status
-from cosyvoice_lb.supervision import ProcessInfo
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.status import (
+    NO_TELEMETRY,
+    ClusterStatus,
+    InstanceStatus,
+    Telemetry,
+    ask_all,
+    public_url,
+    status,
+)
+from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
+from cosyvoice_lb.launcher.health.rotation import PARKED
+from cosyvoice_lb.launcher.plan.gpu import GpuReading
+from cosyvoice_lb.launcher.plan.planner import Slot
 
 
 class Gathering:
@@ -98,7 +106,7 @@ class Answering:
 
 def running_cluster(monkeypatch, tmp_path) -> Layout:
     """A state dir whose supervisord is a fake (no process is started)."""
-    from cosyvoice_lb import status as status_module
+    from cosyvoice_lb.launcher.cluster import status as status_module
 
     layout = Layout(tmp_path)
     layout.socket.parent.mkdir(parents=True)
@@ -159,7 +167,7 @@ def test_a_dir_without_a_cluster_has_no_gpus(tmp_path):
 
 def render(current: ClusterStatus) -> str:
     """What the tables look like, as plain text."""
-    from cosyvoice_lb.cli import status_tables
+    from cosyvoice_lb.launcher.cli import status_tables
 
     console = Console(file=io.StringIO(), width=200, color_system=None)
     for table in status_tables(current):
@@ -200,14 +208,14 @@ def test_without_gpus_the_status_table_has_no_gpu_columns():
     text = render(fake_status([]))
     assert "instance-0" in text and "nginx" in text
     assert "GPU" not in text and "—" not in text
-    from cosyvoice_lb.cli import status_tables
+    from cosyvoice_lb.launcher.cli import status_tables
 
     assert len(status_tables(fake_status([]))) == 1 and len(status_tables(fake_status([H100]))) == 2
     assert status_tables(ClusterStatus(running=False)) == []
 
 
 def test_the_watch_view_is_the_tables_and_the_words(tmp_path):
-    from cosyvoice_lb.cli import status_view
+    from cosyvoice_lb.launcher.cli import status_view
 
     console = Console(file=io.StringIO(), width=200, color_system=None)
     console.print(status_view(fake_status([H100]), tmp_path, "every 2s"))
@@ -230,8 +238,8 @@ class OneParked(FakeSupervisor):
 
 @pytest.mark.parametrize("wanted, short", [(1, False), (2, True)])
 def test_a_parked_slot_is_no_problem_unless_fewer_serve_than_wanted(monkeypatch, tmp_path, wanted, short):
-    from cosyvoice_lb import protocol
-    from cosyvoice_lb import status as status_module
+    from cosyvoice_lb.launcher.cluster import protocol
+    from cosyvoice_lb.launcher.cluster import status as status_module
 
     layout = running_cluster(monkeypatch, tmp_path)
     monkeypatch.setattr(status_module, "Supervisor", OneParked)

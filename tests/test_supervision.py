@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_lb.layout import Layout
-from cosyvoice_lb.supervision import SupervisionError, Supervisor
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, Supervisor
 
 
 class Script:

@@ -8,7 +8,7 @@ import io
 import numpy as np
 import soundfile
 
-from cosyvoice_lb.uploads import GradioFiles, file_parts, is_audio
+from cosyvoice_lb.instance.ui.uploads import GradioFiles, file_parts, is_audio
 
 
 def encoded(fmt: str) -> bytes:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cosyvoice_lb.engines import SynthesisRequest
-from cosyvoice_lb.validation import BadRequest, Limits, form_payload, make_request
+from cosyvoice_lb.instance.engines import SynthesisRequest
+from cosyvoice_lb.instance.speech.validation import BadRequest, Limits, form_payload, make_request
 
 
 def test_make_request_accepts_the_documented_shape():

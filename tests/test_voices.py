@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import soundfile
 
-from cosyvoice_lb.validation import BadRequest
-from cosyvoice_lb.voices import MAX_VOICES, Registry, VoiceNotFound, check_consent
+from cosyvoice_lb.instance.speech.validation import BadRequest
+from cosyvoice_lb.instance.speech.voices import MAX_VOICES, Registry, VoiceNotFound, check_consent
 
 TONE = (0.3 * np.sin(np.linspace(0, 2000, 48000))).astype(np.float32)
 
@@ -94,7 +94,7 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
     def disk_full(*_args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("cosyvoice_lb.voices.write_wav", disk_full)
+    monkeypatch.setattr("cosyvoice_lb.instance.speech.voices.write_wav", disk_full)
     with pytest.raises(OSError, match="No space"):
         registry.create("narrator", TONE, 16000, "text", consent="yes")
     assert registry.all() == [] and leftovers(tmp_path) == []
@@ -103,7 +103,7 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_the_registry_is_bounded(tmp_path, monkeypatch):
-    monkeypatch.setattr("cosyvoice_lb.voices.MAX_VOICES", 2)
+    monkeypatch.setattr("cosyvoice_lb.instance.speech.voices.MAX_VOICES", 2)
     registry = Registry(tmp_path)
     registry.create("a", TONE, 16000, "text", consent="yes")
     registry.create("b", TONE, 16000, "text", consent="yes")

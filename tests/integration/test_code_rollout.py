@@ -24,7 +24,7 @@ INSTANCES = 2
 def run(copy: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """``cosyvoice-lb ARGS`` from the copy (its package first on the path)."""
     return subprocess.run(
-        [sys.executable, "-m", "cosyvoice_lb.cli", *args],
+        [sys.executable, "-m", "cosyvoice_lb.launcher.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

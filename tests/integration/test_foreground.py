@@ -18,8 +18,8 @@ import pytest
 import requests
 from conftest import ROOT, clean_env, cli, free_port_block, port_free
 
-from cosyvoice_lb.layout import Layout
-from cosyvoice_lb.processes import stray_processes
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.processes import stray_processes
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +61,7 @@ class Launcher:
         ]
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cosyvoice_lb.cli", *args],
+                [sys.executable, "-m", "cosyvoice_lb.launcher.cli", *args],
                 stdout=out,
                 stderr=err,
                 env=clean_env(),

@@ -26,8 +26,8 @@ import requests
 from conftest import cli, free_port_block, instance_samples, unexpected_tracebacks, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from cosyvoice_lb.metrics import OUTCOMES, ROUTES
-from cosyvoice_lb.monitoring import dashboard_exprs
+from cosyvoice_lb.instance.metrics import OUTCOMES, ROUTES
+from cosyvoice_lb.launcher.render.monitoring import dashboard_exprs
 
 pytestmark = pytest.mark.integration
 PROMETHEUS = shutil.which("prometheus")

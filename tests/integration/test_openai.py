@@ -133,7 +133,7 @@ def test_a_long_text_on_v1_tts_is_joined_whole_with_no_segment_twice(cluster):
     audio, rate = soundfile.read(io.BytesIO(r.content), dtype="float32")
     assert float(r.headers["x-audio-seconds"]) == pytest.approx(audio.size / rate, abs=0.01)
     assert audio.size / rate > 25
-    from cosyvoice_lb.segments import split_text
+    from cosyvoice_lb.instance.audio.segments import split_text
 
     expected = len(split_text(LONG, 80, first_chars=40))
     # (the request itself is logged just after its answer)

@@ -125,7 +125,7 @@ def test_a_supervisord_that_stops_answering_while_up_waits_is_a_clear_error_and_
         [
             sys.executable,
             "-m",
-            "cosyvoice_lb.cli",
+            "cosyvoice_lb.launcher.cli",
             "up",
             "--instances",
             "2",

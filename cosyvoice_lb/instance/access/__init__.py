@@ -1,0 +1,1 @@
+"""Who may use an instance: tokens, UI users, session cookies, and the gate that checks them."""

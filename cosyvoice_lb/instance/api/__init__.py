@@ -1,0 +1,1 @@
+"""The HTTP API's pieces: forms in, the OpenAI-compatible routes, streamed answers."""

@@ -1,0 +1,83 @@
+"""Speech engines behind one small interface.
+
+An engine loads once (``load``), then turns a :class:`SynthesisRequest` into mono float32
+audio chunks at ``sample_rate``. The instance server knows nothing else about it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+MODES = ("zero_shot", "cross_lingual", "instruct", "sft")
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """One synthesis. ``prompt_wav`` is a path to a prepared (mono, >= 16 kHz, trimmed) WAV."""
+
+    text: str
+    speed: float = 1.0
+    mode: str = ""  # "" means the engine's default mode
+    prompt_text: str = ""
+    prompt_wav: str = ""
+    instruct_text: str = ""
+    speaker: str = ""
+    seed: int | None = None
+    stream: bool = False
+    voice_id: str = ""  # a saved voice (prompt_wav/prompt_text hold its prompt): engines may cache it
+
+
+class EngineError(RuntimeError):
+    """A synthesis failed for a reason the caller should hear about (answered as 5xx)."""
+
+
+class Unspeakable(EngineError):
+    """The engine broke on this very text (e.g. its process crashed on it): the same text
+    fails the same way, so it is answered as a 422 that asks for other wording. The
+    message is for the client; the engine logs its own diagnostics."""
+
+
+class Engine(Protocol):
+    name: str
+    sample_rate: int
+    modes: tuple[str, ...]  # what this engine (and its model) can do, the default first
+
+    def speakers(self) -> list[str]:
+        """Built-in speakers (for mode ``sft``)."""
+
+    def load(self) -> None:
+        """Load models or check tools; raises when the engine cannot work here."""
+
+    def synthesize(self, request: SynthesisRequest) -> Iterator[np.ndarray]:
+        """Yield mono float32 chunks in [-1, 1] at ``sample_rate``."""
+
+
+def clones(engine: Engine) -> bool:
+    """The engine speaks in a voice cloned from prompt audio (so it can speak saved voices)."""
+    return any(mode in engine.modes for mode in ("zero_shot", "cross_lingual"))
+
+
+# name -> "module:Class"; imported on demand so an engine's dependencies load only when used.
+ENGINES = {
+    "espeak": "cosyvoice_lb.instance.engines.espeak:EspeakEngine",
+    "cosyvoice3": "cosyvoice_lb.instance.engines.cosyvoice:CosyVoiceEngine",
+    "simulated": "cosyvoice_lb.instance.engines.simulated:SimulatedEngine",  # a load model for benchmarks
+}
+
+
+def create_engine(name: str, **options) -> Engine:
+    """The named engine, given only the options its constructor takes."""
+    try:
+        target = ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(sorted(ENGINES))}") from None
+    module_name, class_name = target.split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    accepted = inspect.signature(cls).parameters
+    return cls(**{k: v for k, v in options.items() if k in accepted})

@@ -1,0 +1,271 @@
+"""The CosyVoice engine: upstream's ``AutoModel`` in the user's CosyVoice environment.
+
+Works with CosyVoice3 model dirs (``cosyvoice3.yaml``) and also v2 and v1 ones. It adds
+what upstream's own web UI forgets for v3: the ``<|endofprompt|>`` prompt format, in the
+exact form of upstream's example.py. Runs where cosyvoice-lb is not installed, so it
+imports only what that environment has (torch, numpy, soundfile, the checkout).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import random
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest
+
+log = logging.getLogger("cosyvoice_lb.cosyvoice")
+
+# In upstream AutoModel's order: a dir holding several yamls loads as the first one found.
+YAMLS = {"cosyvoice.yaml": 1, "cosyvoice2.yaml": 2, "cosyvoice3.yaml": 3}
+ENDOFPROMPT = "<|endofprompt|>"
+SYSTEM = "You are a helpful assistant."
+# Upstream ships this prompt in its checkout; its transcript is in upstream's example.py.
+DEFAULT_PROMPT = ("asset/zero_shot_prompt.wav", "希望你以后能够做的比我还好呦。")
+
+
+def model_version(model_dir: str | os.PathLike) -> int:
+    """3, 2 or 1 by the yaml in a local model dir; ValueError (with what to do) otherwise."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(
+            f"model dir {model_dir} is not a local directory: download the model first (e.g. "
+            "modelscope's snapshot_download('FunAudioLLM/Fun-CosyVoice3-0.5B-2512', "
+            "local_dir='pretrained_models/Fun-CosyVoice3-0.5B')) and pass its path; "
+            "cosyvoice-lb never lets an instance download at start"
+        )
+    for name, version in YAMLS.items():
+        if (path / name).is_file():
+            return version
+    raise ValueError(f"model dir {model_dir} has none of {', '.join(YAMLS)}: is it a CosyVoice model?")
+
+
+def v3_prompt(mode: str, text: str, prompt_text: str, instruct_text: str) -> tuple[str, str, str]:
+    """(text, prompt_text, instruct_text) in CosyVoice3's prompt format (upstream example.py).
+
+    Client input never carries ``<|endofprompt|>`` (validation refuses special tokens); a
+    bundled default prompt that already has it is left as it is.
+    """
+    if mode == "zero_shot" and ENDOFPROMPT not in prompt_text:
+        prompt_text = f"{SYSTEM}{ENDOFPROMPT}{prompt_text}"
+    elif mode == "cross_lingual" and ENDOFPROMPT not in text:
+        text = f"{SYSTEM}{ENDOFPROMPT}{text}"
+    elif mode == "instruct" and ENDOFPROMPT not in instruct_text:
+        instruct_text = f"{SYSTEM} {instruct_text}{ENDOFPROMPT}"
+    return text, prompt_text, instruct_text
+
+
+def v2_prompt(mode: str, text: str, prompt_text: str, instruct_text: str) -> tuple[str, str, str]:
+    """CosyVoice2 wants the marker after the instruction only (upstream example.py)."""
+    if mode == "instruct" and ENDOFPROMPT not in instruct_text:
+        instruct_text = f"{instruct_text}{ENDOFPROMPT}"
+    return text, prompt_text, instruct_text
+
+
+class CosyVoiceEngine:
+    name = "cosyvoice3"
+
+    def __init__(
+        self,
+        model_dir: str = "",
+        cosyvoice_root: str = "",
+        load_trt: bool = False,
+        load_vllm: bool = False,
+        fp16: bool = False,
+    ):
+        if not model_dir:
+            raise EngineError("the cosyvoice3 engine needs --model-dir")
+        self.model_dir = model_dir
+        self.cosyvoice_root = cosyvoice_root
+        self.flags = {"load_trt": load_trt, "load_vllm": load_vllm, "fp16": fp16}
+        self.model = None
+        try:  # known before loading (from the yaml), so the UI can be built meanwhile
+            self.version = model_version(model_dir)
+        except ValueError:
+            self.version = 0  # load() says why
+        self.sample_rate = 24000 if self.version != 1 else 22050
+        self.modes: tuple[str, ...] = self._modes([])
+        # Saved voices in upstream's speaker cache (add_zero_shot_spk): id -> its transcript.
+        self.cached: dict[str, str] = {}
+        self.cache_lock = threading.Lock()
+        # v2/v3 streaming chunk size (tokens) as loaded: upstream doubles it on the model after
+        # each streamed chunk, so every stream after the first would wait for 4x the tokens
+        # before its first audio; each stream starts from it again. (With --instance-concurrency
+        # above 1 this also shortens the chunks of a stream already running: upstream's own
+        # doubling crosses streams the same way.)
+        self.stream_hop: int | None = None
+        self.voice_cache_hits = 0  # saved voices spoken from the cache / put in it (metrics)
+        self.voice_cache_misses = 0
+
+    def _modes(self, speakers: list[str]) -> tuple[str, ...]:
+        modes = ["zero_shot", "cross_lingual"]
+        if self.version >= 2 or speakers:
+            modes.append("instruct")
+        if speakers:
+            modes.insert(0, "sft")
+        return tuple(modes)
+
+    # --- loading -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        try:
+            self.version = model_version(self.model_dir)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+        if self.cosyvoice_root:  # what upstream's scripts do before importing cosyvoice
+            root = Path(self.cosyvoice_root).resolve()
+            for path in (root / "third_party" / "Matcha-TTS", root):
+                if str(path) not in sys.path:
+                    sys.path.insert(0, str(path))
+        try:
+            from cosyvoice.cli.cosyvoice import AutoModel
+        except ImportError as exc:
+            raise EngineError(
+                f"cannot import upstream CosyVoice ({exc}): pass --cosyvoice-root with the "
+                "checkout that holds cosyvoice/ and third_party/Matcha-TTS"
+            ) from None
+        kwargs: dict[str, object] = {"model_dir": self.model_dir}
+        cls_name = {3: "CosyVoice3", 2: "CosyVoice2", 1: "CosyVoice"}[self.version]
+        cls = getattr(sys.modules["cosyvoice.cli.cosyvoice"], cls_name, None)
+        accepted = inspect.signature(cls).parameters if cls else {}
+        for flag, value in self.flags.items():
+            if value and flag not in accepted:
+                raise EngineError(f"--{flag.replace('_', '-')} is not supported by {cls_name} models")
+            if flag in accepted:
+                kwargs[flag] = value
+        if self.flags["load_vllm"] and "load_vllm" in accepted:
+            register_vllm()
+        log.info(
+            "loading %s from %s (%s)", cls_name, self.model_dir, ", ".join(f"{k}={v}" for k, v in self.flags.items())
+        )
+        model = self.model = AutoModel(**kwargs)
+        self.sample_rate = int(model.sample_rate)
+        self.stream_hop = getattr(getattr(model, "model", None), "token_hop_len", None)
+        self.modes = self._modes(self.speakers())
+
+    def speakers(self) -> list[str]:
+        """Built-in (SFT) speakers: v1 models only. A v2/v3 spk2info holds zero-shot
+        prompts saved by add_zero_shot_spk, which inference_sft cannot speak with."""
+        if self.model is None or self.version != 1:
+            return []
+        return [s for s in self.model.list_available_spks() if s not in self.cached]
+
+    def default_prompt(self) -> tuple[str, str]:
+        """Upstream's bundled prompt (path, transcript), from the checkout in use."""
+        roots = [Path(self.cosyvoice_root)] if self.cosyvoice_root else []
+        module = sys.modules.get("cosyvoice")
+        source = getattr(module, "__file__", None)
+        if source:
+            roots.append(Path(source).resolve().parents[1])  # <checkout>/cosyvoice/__init__.py
+        for root in roots:
+            path = root / DEFAULT_PROMPT[0]
+            if path.is_file():
+                return str(path), DEFAULT_PROMPT[1]
+        return "", ""
+
+    # --- synthesis -----------------------------------------------------------------------
+
+    def synthesize(self, request: SynthesisRequest) -> Iterator[np.ndarray]:
+        if self.model is None:
+            raise EngineError("the model is not loaded")
+        mode = request.mode or self.modes[0]
+        if mode not in self.modes:
+            raise EngineError(f"mode {mode} is not available with this model ({', '.join(self.modes)})")
+        if request.seed is not None:
+            seed_everything(request.seed)
+        text, prompt_text, instruct_text = request.text, request.prompt_text, request.instruct_text
+        if self.version == 3:
+            text, prompt_text, instruct_text = v3_prompt(mode, text, prompt_text, instruct_text)
+        elif self.version == 2:
+            text, prompt_text, instruct_text = v2_prompt(mode, text, prompt_text, instruct_text)
+        common = {"stream": request.stream, "speed": 1.0 if request.stream else request.speed}
+        model = self.model
+        if request.stream and self.stream_hop is not None:
+            model.model.token_hop_len = self.stream_hop
+        # A saved voice speaks from upstream's speaker cache: its prompt features were
+        # extracted once, at its first use here. (Not for instruct: upstream's instruct2 with
+        # a cached speaker ignores the instruction, so it gets the prompt audio instead.)
+        cached = request.voice_id if request.voice_id and mode in ("zero_shot", "cross_lingual") else ""
+        if cached:
+            self.cache_voice(cached, request.prompt_wav, request.prompt_text)
+        if mode == "sft":
+            speaker = request.speaker or self.speakers()[0]
+            outputs = model.inference_sft(text, speaker, **common)
+        elif mode == "zero_shot" and cached:
+            outputs = model.inference_zero_shot(text, "", "", zero_shot_spk_id=cached, **common)
+        elif mode == "zero_shot":
+            outputs = model.inference_zero_shot(text, prompt_text, request.prompt_wav, **common)
+        elif mode == "cross_lingual" and cached:
+            outputs = model.inference_cross_lingual(text, "", zero_shot_spk_id=cached, **common)
+        elif mode == "cross_lingual":
+            outputs = model.inference_cross_lingual(text, request.prompt_wav, **common)
+        elif self.version >= 2:
+            outputs = model.inference_instruct2(text, instruct_text, request.prompt_wav, **common)
+        else:
+            speaker = request.speaker or self.speakers()[0]
+            outputs = model.inference_instruct(text, speaker, instruct_text, **common)
+        for output in outputs:
+            yield output["tts_speech"].detach().cpu().numpy().reshape(-1).astype(np.float32)
+
+    def cache_voice(self, voice_id: str, prompt_wav: str, prompt_text: str) -> None:
+        """Put a saved voice (its prompt audio and transcript) in upstream's speaker cache,
+        once per voice (a voice never changes; a new one gets a new id; ``prompt_wav`` is
+        this request's copy of its audio). The transcript is cached in the model's zero-shot
+        prompt form (v3: with the system prompt and <|endofprompt|>, which upstream's LLM
+        asserts on every later call); cross-lingual drops it upstream."""
+        key = prompt_text
+        with self.cache_lock:
+            if self.cached.get(voice_id) == key:
+                self.voice_cache_hits += 1
+                return
+            self.voice_cache_misses += 1
+            assert self.model is not None
+            if self.version == 3:
+                prompt_text = v3_prompt("zero_shot", "", prompt_text, "")[1]
+            self.model.add_zero_shot_spk(prompt_text, prompt_wav, voice_id)
+            self.cached[voice_id] = key
+
+    def retain_voices(self, voice_ids: Iterable[str]) -> None:
+        """Forget cached voices that are no longer saved (deleted): frees their features."""
+        keep = set(voice_ids)
+        with self.cache_lock:
+            for gone in [v for v in self.cached if v not in keep]:
+                del self.cached[gone]
+                spk2info = getattr(getattr(self.model, "frontend", None), "spk2info", None)
+                if isinstance(spk2info, dict):
+                    spk2info.pop(gone, None)
+
+
+def register_vllm() -> None:
+    """What upstream's vllm_example.py does before loading with load_vllm=True: make
+    vLLM know CosyVoice's LLM architecture."""
+    try:
+        from cosyvoice.vllm.cosyvoice2 import CosyVoice2ForCausalLM
+        from vllm import ModelRegistry
+    except ImportError as exc:
+        raise EngineError(
+            f"--load-vllm needs vllm in the instances' Python ({exc}): pip install vllm "
+            "(the version upstream's README names)"
+        ) from None
+    ModelRegistry.register_model("CosyVoice2ForCausalLM", CosyVoice2ForCausalLM)
+
+
+def seed_everything(seed: int) -> None:
+    """What upstream's set_all_random_seed does: Python, numpy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        import torch
+
+        torch.manual_seed(seed)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed_all(seed)
+    except ImportError:
+        pass

@@ -1,0 +1,451 @@
+"""The instance: one engine behind an HTTP API, a Gradio UI and ``/ping``.
+
+``app.py`` runs :func:`main` once per slot, bound to 127.0.0.1 on the slot's port; nginx
+is the only public listener. The model loads in a background thread so ``/ping`` can
+answer 503 "loading" meanwhile, and says ready only after one warm-up synthesis worked.
+Every request is answered; a bad one gets a 4xx that says what to fix, and nothing a
+client sends can take the process down.
+
+This module is the HTTP edge: ``/v1/tts`` decodes JSON or a form and hands it to the one
+pipeline (``pipeline.py``), whose exceptions become answers through one table registered
+here once; the UI (``ui.py``) is another adapter onto the same pipeline.
+
+It runs in the model's Python environment (for CosyVoice: upstream's pins, gradio 5.x),
+which has none of the launcher's packages: only the standard library, numpy, soundfile,
+fastapi/starlette and gradio are imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+from cosyvoice_lb import __version__
+from cosyvoice_lb.common.problems import error_body, error_headers
+from cosyvoice_lb.common.settings import Settings, parse_instance_args, parse_voice_map
+from cosyvoice_lb.common.timeouts import GRACEFUL_SHUTDOWN
+from cosyvoice_lb.instance.access.auth import PolicyFile
+from cosyvoice_lb.instance.access.gate import Gate
+from cosyvoice_lb.instance.api.forms import read_form
+from cosyvoice_lb.instance.api.openai import add_openai_routes
+from cosyvoice_lb.instance.api.streams import AudioStream, audio_source, collect_wav, first_of, streaming_headers
+from cosyvoice_lb.instance.audio.wav import Outputs, pcm16, streaming_wav_header
+from cosyvoice_lb.instance.engines import create_engine
+from cosyvoice_lb.instance.metrics import MISSING, Metrics, RequestMetrics
+from cosyvoice_lb.instance.routing.board import Opener
+from cosyvoice_lb.instance.routing.router import Router
+from cosyvoice_lb.instance.speech.admission import Admission, Phase, Snapshot
+from cosyvoice_lb.instance.speech.fanout import SEGMENT_HEADER, Balancer, FanOut
+from cosyvoice_lb.instance.speech.pipeline import ERRORS, Declined, Pipeline, describe
+from cosyvoice_lb.instance.speech.poison import Ledger
+from cosyvoice_lb.instance.speech.validation import (
+    FIELDS,
+    MAX_SPEED,
+    MIN_SPEED,
+    OPENAI_SPEEDS,
+    BadRequest,
+    Limits,
+    form_payload,
+    prompt_span,
+    request_schema,
+    safe,
+)
+from cosyvoice_lb.instance.speech.voices import Registry
+from cosyvoice_lb.instance.ui.errors import UIErrors
+from cosyvoice_lb.launcher.plan.planner import parse_size
+
+log = logging.getLogger("cosyvoice_lb.instance")
+
+
+# The staged tree's digest (resources.CODE_FILE beside the package; "" run from a checkout):
+# `status` compares it with what is staged now, so a half-done roll-out shows.
+try:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "CODE")) as _code:
+        CODE = _code.read().strip()
+except OSError:
+    CODE = ""
+
+
+def ping_body(
+    snapshot: Snapshot,
+    engine: str,
+    port: int,
+    started: float,
+    routing: dict[str, float] | None = None,
+    problems: list[str] | None = None,
+) -> dict[str, Any]:
+    """What ``/ping`` says: readiness, and per synthesis the seconds since its last chunk (a
+    synthesis making no progress is what "hung" means to the health loop); ``routing``: what
+    routing by work sees here (measured seconds per character, queued seconds, declines);
+    ``problems``: what is wrong although it serves (e.g. results not kept on a full disk)."""
+    return {
+        "ready": snapshot.ready,
+        "state": snapshot.phase.value,
+        "engine": engine,
+        "port": port,
+        "pid": os.getpid(),
+        "code": CODE,
+        "inflight": snapshot.inflight,
+        "waiting": snapshot.waiting,
+        "busy_seconds": snapshot.busy_seconds,
+        "stalled_seconds": list(snapshot.stalled_seconds),
+        "served": snapshot.served,
+        "failed": snapshot.failed,
+        "uptime": round(time.time() - started, 3),
+        **({"routing": routing} if routing is not None else {}),
+        **({"problems": problems} if problems else {}),
+        **({"error": snapshot.error} if snapshot.error else {}),
+    }
+
+
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None, param: str | None = None
+) -> JSONResponse:
+    """An error in the one shape every route answers with (see ``problems``)."""
+    return JSONResponse(
+        error_body(status, message, param), status_code=status, headers={**error_headers(status), **(headers or {})}
+    )
+
+
+async def read_request(request: Request, limits: Limits) -> tuple[dict, bytes | None]:
+    """The API's input: JSON, or a form with the prompt audio as the file ``prompt_audio``."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    # `curl -d '{...}'` labels JSON as a urlencoded form: a body that starts like JSON is JSON.
+    if kind == "application/x-www-form-urlencoded" and (await request.body()).lstrip()[:1] in (b"{", b"["):
+        kind = "application/json"
+    if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        fields, data = await read_form(request, "prompt_audio", len(FIELDS), limits.max_upload_bytes)
+        return form_payload(fields), data
+    body = await request.body()
+    if not body.strip():
+        raise BadRequest(
+            'no body: POST JSON like {"text": "Hello", "speed": 1.0}, or a multipart form with prompt_audio'
+        )
+    try:
+        payload = json.loads(body)
+    except RecursionError:
+        raise BadRequest('the JSON is nested too deeply: POST a flat object like {"text": "Hello"}') from None
+    except ValueError as exc:  # not JSON, not UTF-8, or a number of thousands of digits
+        if "digits" in str(exc):
+            raise BadRequest(
+                "a number in the JSON has thousands of digits: send numbers that fit their field "
+                "(speed 0.5-2.0, seed below 4294967296)"
+            ) from None
+        raise BadRequest(f'the body is not valid JSON ({safe(str(exc))}): POST JSON like {{"text": "Hello"}}') from None
+    if not isinstance(payload, dict):
+        raise BadRequest('the body must be a JSON object, e.g. {"text": "Hello", "speed": 1.0}')
+    return payload, None
+
+
+def build_app(
+    pipeline: Pipeline,
+    engine_name: str = "",
+    port: int = 0,
+    started: float | None = None,
+    policy: PolicyFile | None = None,
+    fanout: FanOut | None = None,
+    voice_map: dict[str, str] | None = None,
+) -> Any:
+    """The FastAPI app: ``/ping``, ``/v1/tts``, the OpenAI-compatible routes
+    (``openai_api``) and the Gradio UI at ``/``; with a ``policy``, all but ``/ping``
+    behind the gate (``gate.py``). ``fanout``: where long texts' segments go."""
+    engine, admission = pipeline.engine, pipeline.admission
+    started = time.time() if started is None else started
+    app = FastAPI(title="cosyvoice-lb instance", docs_url=None, redoc_url=None)
+
+    def answer(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, Declined):  # not an answer to count: another instance will give it
+            request.state.cvlb_outcome = "declined"
+        failure = describe(exc)
+        if failure is None:
+            log.exception("unexpected error", exc_info=exc)
+            return error_response(500, f"internal error ({type(exc).__name__}): the instance is still up; retry")
+        if failure.level >= logging.WARNING:
+            log.log(failure.level, "%s: %s", failure.status, failure.message)
+        return error_response(failure.status, failure.message, failure.headers or None, failure.param)
+
+    for kind, _ in ERRORS:  # the one table, registered once
+        app.add_exception_handler(kind, answer)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, answer)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        detail = exc.detail if isinstance(exc.detail, str) else "request refused"
+        return error_response(exc.status_code, detail)
+
+    @app.head("/ping", include_in_schema=False)
+    @app.get("/ping")
+    async def ping():
+        if pipeline.router is not None:
+            pipeline.router.publish()  # (the health loop's probe keeps the board fresh, e.g. a new board)
+        snapshot = admission.snapshot()
+        body = ping_body(snapshot, engine_name or engine.name, port, started, pipeline.routing(), pipeline.problems())
+        return JSONResponse(body, status_code=200 if snapshot.ready else 503)
+
+    # What nginx answers a public /ping with: ready or not, no process details.
+    @app.head("/ping/brief", include_in_schema=False)
+    @app.get("/ping/brief", include_in_schema=False)
+    async def ping_brief():
+        ready = admission.snapshot().ready
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    # Prometheus on this box scrapes it here (the instance listens on loopback only). Through
+    # nginx (which stamps X-Request-Start) it is refused: from there the cluster's /metrics,
+    # behind the admin credentials, relays it.
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request):
+        if "x-request-start" in request.headers:
+            return error_response(404, "no /metrics here: ask nginx's /metrics with the admin token")
+        if not pipeline.metrics.enabled:
+            return error_response(503, MISSING)
+        body, content_type = pipeline.metrics.exposition(request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
+
+    schema = request_schema(pipeline.limits.text_chars, pipeline.modes)
+    form_schema = {
+        "type": "object",
+        "properties": {
+            **{k: {"type": "string"} for k in schema["properties"]},
+            "prompt_audio": {
+                "type": "string",
+                "format": "binary",
+                "description": f"{prompt_span(pipeline.limits.max_prompt_seconds)} of the voice to clone.",
+            },
+        },
+        "required": ["text"],
+    }
+    described = {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": schema},
+                "multipart/form-data": {"schema": form_schema},
+            },
+        },
+        "responses": {"200": {"description": "WAV audio", "content": {"audio/wav": {}}}},
+    }
+
+    @app.post("/v1/tts", openapi_extra=described)
+    async def tts(request: Request):
+        pipeline.route(request.headers)  # (another instance would start it sooner: declined, nginx tries on)
+        payload, prompt_data = await read_request(request, pipeline.limits)
+        # A long text's segment (nginx passes the header only with the cluster's segment key):
+        # its coordinator keeps the whole, and its speed is the OpenAI route's if it came from there.
+        segment = SEGMENT_HEADER.lower() in request.headers
+        speeds = OPENAI_SPEEDS if segment else (MIN_SPEED, MAX_SPEED)
+        route = "segment" if segment else "api"
+        job = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: pipeline.prepare(payload, prompt_data, speeds=speeds, route=route, headers=request.headers)
+        )
+        headers = {"X-Instance-Port": str(port), "X-Sample-Rate": str(engine.sample_rate)}
+        if job.notices:
+            headers["X-Prompt-Notice"] = "; ".join(job.notices)
+        deadline = pipeline.deadline(request.headers.get("x-request-start"))
+        source = audio_source(pipeline, fanout, job, payload, prompt_data, request.headers, deadline)
+        if job.request.stream:
+            first = await first_of(source)
+            header = [streaming_wav_header(engine.sample_rate)]
+
+            def encode(chunk: np.ndarray) -> bytes:
+                return (header.pop() if header else b"") + pcm16(chunk)
+
+            return AudioStream(pipeline, first, source, encode, bytes, "audio/wav", streaming_headers(headers))
+        # (a long text is stopped when its client goes; one synthesis here runs to its end)
+        wav = await collect_wav(source, engine.sample_rate, request if pipeline.limits.long(job.request.text) else None)
+        headers["X-Audio-Seconds"] = f"{wav.seconds:.3f}"
+        if not segment:
+            headers["X-Output-File"] = await pipeline.run(None, pipeline.keep, wav)
+        return Response(wav.data, media_type="audio/wav", headers=headers)
+
+    add_openai_routes(app, pipeline, fanout, voice_map or {}, port)
+
+    # Gradio is mounted at "/" and would answer everything else under /v1/ with its own 404.
+    @app.api_route(
+        "/v1/{path:path}", methods=["GET", "HEAD", "OPTIONS", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False
+    )
+    async def v1_unknown(request: Request, path: str):
+        # a route that exists, asked with another method: say which methods it takes
+        allowed = sorted(
+            method
+            for route in app.routes
+            if getattr(route, "path", "") != "/v1/{path:path}" and getattr(route, "methods", None)
+            for method in route.methods  # type: ignore[attr-defined]
+            if route.matches({"type": "http", "path": request.url.path, "method": method})[0] is Match.FULL
+        )
+        if allowed:
+            message = f"{request.method} is not allowed on {request.url.path}: use {' or '.join(allowed)}"
+            return error_response(405, message, {"Allow": ", ".join(allowed)})
+        return error_response(
+            404,
+            f"no endpoint /v1/{path}: the API is POST /v1/tts, POST /v1/audio/speech, GET /v1/models "
+            "and /v1/audio/voices",
+        )
+
+    from cosyvoice_lb.instance.ui.app import mount_ui
+
+    app = mount_ui(app, pipeline, port, fanout)
+    app.add_middleware(UIErrors)  # (Gradio's refusals in the one shape)
+    app.add_middleware(RequestMetrics, metrics=pipeline.metrics, segment_header=SEGMENT_HEADER)
+    if policy is not None:
+        app.add_middleware(Gate, policy=policy)
+    return app
+
+
+def draining_server(
+    config: Any, admission: Admission, drain_timeout: float, coordinating: Callable[[], int] = lambda: 0
+) -> Any:
+    """A uvicorn server that, on SIGTERM/SIGINT, first stops taking work and lets the
+    syntheses in flight finish (at most ``drain_timeout``), then shuts down.
+
+    Waiting for syntheses rather than for connections matters: a browser tab keeps
+    Gradio's heartbeat stream open forever, and that must not hold a stop for the full
+    drain time.
+    """
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not admission.drain():  # a second signal: stop now
+                return super().handle_exit(sig, frame)
+            log.info(
+                "stopping: draining %d synthesis(es) in flight (at most %gs)",
+                admission.snapshot().inflight,
+                drain_timeout,
+            )
+
+            def drain() -> None:
+                deadline = time.monotonic() + drain_timeout
+                # (and the long texts this instance coordinates: their segments run elsewhere)
+                while (admission.snapshot().inflight or coordinating()) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if admission.snapshot().inflight or coordinating():
+                    log.warning(
+                        "drain timeout: %d synthesis(es) and %d long text(s) still running",
+                        admission.snapshot().inflight,
+                        coordinating(),
+                    )
+                super(DrainingServer, self).handle_exit(sig, frame)
+
+            threading.Thread(target=drain, name="drain", daemon=True).start()
+
+    return DrainingServer(config)
+
+
+def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipeline:
+    """The instance's pipeline for its settings (as parsed from its command line)."""
+    engine = create_engine(settings.resolved_engine, **asdict(settings))
+    limits = Limits(
+        max_chars=settings.max_chars,
+        max_long_chars=settings.max_long_chars,
+        max_prompt_seconds=settings.max_prompt_seconds,
+        max_upload_bytes=parse_size(settings.max_upload),
+    )
+    outputs = Outputs(settings.outputs_dir, port, settings.outputs_max_age, parse_size(settings.outputs_max_size))
+    # Prompt uploads are written for upstream as files; leftovers of a killed run go at start.
+    scratch = os.path.join(settings.outputs_dir, ".prompts") if settings.outputs_dir else tempfile.gettempdir()
+    os.makedirs(scratch, exist_ok=True, mode=0o700)
+    for stale in os.listdir(scratch):
+        if stale.startswith(f"prompt-{port}-"):
+            try:
+                os.unlink(os.path.join(scratch, stale))
+            except FileNotFoundError:
+                pass
+    admission = Admission(settings.instance_concurrency, settings.max_queue)
+    ledger = Ledger(ledger_dir) if ledger_dir else None
+    registry = Registry(settings.voices_dir) if settings.voices_dir else None
+    metrics = Metrics(engine.name, __version__)
+    if not metrics.enabled:
+        log.warning("no metrics: %s", MISSING)
+    return Pipeline(
+        engine,
+        admission,
+        limits,
+        outputs,
+        scratch,
+        port=port,
+        request_timeout=settings.request_timeout,
+        ledger=ledger,
+        registry=registry,
+        metrics=metrics,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings, args = parse_instance_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s instance:{args.port} %(levelname)s %(message)s")
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    if args.starts_file:
+        with open(args.starts_file, "a", encoding="utf-8") as starts:
+            starts.write(f"{time.time():.3f} {os.getpid()}\n")
+
+    import uvicorn
+
+    pipeline = build_pipeline(settings, args.port, args.ledger_dir)
+    policy = PolicyFile(args.auth_file) if args.auth_file else None
+    fanout = None
+    if args.balancer and settings.max_long_chars:
+        key = ""
+        if args.segment_key_file:
+            with open(args.segment_key_file, encoding="utf-8") as handle:
+                key = handle.read().strip()
+        balancer = Balancer(args.balancer, args.peers, min(settings.segment_chars, settings.max_chars), key)
+        fanout = FanOut(balancer, pipeline.admission.clock)
+    else:  # nowhere to send segments: texts past --max-chars are refused
+        pipeline.limits = replace(pipeline.limits, max_long_chars=0)
+    if args.board and args.slot >= 0:
+        admission = pipeline.admission
+        pipeline.router = Router(
+            args.slot,
+            os.getpid(),
+            admission.load,
+            lambda: admission.phase is Phase.READY,
+            pipeline.rate,
+            admission.clock,
+            Opener(args.board),
+            admission.reserve,
+        )
+        admission.on_change = pipeline.router.publish
+    voice_map = parse_voice_map(settings.openai_voices)
+    app = build_app(pipeline, settings.resolved_engine, args.port, policy=policy, fanout=fanout, voice_map=voice_map)
+
+    def load() -> None:
+        try:
+            pipeline.load()
+        except Exception as exc:  # the instance cannot serve: exit so supervision sees it
+            error = f"{type(exc).__name__}: {exc}"
+            pipeline.admission.fail(error)
+            log.error("engine %s failed to load: %s", settings.resolved_engine, error)
+            logging.shutdown()
+            os._exit(3)
+
+    threading.Thread(target=load, name="engine-load", daemon=True).start()
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+        access_log=False,
+    )
+    draining_server(config, pipeline.admission, settings.drain_timeout, lambda: pipeline.coordinating).run()
+    if pipeline.ledger is not None and not pipeline.admission.snapshot().inflight:
+        pipeline.ledger.clear_own()  # a graceful stop: what it cut short harmed nothing
+    # (a synthesis still running past the drain timeout may be stuck: its mark stays as evidence)
+    # Drained: leave now. A synthesis stuck in the engine must not keep the process (its
+    # worker thread would be joined at interpreter exit).
+    logging.shutdown()
+    os._exit(0)

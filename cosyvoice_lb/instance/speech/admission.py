@@ -1,0 +1,273 @@
+"""Admission to the engine: whether, when and for how long a request may use it.
+
+One object per instance owns everything that decides it, under one lock: the instance's
+phase (only a ready instance takes work; a draining one never turns ready again), the
+engine slots (``--instance-concurrency``), the bounded queue in front of them
+(``--max-queue``), deadlines, the progress clock of each synthesis in flight (what
+``/ping``'s ``stalled_seconds`` reports and the health loop judges hangs by), and the
+served/failed counters behind ``--max-requests``.
+
+Standard library only (the instance runs in the model's environment); the clock is passed
+in, so every rule is tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cosyvoice_lb.common.timeouts import STAMP_AHEAD, STAMP_SLACK
+from cosyvoice_lb.instance.routing.rule import RESERVATION_SECONDS, Backlog, queue_load
+
+Clock = Callable[[], float]
+
+
+class Phase(str, enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+NOT_READY = {
+    Phase.LOADING: "this instance is still loading its model: retry shortly",
+    Phase.DRAINING: "this instance is shutting down: retry (another instance will answer)",
+    Phase.FAILED: "this instance failed to load its model: see its log",
+    Phase.READY: "this instance is not ready: retry shortly",
+}
+
+
+class NotReady(RuntimeError):
+    """Loading, draining or failed: answered 503, so nginx tries another instance."""
+
+
+class Overloaded(RuntimeError):
+    """Every engine slot is busy and the queue is full: answered 503 at once, so nginx
+    tries another instance instead of the client waiting here."""
+
+
+class TimedOut(RuntimeError):
+    """The request's time (--request-timeout, counted from its arrival at nginx, retries
+    included) ran out: answered 504 with this message."""
+
+
+class Cancelled(RuntimeError):
+    """The client went away: the synthesis stops at its next chunk and frees its slot."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What ``/ping`` reports of admission."""
+
+    phase: Phase
+    inflight: int
+    waiting: int
+    busy_seconds: float  # the longest-running synthesis
+    stalled_seconds: tuple[float, ...]  # per synthesis, seconds since its last chunk, longest first
+    served: int
+    failed: int
+    error: str
+
+    @property
+    def ready(self) -> bool:
+        return self.phase is Phase.READY
+
+    @property
+    def idle(self) -> bool:
+        return self.inflight == 0 and self.waiting == 0
+
+
+def deadline_for(request_timeout: float, stamp: str | None, wall: float, mono: float) -> float | None:
+    """The monotonic time by which a request must be answered (None: no bound).
+
+    nginx stamps ``X-Request-Start`` (epoch seconds) once per client request, so a retry on
+    another instance keeps the time already spent; without a plausible stamp the bound
+    counts from now (``wall``/``mono``: the two clocks read at the same moment).
+    """
+    if not request_timeout:
+        return None
+    started = wall
+    try:
+        stamped = float(stamp or "")
+        if wall - request_timeout - STAMP_SLACK < stamped <= wall + STAMP_AHEAD:
+            started = min(stamped, wall)
+    except ValueError:
+        pass
+    return mono + (started + request_timeout - wall)
+
+
+class Ticket:
+    """One synthesis holding an engine slot. The engine's side calls :meth:`working` when it
+    resumes and :meth:`handed_out` when a chunk leaves for the reader (a slow reader is not
+    a hang); :meth:`release` exactly once at the end."""
+
+    def __init__(self, admission: Admission, key: str):
+        self._admission, self._key = admission, key
+        self._released = False
+
+    def working(self) -> None:
+        self._admission._mark(self._key, self._admission.clock())
+
+    def handed_out(self) -> None:
+        self._admission._mark(self._key, math.inf)
+
+    def release(self, outcome: bool | None) -> None:
+        """Free the slot; ``outcome`` True counts a served request, False a failed one,
+        None neither (warm-up, a client that went away)."""
+        if self._released:
+            return
+        self._released = True
+        self._admission._release(self._key, outcome)
+
+
+class Admission:
+    """``on_change`` is called (outside the lock) whenever the work held here or the phase
+    changed: the router publishes the instance's load then (see ``routing``)."""
+
+    def __init__(self, concurrency: int = 1, max_queue: int | None = None, clock: Clock = time.monotonic):
+        self.concurrency = max(1, concurrency)
+        self.max_queue = max_queue  # requests allowed to wait for a slot when bounded; None: no bound
+        self.clock = clock
+        self.on_change: Callable[[], None] = lambda: None
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(self.concurrency)
+        # key -> [start, last chunk (inf: with the reader), estimated seconds]
+        self._inflight: dict[str, list[float]] = {}
+        self._queued: list[float] = []  # the estimated seconds of each request waiting for a slot
+        self._reserved: list[tuple[float, float]] = []  # (until, seconds): taken, not queued yet
+        self._served = 0
+        self._failed = 0
+        self._phase = Phase.LOADING
+        self._error = ""
+
+    # --- the instance's phase ------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def become_ready(self) -> bool:
+        """Loaded and warmed up: ready, unless a drain or a failure came first (then it
+        stays out, and False says so)."""
+        with self._lock:
+            if self._phase is not Phase.LOADING:
+                return False
+            self._phase = Phase.READY
+        self._changed()
+        return True
+
+    def drain(self) -> bool:
+        """Stop taking work for good; False when it was draining already."""
+        with self._lock:
+            first = self._phase is not Phase.DRAINING
+            self._phase = Phase.DRAINING
+        self._changed()
+        return first
+
+    def fail(self, error: str) -> None:
+        with self._lock:
+            self._phase, self._error = Phase.FAILED, error
+        self._changed()
+
+    def _changed(self) -> None:
+        """Tell ``on_change`` (routing's publisher): whatever it raises, admission goes on."""
+        try:
+            self.on_change()
+        except Exception:  # noqa: BLE001  (a slot must never leak for a board that broke)
+            pass
+
+    def reserve(self, seconds: float) -> None:
+        """A request was taken and will queue shortly (its body is still being read): count
+        it as ``seconds`` of work until it does, for at most RESERVATION_SECONDS."""
+        with self._lock:
+            self._reserved.append((self.clock() + RESERVATION_SECONDS, seconds))
+        self._changed()
+
+    def check_ready(self) -> None:
+        phase = self._phase
+        if phase is not Phase.READY:
+            raise NotReady(NOT_READY[phase])
+
+    # --- slots, queue, deadlines ---------------------------------------------------------
+
+    def admit(self, *, bounded: bool = False, deadline: float | None = None, cost: float = 0.0) -> Ticket:
+        """Wait for an engine slot. ``bounded``: refuse with :class:`Overloaded` when the
+        slots and the queue are full (the API; the UI and the warm-up wait their turn).
+        ``deadline`` (on this clock): no slot by then raises :class:`TimedOut`. ``cost``:
+        the synthesis' estimated seconds (what it adds to this instance's load)."""
+        with self._lock:
+            busy = len(self._inflight) + len(self._queued)
+            if bounded and self.max_queue is not None and busy >= self.concurrency + self.max_queue:
+                raise Overloaded(
+                    f"this instance is busy ({len(self._inflight)} synthesizing, "
+                    f"{len(self._queued)} waiting): retry, another instance may be free"
+                )
+            self._queued.append(cost)
+            if self._reserved:
+                self._reserved.pop(0)  # (the oldest reservation: this request's, or one like it)
+        self._changed()
+        admitted = False
+        try:
+            wait = None if deadline is None else max(0.0, deadline - self.clock())
+            if not self._slots.acquire(timeout=wait):
+                raise TimedOut(
+                    f"no engine slot came free within the request timeout ({wait:.0f}s left "
+                    "when it arrived here): the cluster is overloaded, retry later"
+                )
+            admitted = True
+        finally:
+            key = uuid.uuid4().hex
+            with self._lock:
+                self._queued.remove(cost)
+                if admitted:
+                    now = self.clock()
+                    self._inflight[key] = [now, now, cost]  # busy time counts from here, not from the queue
+            self._changed()
+        return Ticket(self, key)
+
+    def _mark(self, key: str, last: float) -> None:
+        with self._lock:
+            if key in self._inflight:
+                self._inflight[key][1] = last
+
+    def _release(self, key: str, outcome: bool | None) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+            if outcome is True:
+                self._served += 1
+            elif outcome is False:
+                self._failed += 1
+        self._slots.release()
+        self._changed()
+
+    def load(self) -> Backlog:
+        """The work held here now, for routing (see ``routing.queue_load``): in flight,
+        waiting, and taken but not yet queued."""
+        with self._lock:
+            now = self.clock()
+            self._reserved = [r for r in self._reserved if r[0] > now]
+            inflight = [(start, cost) for start, _, cost in self._inflight.values()]
+            queued = self._queued + [seconds for _, seconds in self._reserved]
+            return queue_load(now, inflight, queued, self.concurrency)
+
+    def snapshot(self) -> Snapshot:
+        now = self.clock()
+        with self._lock:
+            busy = max((now - start for start, _, _ in self._inflight.values()), default=0.0)
+            # (last is +inf while a chunk waits for its reader: a slow reader is not a hang)
+            stalled = sorted((round(max(0.0, now - last), 3) for _, last, _ in self._inflight.values()), reverse=True)
+            return Snapshot(
+                self._phase,
+                len(self._inflight),
+                len(self._queued),
+                round(busy, 3),
+                tuple(stalled),
+                self._served,
+                self._failed,
+                self._error,
+            )

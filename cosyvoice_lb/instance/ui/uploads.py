@@ -1,0 +1,243 @@
+"""Gradio's upload and file routes, kept to what the UI needs: prompt audio in, results out.
+
+Gradio would take any file at ``/gradio_api/upload``, serve it back to anyone at
+``/gradio_api/file=<path>`` and name its absolute temp dir in every answer. This ASGI
+middleware, in front of the mounted UI:
+
+* takes uploads only where the UI has a prompt audio input, only audio (by its first bytes)
+  and only up to the prompt size limit; anything else is a 4xx JSON answer;
+* serves an upload back only to the session that sent it (nginx's route cookie), for the
+  prompt player's preview; results are served as Gradio serves them;
+* spells Gradio's temp dir as a short relative marker in what goes out, and back in what
+  comes in, so no answer names a path of the server.
+
+Instance side: standard library and starlette.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from urllib.parse import unquote
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cosyvoice_lb.common.problems import refusal
+from cosyvoice_lb.instance.access.gate import cookie
+
+API = "/gradio_api"
+ROUTE_COOKIE = "cvlb_route"  # nginx's sticky key: one per browser or gradio_client
+MULTIPART_SLACK = 64 * 1024  # a multipart body's boundaries and headers around the file
+KEPT_UPLOADS = 4096  # (uploads remembered for their owner; the oldest are forgotten first)
+REFUSED = ("/process_recording", "/proxy=")  # Gradio routes this UI never uses
+FORMATS = "WAV, MP3, FLAC, OGG, WebM, M4A or AIFF"
+REWRITTEN_TYPES = (b"application/json", b"text/")
+
+
+def is_audio(head: bytes) -> bool:
+    """Whether a file's first bytes are those of an audio container browsers or soundfile read."""
+    return (
+        (head[:4] == b"RIFF" and head[8:12] == b"WAVE")
+        or head[:3] == b"ID3"
+        or (len(head) > 1 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0)  # MPEG/AAC frame sync
+        or head[:4] in (b"OggS", b"fLaC", b"\x1aE\xdf\xa3")
+        or head[4:8] == b"ftyp"
+        or (head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"))
+    )
+
+
+def file_parts(body: bytes, content_type: str) -> list[tuple[str, bytes]] | None:
+    """(file name, first bytes) of each file in a multipart body; None when it is not one."""
+    found = re.search(r'boundary="?([^";]+)"?', content_type)
+    if "multipart/form-data" not in content_type or not found:
+        return None
+    parts = []
+    for part in body.split(b"--" + found.group(1).encode("latin-1"))[1:]:
+        head, _, data = part.partition(b"\r\n\r\n")
+        name = re.search(rb'filename="([^"]*)"', head)
+        if name is not None:
+            parts.append((name.group(1).decode("utf-8", "replace"), data[:16]))
+    return parts
+
+
+def route_of(headers: dict[str, str]) -> str:
+    return cookie(headers, ROUTE_COOKIE)
+
+
+async def refuse(send: Send, status: int, message: str) -> None:
+    for message_out in refusal(status, message):
+        await send(message_out)
+
+
+class GradioFiles:
+    """ASGI middleware for Gradio's file routes (see the module's docstring). ``folder``:
+    Gradio's upload and cache dir; ``max_bytes``: the largest prompt audio; ``uploads``:
+    whether the UI takes prompt audio at all."""
+
+    def __init__(self, app: ASGIApp, folder: str, max_bytes: int, uploads: bool):
+        self.app, self.max_bytes, self.uploads = app, max_bytes, uploads
+        # (Gradio's folder and its resolved spelling: answers may name either)
+        self.prefixes = sorted({os.path.join(os.path.abspath(folder), ""), os.path.join(os.path.realpath(folder), "")})
+        self.marker = f"files-{secrets.token_hex(4)}/"  # (per process: it names nothing)
+        self.owners: dict[str, str] = {}  # upload path -> route cookie of who sent it
+
+    def outward(self, data: bytes) -> bytes:
+        for prefix in self.prefixes:
+            data = data.replace(prefix.encode(), self.marker.encode())
+        return data
+
+    def inward_path(self, path: str) -> str:
+        return self.prefixes[0] + path[len(self.marker) :] if path.startswith(self.marker) else path
+
+    def inward(self, data: bytes) -> bytes:
+        # only in file references ("path": "...", .../file=...), never inside a user's text
+        prefix = self.prefixes[0].encode()
+        marker = re.escape(self.marker.encode())
+        data = re.sub(rb'("path"\s*:\s*")' + marker, lambda m: m.group(1) + prefix, data)
+        return re.sub(rb"(/file=)" + marker, lambda m: m.group(1) + prefix, data)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith(API):
+            return await self.app(scope, receive, send)
+        route = path[len(API) :]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if route.startswith(REFUSED):
+            return await refuse(send, 404, f"no {path} here: this UI takes text and prompt audio only")
+        if route.startswith(("/file=", "/file/")):
+            return await self.serve_file(scope, receive, send, route, headers)
+        if route == "/upload" and scope.get("method") == "POST":
+            return await self.upload(scope, receive, send, headers)
+        if scope.get("method") == "POST":
+            body = self.inward(await read_all(receive) or b"")
+            scope = with_length(scope, len(body))
+            receive = replay(body, receive)
+        await self.app(scope, receive, self.rewriting(send))
+
+    async def serve_file(self, scope: Scope, receive: Receive, send: Send, route: str, headers: dict[str, str]):
+        asked = unquote(route[len("/file=") :] if route.startswith("/file=") else route[len("/file/") :])
+        full = os.path.realpath(self.inward_path(asked))  # (".." and links resolved before the checks)
+        if not full.startswith(os.path.join(os.path.realpath(self.prefixes[0]), "")):
+            return await refuse(send, 404, "no such file: this UI serves its own results only")
+        owner = self.owners.get(full)
+        if owner is not None and (not owner or owner != route_of(headers)):
+            return await refuse(send, 404, "no such file: an upload is served back only to the session that sent it")
+        new_path = f"{API}/file={full}"
+        scope = dict(scope, path=new_path, raw_path=new_path.encode())
+        await self.app(scope, receive, send)
+
+    async def upload(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]) -> None:
+        if not self.uploads:
+            return await refuse(send, 403, "this UI takes no files: its engine does not clone voices")
+        limit = self.max_bytes + MULTIPART_SLACK
+        mib = f"{self.max_bytes / 2**20:g} MiB"
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return await refuse(send, 413, f"the upload is larger than {mib}: send a shorter prompt audio")
+        body = await read_all(receive, limit)
+        if body is None:
+            return await refuse(send, 413, f"the upload is larger than {mib}: send a shorter prompt audio")
+        parts = file_parts(body, headers.get("content-type", ""))
+        if not parts:
+            return await refuse(send, 400, "send the prompt audio as a multipart/form-data file named 'files'")
+        for name, head in parts:
+            if not is_audio(head):
+                return await refuse(
+                    send, 415, f"{name or 'the file'} is not audio: upload the prompt as {FORMATS} (3-15 s of speech)"
+                )
+        owner = route_of(headers)
+        answer: list[Message] = []
+
+        async def keep(message: Message) -> None:
+            answer.append(message)
+
+        await self.app(with_length(scope, len(body)), replay(body, receive), keep)
+        start = next(m for m in answer if m["type"] == "http.response.start")
+        data = b"".join(m.get("body", b"") for m in answer if m["type"] == "http.response.body")
+        if start["status"] == 200:
+            try:
+                for path in json.loads(data):
+                    self.owners[os.path.realpath(path)] = owner
+            except (ValueError, TypeError):
+                pass
+            while len(self.owners) > KEPT_UPLOADS:
+                self.owners.pop(next(iter(self.owners)))
+        data = self.outward(data)
+        await send(dict(start, headers=set_length(start.get("headers", []), len(data))))
+        await send({"type": "http.response.body", "body": data})
+
+    def rewriting(self, send: Send) -> Send:
+        """``send``, with Gradio's temp dir spelled as the marker in text and JSON answers."""
+        state: dict[str, object] = {"start": None, "buffer": []}
+
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                types = [v for k, v in message.get("headers", []) if k.lower() == b"content-type"]
+                if not any(t.startswith(REWRITTEN_TYPES) for t in types):
+                    state["start"] = False
+                    return await send(message)
+                state["start"] = message
+                return None
+            start = state["start"]
+            if message["type"] != "http.response.body" or start is False:
+                return await send(message)
+            assert isinstance(start, dict)
+            buffer = state["buffer"]
+            assert isinstance(buffer, list)
+            sized = any(k.lower() == b"content-length" for k, _ in start.get("headers", []))
+            if sized:  # a whole answer: rewritten at its end, with its new length
+                buffer.append(message.get("body", b""))
+                if message.get("more_body"):
+                    return None
+                data = self.outward(b"".join(buffer))
+                await send(dict(start, headers=set_length(start["headers"], len(data))))
+                return await send({"type": "http.response.body", "body": data})
+            if start:  # a stream (Gradio's event stream sends whole events): piece by piece
+                await send(start)
+                state["start"] = {}
+            await send(dict(message, body=self.outward(message.get("body", b""))))
+            return None
+
+        return wrapped
+
+
+async def read_all(receive: Receive, limit: int | None = None) -> bytes | None:
+    """A request's body; None once it passes ``limit``."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+def replay(body: bytes, then: Receive) -> Receive:
+    """A ``receive`` that gives ``body`` (already read), then what the client sends next (its
+    disconnect, which a streamed answer waits for)."""
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if sent:
+            return await then()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
+
+
+def set_length(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [(b"content-length", str(length).encode())]
+
+
+def with_length(scope: Scope, length: int) -> Scope:
+    return dict(scope, headers=set_length(list(scope.get("headers", [])), length))

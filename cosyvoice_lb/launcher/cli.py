@@ -1,0 +1,691 @@
+"""The ``cosyvoice-lb`` command: parse, call one function of the core per command, print.
+
+The options come from the settings' declarations (``settings.py``), each with its
+``COSYVOICE_LB_*`` environment variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from cosyvoice_lb import __version__
+from cosyvoice_lb.common.settings import CLUSTER_OPTIONS, PLAN_OPTIONS, Settings, absolute, envvar, flag
+from cosyvoice_lb.launcher.cluster import lifecycle
+from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
+from cosyvoice_lb.launcher.cluster.status import SERVICES, ClusterStatus, pool_line, status
+from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, read_tail
+from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.plan import calibration, footprint
+from cosyvoice_lb.launcher.plan.planner import PlanError, format_size
+from cosyvoice_lb.launcher.render.cluster import RenderError
+from cosyvoice_lb.launcher.render.cluster import warnings as render_warnings
+from cosyvoice_lb.launcher.render.credentials import access_of, admin_token_path, open_warning
+from cosyvoice_lb.launcher.render.disk import render_only
+
+# Wide tables and unwrapped messages when piped (rich assumes 80 columns off a terminal).
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, soft_wrap=True)
+USER_ERRORS = (PlanError, RenderError, ClusterError, SupervisionError)
+
+
+def options(*names: str) -> Callable:
+    """Click options for the named settings, from their declarations."""
+    by_name = {f.name: f for f in dataclasses.fields(Settings)}
+
+    def decorate(command: Callable) -> Callable:
+        for name in reversed(names):
+            f = by_name[name]
+            meta = f.metadata
+            kwargs: dict[str, Any] = {
+                "envvar": envvar(name),
+                "show_envvar": True,
+                "help": meta["help"],
+                "default": f.default,
+                "show_default": not meta["is_flag"] and name != "python",
+            }
+            if meta["is_flag"]:
+                kwargs["is_flag"] = True
+            elif meta["choices"]:
+                kwargs["type"] = click.Choice(meta["choices"])
+            elif meta["type"]:
+                kwargs["type"] = meta["type"]
+            if meta["metavar"]:
+                kwargs["metavar"] = meta["metavar"]
+            command = click.option(flag(name), name, **kwargs)(command)
+        return command
+
+    return decorate
+
+
+def fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    sys.exit(code)
+
+
+def settings_from(kwargs: dict[str, Any]) -> Settings:
+    return absolute(Settings.from_mapping(kwargs))
+
+
+class Command(click.Group):
+    """Turns the user-facing errors into one clear line and a non-zero exit."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except USER_ERRORS as exc:
+            fail(str(exc))
+
+
+@click.group(cls=Command, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="cosyvoice-lb")
+def main() -> None:
+    """One GPU box as a load-balanced CosyVoice3 text-to-speech service.
+
+    Instances under supervisord, nginx in front, a health loop keeping them in rotation.
+    Every option can also be set through its COSYVOICE_LB_* environment variable.
+    """
+
+
+@main.command("plan")
+@options(*PLAN_OPTIONS)
+@click.option(
+    "--json", "as_json", is_flag=True, envvar="COSYVOICE_LB_JSON", show_envvar=True, help="Print the plan as JSON."
+)
+def plan_command(as_json: bool, **kwargs: Any) -> None:
+    """Show how many instances fit, on which device and port."""
+    settings = settings_from(kwargs)
+    report = footprint.plan_report(settings)
+    result = report.plan
+    if as_json:
+        click.echo(json.dumps(report.as_dict(settings.resolved_engine), indent=2))
+        return
+    table = Table(title=f"cosyvoice-lb plan: {len(result.slots)} instance(s), engine {settings.resolved_engine}")
+    for column in ("instance", "device", "memory", "port", "role"):
+        table.add_column(column)
+    for slot, role in zip(result.slots, result.roles.at_up(len(result.slots))):
+        table.add_row(
+            slot.name, "cpu" if slot.gpu is None else f"gpu{slot.gpu}", format_size(slot.memory), str(slot.port), role
+        )
+    out.print(table)
+    fits = Table(title="what fits per device")
+    for column in ("device", "total", "free", "fits by total", "fits by free", "fits", "limited by"):
+        fits.add_column(column)
+    for fit in result.fits:
+        fits.add_row(
+            fit.device,
+            format_size(fit.total),
+            format_size(fit.free),
+            str(fit.by_total),
+            str(fit.by_free),
+            str(fit.fits),
+            fit.limit,
+        )
+    out.print(fits)
+    out.print(f"GPU inventory: {report.gpu_source}; footprint: {report.footprint_source}", highlight=False)
+    for note in result.notes:
+        out.print(f"note: {note}", highlight=False)
+
+
+@main.command("render")
+@options(*CLUSTER_OPTIONS)
+def render_command(**kwargs: Any) -> None:
+    """Write every config (supervisord, nginx) into the state dir; start nothing."""
+    settings = settings_from(kwargs)
+    result, layout, written = render_only(settings)
+    for path in written:
+        click.echo(str(path))
+    click.echo(f"{len(result.slots)} instance(s); nginx -t accepts {layout.nginx_conf}")
+
+
+@main.command("up")
+@options(*CLUSTER_OPTIONS)
+@click.option(
+    "--foreground",
+    is_flag=True,
+    envvar="COSYVOICE_LB_FOREGROUND",
+    show_envvar=True,
+    help="Stay in the foreground once up (a container's main process): SIGTERM or SIGINT drains and stops "
+    "the cluster, then exit 0; exit 1 if supervisord goes away. The programs still log to the state dir's "
+    "logs/ ('cosyvoice-lb logs NAME' reads them).",
+)
+def up_command(foreground: bool, **kwargs: Any) -> None:
+    """Start the cluster and wait until every instance is ready (safe to run again)."""
+    settings = settings_from(kwargs)
+    if not foreground:
+        start_cluster(settings)
+        return
+    layout = layout_for(settings)
+    signals = lifecycle.StopSignals().install()
+    with signals.while_starting(layout):
+        start_cluster(settings, stop_on_failure=True)
+    stopped = lifecycle.foreground(layout, settings, signals.event, say=click.echo)
+    if stopped.code:
+        fail(stopped.reason, code=stopped.code)
+
+
+def start_cluster(settings: Settings, stop_on_failure: bool = False) -> None:
+    """`up` itself: start (or update) the cluster, say where it serves. Instances that failed
+    while others serve: exit 1, the rest left serving, or (``stop_on_failure``) stopped."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    for warning in render_warnings(settings):
+        err.print(f"[bold yellow]warning:[/] {warning}", markup=True, highlight=False)
+    started = time.monotonic()
+    if err.is_terminal:
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[detail]}"),
+            console=err,
+            transient=True,
+        ) as bar:
+            task = bar.add_task("instances ready", total=None, detail="starting")
+
+            def report(progress: lifecycle.Progress) -> None:
+                bar.update(task, total=progress.total, completed=progress.ready, detail=progress.detail[:80])
+
+            current = lifecycle.up(
+                settings, report, say=lambda line: bar.console.print(line, markup=False, highlight=False)
+            )
+    else:  # a log, not a screen
+        current = lifecycle.up(settings, line_reporter(started), say=lambda line: click.echo(line, err=True))
+    elapsed = time.monotonic() - started
+    layout = layout_for(settings)
+    failed = [i for i in current.instances if i.failed]
+    serving = len(current.instances) - len(failed)
+    click.echo(
+        f"cosyvoice-lb is up: {serving} instance(s) ready in {elapsed:.1f}s"
+        + (f", {len(failed)} failed" if failed else "")
+    )
+    click.echo(f"  UI and API: {current.url}/   (API: POST {current.url}/v1/tts, health: {current.url}/ping)")
+    click.echo(
+        f"  OpenAI-compatible: base_url {current.url}/v1   (POST /v1/audio/speech, saved voices: /v1/audio/voices)"
+    )
+    click.echo(f"  reachable: {reach(settings.listen_host, settings.port)}")
+    for line in access_lines(settings, layout, current.url):
+        click.echo(line)
+    click.echo(
+        f"  control panel: {current.url}/admin   (admin token in {admin_token_path(settings, layout)}; "
+        f"Prometheus: {layout.prometheus_yml})"
+    )
+    prog = invoked_as()
+    click.echo(f"  state: {layout.root}   stop with: {prog} down --state-dir {shlex.quote(str(layout.root))}")
+    if failed:
+        for line in current.report:
+            click.echo(line, err=True)
+        if stop_on_failure:
+            pids = lifecycle.down(layout)
+            fail(f"{len(failed)} instance(s) failed to start: stopped the cluster ({len(pids)} process(es))", code=1)
+        fail(
+            f"{len(failed)} instance(s) failed to start and stay stopped while the rest serve: fix the cause, "
+            f"then 'cosyvoice-lb restart {' '.join(i.name for i in failed)} --state-dir {layout.root}'",
+            code=1,
+        )
+
+
+def access_lines(settings: Settings, layout: Layout, url: str) -> list[str]:
+    """Who may get in, and how (the token itself is never printed: it would land in logs)."""
+    access = access_of(settings, layout)
+    if not access.required:
+        warning = open_warning(settings)
+        return [warning] if warning else ["  credentials: none needed (only this box can reach it)"]
+    lines = []
+    if access.generated is not None:
+        token = shlex.quote(str(access.generated))
+        lines += [
+            f"  credentials: an API token, generated into {access.generated} (readable by you only)",
+            f'  use it: curl -H "Authorization: Bearer $(tail -n1 {token})" -H "Content-Type: application/json" '
+            f'-d \'{{"text": "Hello"}}\' {url}/v1/tts -o hello.wav',
+        ]
+    else:
+        lines.append(f"  credentials: the API tokens in {settings.api_token_file} (Authorization: Bearer TOKEN)")
+    who = f"a user of {settings.ui_auth} or an API token" if settings.ui_auth else "an API token as the password"
+    lines.append(f"  browsers: log in at {url}/login with {who}")
+    return lines
+
+
+def invoked_as() -> str:
+    """How to run this command again, as typed: run.sh says so (the venv's cosyvoice-lb is
+    not on PATH then); else the name on PATH, the script's path, or the module."""
+    given = os.environ.get("COSYVOICE_LB_INVOKED_AS", "")
+    if given:
+        return given
+    script = sys.argv[0]
+    if os.path.basename(script) == "cosyvoice-lb":
+        on_path = shutil.which("cosyvoice-lb")
+        if on_path and os.path.realpath(on_path) == os.path.realpath(script):
+            return "cosyvoice-lb"
+        return shlex.quote(script)
+    return f"{shlex.quote(sys.executable)} -m cosyvoice_lb.launcher.cli"
+
+
+def reach(host: str, port: int) -> str:
+    """Who can reach the service, from the address nginx listens on."""
+    if host in ("0.0.0.0", "::", "[::]", "*", ""):
+        return f"from other machines too: nginx listens on every address of this box, port {port}"
+    if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        return "from this box only (loopback)"
+    return f"on {host}:{port} only"
+
+
+def line_reporter(started: float) -> Callable[[lifecycle.Progress], None]:
+    """Progress as plain lines on stderr, one whenever something changes."""
+    last = [""]
+
+    def report(progress: lifecycle.Progress) -> None:
+        line = f"{progress.ready}/{progress.total} ready: {progress.detail}"
+        if line != last[0]:
+            click.echo(f"[{time.monotonic() - started:5.1f}s] {line}", err=True)
+            last[0] = line
+
+    return report
+
+
+@main.command("calibrate")
+@options(*CLUSTER_OPTIONS)
+def calibrate_command(**kwargs: Any) -> None:
+    """Measure one instance's peak GPU memory (NVML) and keep it as the footprint to plan with."""
+    settings = settings_from(kwargs)
+    entry = calibration.calibrate(settings, line_reporter(time.monotonic()))
+    click.echo(
+        f"peak GPU memory of one {footprint.flags_key(settings)} instance: {format_size(entry['peak_bytes'])}; "
+        f"planning with {format_size(entry['gpu_bytes'])} (+10 %) from now on "
+        f"({layout_for(settings).footprint_json})"
+    )
+
+
+def state_dir_option(command):
+    return options("state_dir")(command)
+
+
+@main.command("status")
+@state_dir_option
+@click.option(
+    "--json", "as_json", is_flag=True, envvar="COSYVOICE_LB_JSON", show_envvar=True, help="Print the status as JSON."
+)
+@click.option(
+    "-w",
+    "--watch",
+    is_flag=True,
+    envvar="COSYVOICE_LB_WATCH",
+    show_envvar=True,
+    help="Refresh the status in place every --interval seconds until Ctrl-C (one block per refresh when piped).",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    envvar="COSYVOICE_LB_INTERVAL",
+    show_envvar=True,
+    metavar="SECONDS",
+    help="Seconds between two refreshes of --watch.",
+)
+def status_command(state_dir: str, as_json: bool, watch: bool, interval: float) -> None:
+    """Exit 0 when all is up and ready, 1 when something falls short, 3 when not running."""
+    layout = layout_for(state_dir)
+    if watch and as_json:
+        raise click.UsageError(
+            "--watch redraws a table and cannot be combined with --json (or COSYVOICE_LB_JSON): "
+            "poll 'status --json' instead"
+        )
+    if watch:
+        watch_status(layout, interval)
+        return
+    current = status(layout)
+    if as_json:
+        click.echo(json.dumps(current.as_dict(), indent=2))
+        sys.exit(current.exit_code)
+    print_status(current, layout.root)
+    sys.exit(current.exit_code)
+
+
+NONE = "—"  # a reading the card does not offer (or a CPU instance's GPU memory)
+
+
+def status_tables(current: ClusterStatus) -> list[Table]:
+    """The instance table, and the GPU table when there are GPUs; none when it is not running."""
+    if not current.running:
+        return []
+    with_gpus = bool(current.gpus)
+    table = Table(title=f"cosyvoice-lb at {current.url}")
+    columns = ["name", "port", "device", "pid", "state", "ready", "in rotation", "restarts", "uptime", "code"]
+    columns += ["GPU memory"] if with_gpus else []  # no empty GPU column on a box without one
+    for column in [*columns, "note"]:
+        table.add_column(column)
+    for i in current.instances:
+        row = [
+            i.name,
+            str(i.port),
+            "cpu" if i.gpu is None else f"gpu{i.gpu}",
+            str(i.pid),
+            i.state,
+            "yes" if i.ready else "no",
+            "yes" if i.in_rotation else "no",
+            str(i.restarts),
+            f"{i.uptime:.0f}s",
+            code_cell(i.code, current.code),
+        ]
+        row += [format_size(i.gpu_memory) if i.gpu_memory else NONE] if with_gpus else []
+        table.add_row(*row, i.reason)
+    services = [(name, getattr(current, name)) for name in SERVICES] + sorted(current.daemons.items())
+    for name, info in services:
+        row = [name, str(info.get("port", "")), name[4:] if name.startswith("mps-") else "", str(info["pid"])]
+        row.append(info["state"])
+        table.add_row(*row, *[""] * (len(columns) + 1 - len(row)))
+    if not with_gpus:
+        return [table]
+    return [table, gpu_table(current)]
+
+
+def code_cell(runs: str, staged: str) -> str:
+    """The code an instance runs: its digest, marked when it is not the one staged now."""
+    if not runs:  # (not answering: nothing to say)
+        return ""
+    return runs[:8] if runs == staged or not staged else f"{runs[:8]} (old)"
+
+
+def gpu_table(current: ClusterStatus) -> Table:
+    """One row per visible GPU: model, memory, utilisation, temperature, power, instances on it."""
+    table = Table(title="GPUs")
+    for column in ("device", "model", "memory used", "utilization", "temperature", "power", "instances"):
+        table.add_column(column)
+    for g in current.gpus:
+        share = f" ({g.memory_used / g.memory_total:.0%})" if g.memory_total else ""
+        table.add_row(
+            f"gpu{g.index}",
+            g.name,
+            f"{format_size(g.memory_used)} / {format_size(g.memory_total)}{share}",
+            NONE if g.utilization is None else f"{g.utilization:.0%}",
+            NONE if g.temperature is None else f"{g.temperature:.0f} °C",
+            NONE if g.power is None else f"{g.power:.0f} W",
+            str(sum(1 for i in current.instances if i.gpu == g.index)),
+        )
+    return table
+
+
+def status_lines(current: ClusterStatus, root: Path) -> list[str]:
+    """What ``status`` says in words: below the tables, or instead of them when it is not running."""
+    if current.unanswered:  # there, but not answering: say what was asked and how it failed
+        return list(current.problems)
+    if not current.running:
+        return [f"not running ({root})", *current.problems[1:]]
+    lines = []
+    if current.access:
+        access = current.access
+        who = "other machines too" if access["public"] else "this box only"
+        lines.append(
+            f"access: nginx on {access['listen']} ({who}); credentials "
+            + ("required" if access["credentials"] else "not required")
+        )
+        if current.code:
+            lines.append(f"instance code staged: {current.code}")
+        if access.get("admin"):
+            lines.append(
+                f"control panel: {access['admin']} (and the cluster's /metrics), admin token in "
+                f"{access['admin_token_file']}"
+            )
+    if pool_line(current.pool):
+        lines.append(pool_line(current.pool))
+    lines += current.warnings + current.report
+    lines.append("ok" if current.exit_code == 0 else "problems: " + "; ".join(current.problems))
+    return lines
+
+
+def print_status(current: ClusterStatus, root: Path) -> None:
+    """The status once: tables through rich, the words unwrapped (they land in logs and greps)."""
+    for table in status_tables(current):
+        out.print(table)
+    for line in status_lines(current, root):
+        click.echo(line)
+
+
+def status_view(current: ClusterStatus, root: Path, footer: str = "") -> Group:
+    """The whole status as one renderable, for :class:`rich.live.Live` to redraw."""
+    lines = status_lines(current, root) + ([footer] if footer else [])
+    return Group(*status_tables(current), *(Text(line) for line in lines))
+
+
+def watch_status(layout: Layout, interval: float) -> None:
+    """``status --watch``: re-read the status every ``interval`` seconds until Ctrl-C.
+
+    On a terminal the same region is redrawn; piped, one plain block per refresh, each
+    followed by a blank line. A cluster that is not running is said so, and watched on
+    (it may come up).
+    """
+
+    def read() -> ClusterStatus:
+        try:
+            return status(layout)
+        except USER_ERRORS as exc:  # one failed read (supervisord swapping, say) must not end the watch
+            return ClusterStatus(running=False, problems=[f"status failed: {exc}"], unanswered=True)
+
+    try:
+        if out.is_terminal:
+            footer = f"every {interval:g}s, Ctrl-C to stop; last read %H:%M:%S"
+            with Live(console=out, screen=False, auto_refresh=False) as live:
+                while True:
+                    live.update(status_view(read(), layout.root, time.strftime(footer)), refresh=True)
+                    time.sleep(interval)
+        else:
+            while True:
+                print_status(read(), layout.root)
+                click.echo("")
+                sys.stdout.flush()  # a pipe is block-buffered: let the reader see each block now
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        return  # Ctrl-C is how a watch ends: quietly, exit 0
+
+
+@main.command("down")
+@state_dir_option
+def down_command(state_dir: str) -> None:
+    """Drain and stop everything the cluster started."""
+    layout = layout_for(state_dir)
+    pids = lifecycle.down(layout)
+    click.echo(f"stopped {len(pids)} process(es)" if pids else f"not running ({layout.root})")
+
+
+@main.command("restart")
+@state_dir_option
+@click.argument("names", nargs=-1)
+@click.option(
+    "--all", "restart_all", is_flag=True, envvar="COSYVOICE_LB_ALL", show_envvar=True, help="Restart every instance."
+)
+@click.option(
+    "--rolling/--no-rolling",
+    default=True,
+    show_default=True,
+    envvar="COSYVOICE_LB_ROLLING",
+    show_envvar=True,
+    help="One instance at a time, each serving again before the next goes (no "
+    "request lost); --no-rolling restarts them all at once (an outage while "
+    "they load).",
+)
+@click.option(
+    "--surge",
+    type=click.IntRange(min=0),
+    default=None,
+    envvar="COSYVOICE_LB_RESTART_SURGE",
+    show_envvar=True,
+    help="Rolling: start up to N replacements on spare ports first, put them in rotation, and only then "
+    "drain the old instances (capacity never drops); default: the cluster's --surge. Where memory has no "
+    "room for one, it says so and drains first.",
+)
+def restart_command(
+    state_dir: str, names: tuple[str, ...], restart_all: bool, rolling: bool, surge: int | None
+) -> None:
+    """Restart instances (or nginx, health) by name, or --all instances. Each instance leaves
+    nginx's rotation first and stops once its requests are done (a drained restart)."""
+    layout = layout_for(state_dir)
+    if bool(names) == restart_all:
+        fail("name the instances to restart (e.g. instance-0) or pass --all, not both")
+    if surge and not rolling:
+        fail("--surge is for rolling restarts: drop --no-rolling or --surge")
+    for line in lifecycle.restart(
+        layout, None if restart_all else list(names), line_reporter(time.monotonic()), rolling=rolling, surge=surge
+    ):
+        click.echo(line)
+
+
+@main.command("drain")
+@state_dir_option
+@click.argument("names", nargs=-1, required=True)
+def drain_command(state_dir: str, names: tuple[str, ...]) -> None:
+    """Take instances out of rotation and keep them out (processes kept, requests in flight
+    finish) until 'undrain': to look at one, or to take its load off for a while."""
+    changed = lifecycle.set_drained(layout_for(state_dir), list(names), True)
+    for name in names:
+        click.echo(f"{name}: {'drained' if name in changed else 'was drained already'} (out of rotation)")
+
+
+@main.command("undrain")
+@state_dir_option
+@click.argument("names", nargs=-1, required=True)
+def undrain_command(state_dir: str, names: tuple[str, ...]) -> None:
+    """Put instances drained by hand back in rotation (at the health loop's next good probes)."""
+    changed = lifecycle.set_drained(layout_for(state_dir), list(names), False)
+    for name in names:
+        click.echo(f"{name}: {'back in rotation shortly' if name in changed else 'was not drained'}")
+
+
+@main.command("logs")
+@state_dir_option
+@click.argument("name")
+@click.option(
+    "-f", "--follow", is_flag=True, envvar="COSYVOICE_LB_FOLLOW", show_envvar=True, help="Keep printing new lines."
+)
+@click.option(
+    "-n",
+    "--lines",
+    default=50,
+    show_default=True,
+    envvar="COSYVOICE_LB_LINES",
+    show_envvar=True,
+    help="How many lines to show first.",
+)
+def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
+    """Print a program's log: an instance, nginx, nginx-error, nginx-access, health, supervisord."""
+    layout = layout_for(state_dir)
+    path = layout.log(name)
+    if not path.exists():
+        known = ", ".join(lifecycle.log_names(layout)) or "none yet"
+        fail(f"no log named {name!r} in {layout.logs} (known: {known})")
+    click.echo("\n".join(read_tail(path, 200 * lines).splitlines()[-lines:]))
+    if not follow:
+        return
+    follow_file(path)
+
+
+def follow_file(path) -> None:
+    """Print lines as they are appended; reopen when supervisord rotates the log."""
+    handle = open(path, "rb")
+    handle.seek(0, 2)
+    try:
+        while True:
+            chunk = handle.readline()
+            if chunk:
+                click.echo(chunk.decode("utf-8", errors="replace"), nl=False)
+                continue
+            time.sleep(0.2)
+            try:
+                rotated = (
+                    os.stat(path).st_ino != os.fstat(handle.fileno()).st_ino or os.stat(path).st_size < handle.tell()
+                )
+            except FileNotFoundError:
+                continue  # between the rename and the new file
+            if rotated:
+                handle.close()
+                handle = open(path, "rb")
+    except KeyboardInterrupt:
+        return
+    finally:
+        handle.close()
+
+
+@main.group("k8s")
+def k8s_group() -> None:
+    """Kubernetes: a pod per GPU, each running the launcher (`up --foreground`)."""
+
+
+@k8s_group.command("render")
+@options(*CLUSTER_OPTIONS)
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Where the manifests go.")
+@click.option("--name", "k8s_name", default="cosyvoice-lb", show_default=True, help="The Deployment's name.")
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--image", default="cosyvoice-lb:latest", show_default=True, help="The image (see Dockerfile).")
+@click.option("--replicas", default=2, show_default=True, type=click.IntRange(min=1), help="Pods at least.")
+@click.option("--max-replicas", default=8, show_default=True, type=click.IntRange(min=1), help="Pods at most (HPA).")
+@click.option("--gpu-memory", default="24GiB", show_default=True, help="One pod's GPU: instances are planned on it.")
+@click.option("--ingress-host", default="", help="The Ingress host (default: any).")
+@click.option("--storage-class", default="", help="For the ReadWriteMany volumes (default: the cluster's).")
+@click.option("--voices-size", default="10Gi", show_default=True)
+@click.option("--outputs-size", default="50Gi", show_default=True)
+@click.option(
+    "--target-queue",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Requests waiting per pod the HPA aims at.",
+)
+@click.option("--model-volume", default="", help="A PVC with the CosyVoice model, mounted at --model-dir.")
+def k8s_render_command(
+    out_dir: str,
+    k8s_name: str,
+    namespace: str,
+    image: str,
+    replicas: int,
+    max_replicas: int,
+    gpu_memory: str,
+    ingress_host: str,
+    storage_class: str,
+    voices_size: str,
+    outputs_size: str,
+    target_queue: float,
+    model_volume: str,
+    **kwargs: Any,
+) -> None:
+    """Write the Kubernetes manifests (and the tokens' Secret, 0600) for the settings `up` takes."""
+    from cosyvoice_lb.launcher.k8s.manifests import Deployment, write_manifests
+
+    settings = Settings.from_mapping(kwargs)
+    if replicas > max_replicas:
+        fail(f"--replicas {replicas} is above --max-replicas {max_replicas}: raise --max-replicas")
+    deployment = Deployment(
+        name=k8s_name,
+        namespace=namespace,
+        image=image,
+        replicas=replicas,
+        max_replicas=max_replicas,
+        gpu_memory=gpu_memory,
+        host=ingress_host,
+        storage_class=storage_class,
+        voices_size=voices_size,
+        outputs_size=outputs_size,
+        target_queue=target_queue,
+        model_volume=model_volume,
+    )
+    for path in write_manifests(settings, deployment, out_dir):
+        click.echo(str(path))
+    click.echo(f"apply with: kubectl apply -f {shlex.quote(out_dir)}   (secret.yaml holds tokens: keep it private)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The running cluster: supervisord, nginx, the lifecycle (up, restart, drain, down), status."""

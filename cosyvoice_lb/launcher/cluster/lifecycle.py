@@ -1,0 +1,601 @@
+"""The cluster's lifecycle: up (start, or update a running one), restart, drain, down.
+
+Everything that changes what runs goes through here. Planned stops of instances are
+drained: the launcher asks the health loop (``protocol``), which takes the instance out
+of rotation and stops it once its requests are done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import psutil
+
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL, SUPERVISOR_SILENT, Timeouts
+from cosyvoice_lb.launcher.cluster import nginx_apply, processes
+from cosyvoice_lb.launcher.cluster.changes import described, guard_step
+from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
+from cosyvoice_lb.launcher.cluster.listeners import wanted
+from cosyvoice_lb.launcher.cluster.protocol import (
+    DrainAction,
+    clear_cordons,
+    clear_drains,
+    clear_starts,
+    drain_by_hand,
+    drained_by_hand,
+    end_rollout,
+    undrain,
+)
+from cosyvoice_lb.launcher.cluster.rollout import Slots, surge_rollout, surge_room
+from cosyvoice_lb.launcher.cluster.status import NO_TELEMETRY, SERVICES, ClusterStatus, failure_report, status
+from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, Supervisor
+from cosyvoice_lb.launcher.cluster.waits import (
+    Progress,
+    Report,
+    drain,
+    loop_reported,
+    others_serving,
+    serving_or_fail,
+    wait_serving,
+)
+from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.plan.footprint import make_plan
+from cosyvoice_lb.launcher.plan.planner import Pool, Slot
+from cosyvoice_lb.launcher.plan.preflight import check_ports, check_tools
+from cosyvoice_lb.launcher.render.credentials import generated_token
+from cosyvoice_lb.launcher.render.disk import recorded, render_to_disk
+from cosyvoice_lb.launcher.render.staging import prune, stage
+
+# --- up --------------------------------------------------------------------------------
+
+
+def up(
+    settings: Settings, on_progress: Report = lambda p: None, say: Callable[[str], None] = lambda line: None
+) -> ClusterStatus:
+    """Start the cluster, or bring a running one to these settings (the ones given, defaults
+    included: see ``changes``); wait until all ready. ``say``: what changes, before it does."""
+    layout = layout_for(settings)
+    check_tools(settings)
+    supervisor = Supervisor(layout, wait_timeout=Timeouts(settings).supervisor_wait)
+    previous = recorded(layout) if supervisor.running() else None
+    if previous is None:
+        current = _start(settings, layout, supervisor, on_progress)
+    else:
+        for line in described(previous[0], settings):
+            say(f"changing: {line}")
+        guard = guard_step(previous[0], settings, str(layout.api_token))
+        if guard is not None:  # access and listener change together: two steps, the safe way round
+            if not guard.api_token_file or guard.api_token_file == str(layout.api_token):
+                generated_token(layout)  # (made once; the final settings use the same one)
+            say(
+                "credentials stay in force while nginx listens beyond loopback: "
+                + ("credentials first, then nginx moves" if settings.auth_required else "nginx moves first")
+            )
+            _update(guard, layout, supervisor, previous, on_progress, say)
+            previous = recorded(layout) or previous
+        current = _update(settings, layout, supervisor, previous, on_progress, say)
+    pruned(layout, current)
+    current.report = failure_report(layout, current)
+    return current
+
+
+def pruned(layout: Layout, current: ClusterStatus) -> list[str]:
+    """Remove staged code trees no instance runs any more (none while one still loads:
+    it may import from its tree yet)."""
+    running = [i for i in current.instances if i.state in ("RUNNING", "STARTING")]
+    if any(not i.code for i in running):
+        return []
+    return prune(layout.instance_lib, {i.code for i in running})
+
+
+def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progress: Report) -> ClusterStatus:
+    result, _ = make_plan(settings)
+    check_ports(settings, result.slots, held=set())
+    if layout.run.is_dir():  # restarts are counted from this up; old requests are void
+        clear_starts(layout)
+        clear_drains(layout)
+        clear_cordons(layout)
+        end_rollout(layout)
+    layout.health_json.unlink(missing_ok=True)
+    layout.routing_board.unlink(missing_ok=True)  # (rows of the last run's processes: a fresh board)
+    result, layout, _ = render_to_disk(settings, planned=result)
+    # The first ones serve (and wait as spares); the slots past them stay parked for surges.
+    starting = result.slots[: result.roles.started]
+    try:
+        supervisor.start_daemon()
+        for slot in starting:
+            if settings.staggered:  # one model load at a time: each instance serves before the next starts
+                on_progress(Progress(slot.index, len(starting), f"starting {slot.name} (--stagger)"))
+            supervisor.start(slot.name)
+            if settings.staggered:
+                try:
+                    wait_serving(layout, settings, [slot.name], on_progress)
+                except ClusterError:  # this one failed: the others may still serve (checked below)
+                    pass
+        # Serving with some instances failed is still serving: they are reported, not fatal.
+        return wait_serving(layout, settings, [s.name for s in starting], on_progress)
+    except BaseException as exc:  # never a half-started cluster, whatever went wrong (Ctrl-C too)
+        down(layout)
+        what = (
+            str(exc)
+            if isinstance(exc, (ClusterError, SupervisionError))
+            else ("interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}")
+        )
+        raise ClusterError(f"{what}\nThe cluster was stopped; logs are in {layout.logs}") from None
+
+
+def _update(
+    settings: Settings,
+    layout: Layout,
+    supervisor: Supervisor,
+    previous: tuple[Settings, tuple[Slot, ...]],
+    on_progress: Report,
+    say: Callable[[str], None] = lambda line: None,
+) -> ClusterStatus:
+    """Apply new settings to a running cluster, one instance at a time; nginx takes its new
+    config checked (``nginx_apply``): early when it narrows, last when it widens."""
+    old_settings, old_slots = previous
+    if settings.mps != old_settings.mps:
+        raise ClusterError(
+            f"--mps {'on' if settings.mps else 'off'} changes how every instance reaches its GPU, which cannot "
+            f"happen one instance at a time: 'cosyvoice-lb down', then 'up' with the new settings"
+        )
+    own = Slots.read(layout, supervisor, old_slots).running  # (parked slots hold no memory)
+    result, _ = make_plan(settings, own=own)
+    check_ports(settings, result.slots, held={old_settings.port, *(s.port for s in old_slots)})
+    result, layout, changed = render_to_disk(settings, own=own, planned=result, live=True)
+    nginx_log = layout.log("nginx-error")
+    if changed:
+        added, groups_changed, removed = supervisor.reload()
+        # Slots the plan no longer has may be serving (roles move between slots): parked
+        # slots that stay take over first, and serve (the loop still running knows them)
+        # before the new loop leaves the old ones out.
+        before = Slots.read(layout, supervisor, old_slots)
+        leaving = [s.name for s in before.running if s.name in removed]
+        taking_over = [s.name for s in before.parked if s.name not in removed][: len(leaving)]
+        if taking_over:
+            on_progress(Progress(0, len(taking_over), f"{', '.join(taking_over)} take over from {', '.join(leaving)}"))
+            for name in taking_over:
+                supervisor.start(name)
+            wait_serving(layout, settings, taking_over, on_progress)
+        # The health loop reads its slots at start; it re-publishes the rotation at once.
+        # (Its program changed, e.g. its command: supervisord takes the new one with the group.)
+        restarted = time.time()
+        if "health" in groups_changed:
+            supervisor.remove_group("health")
+            supervisor.add_group("health")
+        else:
+            supervisor.stop("health")
+            supervisor.start("health", wait=True)  # it must be there to drain the instances replaced below
+        loop_reported(layout, settings, restarted)
+        for name in removed:
+            supervisor.remove_group(name)
+            clear_starts(layout, name)
+            clear_cordons(layout, name)
+        for name in added:
+            supervisor.add_group(name)
+        # Credentials turned on, or a wider listener: the instances get them first, and only then
+        # does nginx take its new config. Otherwise nginx first (e.g. back to loopback).
+        moves = (settings.listen_host, settings.port) != (old_settings.listen_host, old_settings.port)
+        late = (settings.auth_required and not old_settings.auth_required) or (moves and settings.exposed)
+        nginx_group = "nginx" in groups_changed
+
+        def take_nginx() -> None:
+            if nginx_group:  # (its program changed: supervisord starts the new one)
+                supervisor.remove_group("nginx")
+                supervisor.add_group("nginx")
+                nginx_apply.wait_listening(supervisor, nginx_log, wanted(settings.listen_host, settings.port))
+            else:
+                nginx_apply.apply(supervisor, nginx_log, settings.listen_host, settings.port, say)
+
+        if not late:
+            take_nginx()
+        # New instance code (staged in run/lib) means every instance is "changed".
+        slot_names = [s.name for s in result.slots]
+        if any(layout.instance_lib in path.parents for path in changed):
+            groups_changed = sorted(set(groups_changed) | (set(slot_names) - set(added)))
+        now = Slots.read(layout, supervisor, result.slots)
+        instances_changed = [n for n in groups_changed if n in slot_names]
+
+        def regroup(name: str) -> None:  # a stopped slot takes its new config (and stays stopped)
+            supervisor.remove_group(name)
+            supervisor.add_group(name)
+
+        for slot in now.parked:  # nothing runs there: the new config now
+            if slot.name in instances_changed:
+                regroup(slot.name)
+        # (drained by hand: out of rotation already, replaced in place without a surge)
+        running = [s.name for s in now.running if s.name in instances_changed and not drained_by_hand(layout, s.name)]
+        free = surge_room(layout, settings, Slots.read(layout, supervisor, result.slots), settings.surge, running)
+        if running and free:
+            on_progress(Progress(0, len(running), f"surge roll-out: {len(free)} at a time on parked slots"))
+            surge_rollout(layout, settings, supervisor, running, free, on_progress, refresh=regroup)
+            running = []
+        elif running and settings.surge:
+            on_progress(Progress(0, len(running), f"--surge {settings.surge}: {NO_SURGE}; draining first"))
+        # Otherwise changed instances are replaced one after another, each serving before the
+        # next: out of rotation and idle first (the health loop's drain), then the new config.
+        running += [s.name for s in now.running if s.name in instances_changed and drained_by_hand(layout, s.name)]
+        for name in running:
+            on_progress(Progress(0, len(running), f"replacing {name} with its new settings"))
+            others_serving(layout, settings, name, on_progress)
+            old = drain(layout, settings, supervisor, [name], DrainAction.HOLD, on_progress)
+            regroup(name)
+            supervisor.start(name)
+            serving_or_fail(layout, settings, [name], on_progress, old)
+        if late:
+            take_nginx()
+    elif nginx_apply.lagging(supervisor, layout, wanted(settings.listen_host, settings.port)):
+        # (nothing to render, yet nginx does not run its config: an earlier failed move or reload)
+        nginx_apply.apply(supervisor, nginx_log, settings.listen_host, settings.port, say)
+    # (also with nothing changed: a slot stopped by hand, or an interrupted restart, is started)
+    settle_count(layout, settings, supervisor, result.slots, result.roles, on_progress)
+    names = [s.name for s in Slots.read(layout, supervisor, result.slots).running]
+    return wait_serving(layout, settings, names, on_progress)
+
+
+NO_SURGE = "no parked slot has memory for a replacement now"
+
+
+def settle_count(
+    layout: Layout, settings: Settings, supervisor: Supervisor, slots: tuple[Slot, ...], pool: Pool, on_progress: Report
+) -> None:
+    """After new settings: as many instances running as they ask for (serving and spares;
+    elastic: at least the floor, the health loop does the rest). Parked slots start, or
+    the surplus is drained (out of rotation, idle) and stopped: spares and the last first."""
+    now = Slots.read(layout, supervisor, slots)
+    wanted = pool.started
+    if len(now.running) < wanted:
+        for slot in now.parked[: wanted - len(now.running)]:
+            on_progress(Progress(0, wanted, f"starting {slot.name}"))
+            supervisor.start(slot.name)
+        return
+    if pool.elastic or len(now.running) == wanted:
+        return
+    current = {i.name: i for i in status(layout, telemetry=NO_TELEMETRY).instances}
+    surplus = sorted(now.running, key=lambda s: (current[s.name].in_rotation, -s.index))[: len(now.running) - wanted]
+    names = [s.name for s in surplus]
+    on_progress(Progress(0, len(names), f"stopping {', '.join(names)} (fewer instances asked for)"))
+    drain(layout, settings, supervisor, names, DrainAction.HOLD, on_progress)
+    for name in names:
+        supervisor.stop(name)
+
+
+# --- restart, down, logs ---------------------------------------------------------------
+
+
+def restart(
+    layout: Layout,
+    names: list[str] | None = None,
+    on_progress: Report = lambda p: None,
+    rolling: bool = True,
+    surge: int | None = None,
+) -> list[str]:
+    """Restart the named programs (every instance when ``names`` is None). Instances get a
+    drained restart: out of nginx's rotation first, stopped once their requests are done.
+    ``rolling``: one at a time, each serving again before the next goes; otherwise all at
+    once (an outage while they load). ``surge`` (default: the cluster's --surge): rolling,
+    start up to that many replacements on parked slots first (see ``rollout``), the slots
+    planned now if the cluster has fewer and memory allows; else drain first, said so.
+    Returns what was done, a line each."""
+    record = recorded(layout)
+    supervisor = Supervisor(layout, wait_timeout=Timeouts(record[0] if record else Settings()).supervisor_wait)
+    if not supervisor.running() or record is None:
+        raise ClusterError(f"no cluster runs in {layout.root}: start it with 'cosyvoice-lb up'")
+    settings, slots = record
+    instances = [s.name for s in slots]
+    # --all --rolling keeps capacity: each waits for the others to serve. Names given by
+    # hand are restarted as asked.
+    careful = names is None and rolling
+    parked = {s.name for s in Slots.read(layout, supervisor, slots).parked}
+    names = [n for n in instances if n not in parked] if names is None else names
+    known = supervisor.processes()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ClusterError(f"no program named {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    idle = [n for n in names if n in parked]
+    if idle:
+        raise ClusterError(
+            f"{', '.join(idle)} {'is' if len(idle) == 1 else 'are'} parked (a slot kept stopped for surges, or "
+            "scaled in): nothing runs there to restart. If fewer instances run than the settings ask for, "
+            "'cosyvoice-lb up' with them starts parked slots"
+        )
+    daemons = [n for n in names if n not in instances and n not in SERVICES]
+    if daemons:
+        raise ClusterError(
+            f"{', '.join(daemons)} serves every instance on its GPU: restarting it alone would break them; "
+            "'cosyvoice-lb down' then 'up' restarts the whole cluster"
+        )
+    for name in [n for n in names if n in SERVICES]:
+        on_progress(Progress(0, 1, f"restarting {name}"))
+        supervisor.stop(name)
+        supervisor.start(name)
+        if name == "nginx":  # (back where its config says, or an error)
+            nginx_apply.wait_listening(
+                supervisor, layout.log("nginx-error"), wanted(settings.listen_host, settings.port)
+            )
+    done = [f"restarted {n}" for n in names if n in SERVICES]
+    targets = [n for n in names if n in instances]
+    if targets:  # a restarted instance runs the code installed now (e.g. after a git pull)
+        digest, moved = stage(layout.instance_lib)
+        if moved:
+            on_progress(Progress(0, len(targets), f"staged new instance code {digest}"))
+            done.append(f"staged new instance code {digest}; the instances restarted below run it")
+    surge = settings.surge if surge is None else surge
+    if targets and rolling and surge:
+        now = grown(layout, settings, supervisor, surge, done)
+        # (drained by hand: out of rotation already, restarted in place below)
+        running = [s.name for s in now.running if s.name in targets and not drained_by_hand(layout, s.name)]
+        free = surge_room(layout, settings, now, surge, running)
+        if free and running:
+            on_progress(Progress(0, len(running), f"surge roll-out: {len(free)} at a time on parked slots"))
+            done += [
+                f"replaced {line}" for line in surge_rollout(layout, settings, supervisor, running, free, on_progress)
+            ]
+            targets = [n for n in targets if n not in running]  # (left: those not running, started below)
+        elif running:
+            on_progress(Progress(0, len(running), f"--surge {surge}: {NO_SURGE}; draining first"))
+            done.append(f"--surge {surge}: {NO_SURGE}; restarted draining first")
+    current = {i.name: i for i in status(layout, telemetry=NO_TELEMETRY).instances}
+    # Those not serving first: restarting them costs no capacity.
+    targets = sorted(targets, key=lambda n: current[n].serving)
+    for group in [[n] for n in targets] if rolling else [targets] if targets else []:
+        on_progress(Progress(0, len(group), f"restarting {', '.join(group)}"))
+        if careful and current[group[0]].serving:
+            others_serving(layout, settings, group[0], on_progress)
+        old = drain(layout, settings, supervisor, group, DrainAction.TERM, on_progress)
+        for name in group:
+            if name not in old:  # stopped (given up on after a crash loop, or crashed): start it
+                supervisor.start(name)
+        serving_or_fail(layout, settings, group, on_progress, old)
+        done += [f"restarted {name}" for name in group]
+    if targets or any(line.startswith("replaced") for line in done):
+        pruned(layout, status(layout, telemetry=NO_TELEMETRY))
+    return done
+
+
+def grown(layout: Layout, settings: Settings, supervisor: Supervisor, surge: int, said: list[str]) -> Slots:
+    """The slots, with parked ones planned for a ``surge`` the cluster has fewer of (as
+    `up --surge N` does, which it is: the instances keep running, supervisord's config
+    grows, and the cluster keeps --surge N from now on, said in ``said``)."""
+    record = recorded(layout)
+    slots = record[1] if record else ()
+    now = Slots.read(layout, supervisor, slots)
+    if len(now.parked) >= surge or settings.surge >= surge:
+        return now
+    up(dataclasses.replace(settings, surge=surge))
+    record = recorded(layout)
+    now = Slots.read(layout, supervisor, record[1] if record else slots)
+    said.append(f"planned --surge {surge} (the cluster keeps it): {len(now.parked)} parked slot(s)")
+    return now
+
+
+def set_drained(layout: Layout, names: list[str], drained: bool) -> list[str]:
+    """Drain instances by hand (out of rotation, processes kept, requests in flight finish)
+    or return them; the health loop acts at its next step. Returns those whose state changed."""
+    known = instance_names(layout)
+    if not known:
+        raise ClusterError(f"no cluster runs in {layout.root}: start it with 'cosyvoice-lb up'")
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ClusterError(f"no instance named {', '.join(unknown) or '(none given)'}; instances: {', '.join(known)}")
+    changed = []
+    for name in names:
+        if drained_by_hand(layout, name) != drained:
+            (drain_by_hand if drained else undrain)(layout, name)
+            changed.append(name)
+    return changed
+
+
+def down(layout: Layout, timeout: float | None = None) -> list[int]:
+    """Stop everything the cluster started; returns the pids that were stopped."""
+    supervisor = Supervisor(layout)
+    record = recorded(layout)
+    pids: list[int] = []
+    if supervisor.running():
+        try:
+            root = psutil.Process(supervisor.pid())
+            tree = [root] + root.children(recursive=True)
+            pids = [p.pid for p in tree]
+            # Stops by priority: the health loop, then the instances (each drains), then nginx.
+            supervisor.shutdown()
+            bound = Timeouts(record[0] if record else Settings()).down
+            processes.stop(tree, timeout=bound if timeout is None else timeout, term=False)
+        except (SupervisionError, psutil.Error):  # it went away (or stopped answering) meanwhile
+            pass
+    # A supervisord stopped mid-start (SIGSTOP, a hang) may spawn more programs once it is
+    # continued by the TERM below: sweep again until nothing of this cluster is left.
+    for _sweep in range(3):
+        strays = processes.stray_processes(layout, record[0].port if record else None)
+        if not strays:
+            break
+        pids += [p.pid for p in strays]
+        processes.stop(strays, timeout=10)
+    layout.socket.unlink(missing_ok=True)
+    layout.admin_socket.unlink(missing_ok=True)
+    layout.overflow_socket.unlink(missing_ok=True)
+    end_rollout(layout)
+    return pids
+
+
+# --- the foreground (`up --foreground`: a container's main process) -------------------
+
+# How often the foreground asks whether supervisord is still there.
+FOREGROUND_POLL = 3.0
+
+Liveness = Literal["answers", "stopping", "silent", "gone"]
+
+
+class StopEvent(Protocol):
+    """What the foreground waits on (a :class:`threading.Event`; a fake in tests)."""
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def is_set(self) -> bool: ...
+
+
+@dataclass
+class Stopped:
+    """How :func:`foreground` ended: ``code`` 0 stopped on a signal, 1 supervisord went away
+    (``reason`` says how); ``pids``: what ``down`` stopped."""
+
+    code: int
+    pids: list[int]
+    reason: str = ""
+
+
+def supervisord_liveness(layout: Layout) -> Liveness:
+    """``answers`` (RUNNING), ``stopping`` (answers, but shuts down: a ``down`` from outside),
+    ``silent`` (its process is there but does not answer: stopped, swapping, stuck) or ``gone``."""
+    supervisor = Supervisor(layout, timeout=SUPERVISOR_POLL)
+    if layout.socket.exists():
+        try:
+            supervisor.pid()  # getPID answers in every state, shutting down included
+        except SupervisionError:
+            pass
+        else:
+            return "answers" if supervisor.running() else "stopping"
+    try:
+        proc = psutil.Process(int(layout.supervisord_pid.read_text().strip()))
+        there = proc.status() != psutil.STATUS_ZOMBIE and processes.is_cluster_program(proc.cmdline(), layout)
+    except (OSError, ValueError, psutil.Error):
+        there = False
+    return "silent" if there else "gone"
+
+
+def reap_children() -> None:
+    """Collect exited children. In a container the launcher is PID 1: the daemonized
+    supervisord, and whatever is orphaned when it dies, become its children, and nobody else
+    would ever reap them."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no children at all
+            return
+        if pid == 0:
+            return
+
+
+def foreground(
+    layout: Layout,
+    settings: Settings,
+    stop: StopEvent,
+    *,
+    liveness: Callable[[], Liveness] | None = None,
+    stop_cluster: Callable[[Layout], list[int]] = down,
+    reap: Callable[[], None] = reap_children,
+    poll: float = FOREGROUND_POLL,
+    silent: float = SUPERVISOR_SILENT,
+    clock: Callable[[], float] = time.monotonic,
+    say: Callable[[str], None] = lambda line: None,
+) -> Stopped:
+    """Stay with a started cluster until ``stop`` is set (SIGTERM, SIGINT: see
+    :class:`StopSignals`), then ``down``: the health loop, the instances (each drains its
+    requests, up to --drain-timeout), nginx. Every ``poll`` seconds supervisord is asked
+    whether it is still there; gone, silent for ``silent`` seconds, or shutting down (a
+    ``down`` from outside) for longer than a down takes, it ends with code 1 after a ``down``
+    that sweeps what is left: a container must not look alive with nothing inside."""
+    check = liveness or (lambda: supervisord_liveness(layout))
+    stopping_bound = Timeouts(settings).down + SUPERVISOR_SILENT
+    say("running in the foreground: SIGTERM drains and stops it")
+    answered = clock()
+    stopping_since: float | None = None
+    reason = ""
+    while not stop.wait(poll):
+        reap()
+        state = check()
+        if stop.is_set():  # a stop asked meanwhile wins: it is a planned one
+            break
+        now = clock()
+        if state == "answers":
+            answered, stopping_since = now, None
+        elif state == "stopping":
+            answered = now
+            stopping_since = now if stopping_since is None else stopping_since
+            if now - stopping_since > stopping_bound:
+                reason = f"supervisord has been shutting down for {now - stopping_since:.0f}s"
+                break
+        elif state == "gone":
+            reason = (
+                "supervisord was shut down from outside (cosyvoice-lb down?)"
+                if stopping_since is not None
+                else "supervisord went away"
+            )
+            break
+        elif now - answered > silent:
+            reason = f"supervisord has not answered for {now - answered:.0f}s"
+            break
+    pids = stop_cluster(layout)
+    reap()
+    if reason:
+        return Stopped(1, pids, f"{reason}; stopped what was left of the cluster ({len(pids)} process(es))")
+    say(f"drained and stopped {len(pids)} process(es)")
+    return Stopped(0, pids)
+
+
+def _write_stderr(line: str) -> None:
+    # (os.write, not print: a signal handler must not enter a buffered stream that the code it
+    # interrupted may be writing to)
+    os.write(2, (line + "\n").encode())
+
+
+class StopSignals:
+    """SIGTERM and SIGINT for `up --foreground`. While the cluster starts, either interrupts
+    the start as Ctrl-C does (`up` stops what it started). Once it serves, the first sets
+    :attr:`event` (the foreground drains and stops); later ones are only logged, so that
+    nothing interrupts the drain."""
+
+    def __init__(self, write: Callable[[str], None] | None = None):
+        self.event = threading.Event()
+        self.starting = True
+        self.write = write or _write_stderr
+
+    def install(self) -> StopSignals:
+        for number in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(number, self)
+        return self
+
+    def __call__(self, number: int, frame: object = None) -> None:
+        name = signal.Signals(number).name
+        if self.event.is_set():
+            self.write(f"{name} again: still draining (the drain is not interrupted)")
+            return
+        self.event.set()
+        if self.starting:
+            raise KeyboardInterrupt
+        self.write(f"{name}: draining and stopping the cluster")
+
+    @contextmanager
+    def while_starting(self, layout: Layout) -> Iterator[None]:
+        """Around `up`: a signal during the start stops the cluster and is an error (``up``
+        stops a first start itself; this covers an update, and a signal just after it)."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            self.starting = False
+            down(layout)
+            raise ClusterError(
+                f"interrupted while starting; the cluster was stopped; logs are in {layout.logs}"
+            ) from None
+        self.starting = False
+
+
+def instance_names(layout: Layout) -> list[str]:
+    record = recorded(layout)
+    return [s.name for s in record[1]] if record else []
+
+
+def log_names(layout: Layout) -> list[str]:
+    return sorted(p.stem for p in layout.logs.glob("*.log"))
+
+
+# --- waiting ---------------------------------------------------------------------------

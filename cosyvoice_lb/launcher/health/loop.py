@@ -1,0 +1,545 @@
+"""The health loop: probe every instance, judge it (``health.judge``), act on the verdict.
+
+A supervisord program of the cluster. Each step probes ``/ping`` of all instances at once,
+takes the launcher's drain requests (``protocol``), rewrites nginx's rotation when it
+changed (it is the only writer of ``upstreams.conf`` while the cluster runs) and reloads
+nginx gracefully, and restarts an instance by signal through supervisord
+(``autorestart`` brings it back): a hung process may ignore SIGTERM, and KILL is the
+fastest way back to serving.
+
+Everything it works with is passed in: settings and slots, the supervisor adapter, the
+prober, the host's process facts, a clock and a random source; tests script them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import random
+import signal
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+import psutil
+
+from cosyvoice_lb.common.atomic import write_atomic
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL, Timeouts
+from cosyvoice_lb.instance.routing.board import Board
+from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.processes import orphan_nginx
+from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo, SupervisionError, Supervisor
+from cosyvoice_lb.launcher.health.probe import Probe, Prober
+from cosyvoice_lb.launcher.health.rotation import OCCUPIED, SPARE, is_parked, rotation, spares_of
+from cosyvoice_lb.launcher.health.rules import (
+    ALIVE,
+    Policy,
+    Track,
+    count_crashes,
+    count_restart,
+    drain_done,
+    judge,
+    pick_recycle,
+    recycle_due,
+    start_drain,
+    track_from_dict,
+    track_to_dict,
+)
+from cosyvoice_lb.launcher.health.scaling import Bounds, Load, Scale, decide
+from cosyvoice_lb.launcher.plan.footprint import room_to_start
+from cosyvoice_lb.launcher.plan.gpu import process_gpu_memory
+from cosyvoice_lb.launcher.plan.planner import Pool, Slot
+from cosyvoice_lb.launcher.render.cluster import overflow_of, read_cluster_json, read_pool, render_upstreams
+
+log = logging.getLogger("cosyvoice_lb.health")
+
+
+class Supervision(Protocol):
+    """What the loop asks of supervisord (``supervision.Supervisor``)."""
+
+    def processes(self) -> dict[str, ProcessInfo]: ...
+    def start(self, name: str, wait: bool = False) -> None: ...
+    def stop(self, name: str, wait: bool = True) -> None: ...
+    def signal(self, name: str, signal: str) -> None: ...
+    def tail(self, name: str, length: int = 4000) -> str: ...
+
+
+# Of the parked slots, those with memory to start now beside the running ones.
+Room = Callable[[tuple[Slot, ...], tuple[Slot, ...]], list[Slot]]
+
+
+class Probing(Protocol):
+    def probe(self, port: int, timeout: float) -> Probe: ...
+
+
+class Host:
+    """What the loop asks of the operating system (psutil, NVML): an adapter of its own."""
+
+    def children(self, pid: int) -> list[psutil.Process]:
+        try:
+            return psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def kill(self, procs: list[psutil.Process], sig: int = signal.SIGKILL) -> None:
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+
+    def memory(self, pids: dict[str, int]) -> dict[str, int]:
+        """Per instance, the larger of its RSS and its GPU memory (per process), bytes."""
+        gpu = process_gpu_memory(set(pids.values()))
+        found = {}
+        for name, pid in pids.items():
+            try:
+                rss = psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                rss = 0
+            found[name] = max(rss, gpu.get(pid, 0))
+        return found
+
+    def orphan_nginx(self, port: int, master_pid: int) -> list[psutil.Process]:
+        return orphan_nginx(port, master_pid)
+
+
+class HealthLoop:
+    def __init__(
+        self,
+        layout: Layout,
+        settings: Settings,
+        slots: tuple[Slot, ...],
+        supervisor: Supervision,
+        prober: Probing,
+        host: Host | None = None,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        pool: Pool | None = None,
+        room: Room | None = None,
+    ):
+        self.layout, self.settings, self.slots = layout, settings, slots
+        self.roles = pool or Pool(serving=len(slots))
+        self.room: Room = room or (lambda running, parked: room_to_start(settings, running, parked))
+        self.bounds = Bounds.of(self.roles, settings) if self.roles.elastic else None
+        self.policy = Policy.from_settings(settings)
+        self.timeouts = Timeouts(settings)
+        self.supervisor, self.prober, self.host = supervisor, prober, host or Host()
+        self.clock, self.rng = clock, rng or random.Random()
+        self.tracks = self._load_tracks()
+        saved_pool = protocol.report_pool(layout)
+        self.scale = Scale.from_dict(saved_pool.get("scale"), self.bounds) if self.bounds else None
+        self.wanted = self.roles.serving
+        self.surge = 0
+        self.short_of_room = False  # a scale-out found no memory (said once, until one starts)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, len(slots)))
+        self.published: frozenset[str] | None = None
+        self.serving_before = frozenset(name for name, t in self.tracks.items() if t.in_rotation)
+        self.board = self._open_board()
+        self.board_current = False  # the board shows the published rotation
+        self.pids: dict[str, int] = {}
+        self.taken: list[str] = []
+        self.probe_seconds: dict[str, float] = {}
+        self.stopping = False
+
+    def _open_board(self) -> Board | None:
+        """The routing board (instances read it at each request). Routing by least
+        connections is set at once; routing by work only once nginx has the last resort (see
+        :meth:`mark_board`)."""
+        try:
+            board = Board.create(self.layout.routing_board)
+        except OSError as exc:
+            log.warning("no routing board (%s): nginx balances by least connections alone", exc)
+            return None
+        if self.settings.routing != "work":
+            board.configure(False, self.settings.route_slack)
+        return board
+
+    def _serving(self, out: frozenset[str]) -> set[int]:
+        """The slots in rotation when ``out`` are out of it."""
+        return {slot.index for slot in self.slots if slot.name not in out}
+
+    def mark_board(self) -> None:
+        """A step after nginx's reload (which takes effect a moment after the signal): the
+        board takes in what nginx now serves, and routing by work turns on once nginx has
+        the last resort that serves what every instance declines."""
+        if self.board is None or self.published is None or self.board_current:
+            return
+        self.board.set_rotation(self._serving(self.published))
+        self.board.configure(self.settings.routing == "work", self.settings.route_slack)
+        self.board_current = True
+
+    def _load_tracks(self) -> dict[str, Track]:
+        """Pick up where a previous loop left off (the loop itself may be restarted)."""
+        saved = protocol.report_tracks(self.layout)
+        return {
+            slot.name: track_from_dict(saved[slot.name]) if isinstance(saved.get(slot.name), dict) else Track()
+            for slot in self.slots
+        }
+
+    def step(self) -> None:
+        processes = self.supervisor.processes()
+        self.pids = {name: p.pid for name, p in processes.items() if p.pid}
+        self.clear_orphan_nginx(processes.get("nginx"))
+        timed = dict(zip([s.name for s in self.slots], self.pool.map(self.timed_probe, self.slots)))
+        probes = {name: probe for name, (probe, _) in timed.items()}
+        self.probe_seconds = {name: seconds for name, (_, seconds) in timed.items()}
+        now = self.clock()
+        kills: list[str] = []
+        self.taken = []  # drain requests handled this step (answered once saved)
+        before_step = dict(self.tracks)
+        for slot in self.slots:
+            name, before = slot.name, self.tracks[slot.name]
+            starts = protocol.starts_count(self.layout, name)
+            if before.failed and protocol.drain_pending(self.layout, name):  # `restart NAME` after a crash loop
+                # Start it here: the snapshot above still says FATAL or STOPPED, and judging
+                # that would give it up again. Its crash count starts afresh.
+                log.info("%s: restarted by hand after it was given up on", name)
+                self.tracks[name] = Track(
+                    reason="restarted by hand",
+                    ready_starts=starts,
+                    restarts=before.restarts,
+                    ordered=count_restart(before, "requested").ordered,
+                    crashes=before.crashes,
+                )
+                self.taken.append(name)
+                self._call(name, "start", lambda: self.supervisor.start(name))
+                continue
+            verdict = judge(before, processes.get(name), probes[name], self.policy, starts, now)
+            track = count_crashes(verdict.track, starts)
+            # Drained by hand (the panel, `drain`): kept out while it would serve, process and all.
+            if track.in_rotation and protocol.drained_by_hand(self.layout, name):
+                track = dataclasses.replace(track, in_rotation=False, reason=protocol.DRAINED)
+            if verdict.give_up:
+                if not before.failed:
+                    log.error(
+                        "%s: given up, stopped until restarted by hand: %s; last log lines:\n%s",
+                        name,
+                        verdict.give_up,
+                        self.supervisor.tail(name, 2000).strip()[-1500:],
+                    )
+                # (exited meanwhile: stopped on a later step)
+                self._call(name, "stop", lambda: self.supervisor.stop(name, wait=False))
+            elif verdict.restart and verdict.drain:
+                log.warning(
+                    "%s: out of rotation; restarting once nothing in flight makes progress (at most %gs): %s",
+                    name,
+                    self.policy.drain_timeout,
+                    verdict.restart,
+                )
+                track = start_drain(
+                    dataclasses.replace(track, restarts=before.restarts, ordered=before.ordered),
+                    verdict.restart,
+                    DrainAction.KILL,
+                    now,
+                    verdict.kind,
+                )
+            elif verdict.restart:
+                log.warning("%s: out of rotation and restarting: %s", name, verdict.restart)
+                kills.append(name)
+            self.tracks[name] = track
+        self.take_requests(processes, now, killing=kills)
+        self.recycle(processes, probes, now)
+        self.balance(processes, probes, now)
+        self.log_rotation(before_step)
+        self.publish()  # out of nginx's rotation first, then stop
+        for name in kills:
+            self._signal(name, DrainAction.KILL)
+        self.finish_draining(probes, now)
+        self.save(now)
+        for name in self.taken:  # the launcher waits for these to go: only after health.json says so
+            protocol.answer_drain(self.layout, name)
+
+    def take_requests(self, processes: dict[str, ProcessInfo], now: float, killing: Sequence[str] = ()) -> None:
+        """The launcher asks for drained stops with a file per instance (one restarted in this
+        step anyway needs no second stop: answered as is)."""
+        for slot in self.slots:
+            if slot.name in self.taken:
+                continue
+            if slot.name in killing:
+                if protocol.drain_pending(self.layout, slot.name):
+                    self.taken.append(slot.name)
+                continue
+            action = protocol.read_drain(self.layout, slot.name)
+            if action is None:
+                continue
+            track, process = self.tracks[slot.name], processes.get(slot.name)
+            if process and process.state in ALIVE and not track.draining_since and not track.signalled_at:
+                what = {DrainAction.HOLD: "replaced by the launcher", DrainAction.STOP: "stopped (parked)"}.get(
+                    action, "stopped"
+                )
+                log.info("%s: restart requested: out of rotation, %s once idle", slot.name, what)
+                kind = "replaced" if action in (DrainAction.HOLD, DrainAction.STOP) else "requested"
+                self.tracks[slot.name] = start_drain(track, "restart requested", action, now, kind)
+            self.taken.append(slot.name)  # not running, or already on its way: nothing more to do
+
+    def recycle(self, processes: dict[str, ProcessInfo], probes: dict[str, Probe], now: float) -> None:
+        """Start a drained restart of one instance that served its share or grew too big."""
+        policy = self.policy
+        if not (policy.max_requests or policy.max_memory):
+            return
+        memory: dict[str, int] = {}
+        if policy.max_memory:
+            memory = self.host.memory(
+                {s.name: processes[s.name].pid for s in self.slots if s.name in processes and processes[s.name].pid}
+            )
+        candidates = {}
+        for slot in self.slots:
+            track = self.tracks[slot.name]
+            if track.ever_ready and not track.recycle_at and policy.max_requests:
+                jitter = self.rng.randint(0, policy.max_requests_jitter) if policy.max_requests_jitter else 0
+                track = self.tracks[slot.name] = dataclasses.replace(track, recycle_at=policy.max_requests + jitter)
+            candidates[slot.name] = recycle_due(track, probes[slot.name], memory.get(slot.name, 0), policy)
+        uptimes = {name: p.uptime for name, p in processes.items()}
+        drained = frozenset(s.name for s in self.slots if protocol.drained_by_hand(self.layout, s.name))
+        standing_by = frozenset(
+            name
+            for name, t in self.tracks.items()
+            if t.reason == SPARE or (name in processes and is_parked(processes[name].state, bool(t.failed)))
+        )
+        picked = pick_recycle(candidates, self.tracks, uptimes, drained, standing_by)
+        if picked:
+            name, reason = picked
+            log.info("%s: recycling (drained restart): %s", name, reason)
+            self.tracks[name] = start_drain(self.tracks[name], f"recycling: {reason}", DrainAction.TERM, now, "recycle")
+
+    def balance(self, processes: dict[str, ProcessInfo], probes: dict[str, Probe], now: float) -> None:
+        """How many serve: the plan's number (elastic: the scaler's), plus a surge roll-out's
+        extra ones; the other ready instances wait out of rotation as warm spares."""
+        self.surge = protocol.rollout_surge(self.layout)
+        if self.bounds is not None and self.scale is not None:
+            self.follow_load(processes, probes, now)
+            self.wanted = self.scale.target
+        else:
+            self.wanted = self.roles.serving
+        eligible = [s.name for s in self.slots if self.tracks[s.name].in_rotation]
+        # (in rotation at the end of the last step: self.published may lag a refused reload)
+        before = [name for name in eligible if name in self.serving_before]
+        chosen = rotation(eligible, before, self.wanted + self.surge)
+        for name in spares_of(eligible, chosen):
+            self.tracks[name] = dataclasses.replace(self.tracks[name], in_rotation=False, reason=SPARE)
+        self.serving_before = frozenset(chosen)
+
+    def follow_load(self, processes: dict[str, ProcessInfo], probes: dict[str, Probe], now: float) -> None:
+        """Elastic: the scaler's next target, then a parked slot started or one instance
+        drained and stopped to reach it (never during a roll-out)."""
+        assert self.bounds is not None and self.scale is not None
+        alive = {name for name, p in processes.items() if p.state in OCCUPIED}
+        running = [
+            s
+            for s in self.slots
+            if s.name in alive
+            and not self.tracks[s.name].failed
+            and self.tracks[s.name].drain_signal is not DrainAction.STOP
+        ]
+        loading = [s.name for s in running if not self.tracks[s.name].ever_ready]
+        stopping = [s.name for s in self.slots if self.tracks[s.name].draining_since]
+        hold = (
+            "a roll-out is under way"
+            if self.surge
+            else f"{', '.join(loading)} loading"
+            if loading
+            else f"{', '.join(stopping)} stopping"
+            if stopping
+            else ""
+        )
+        # (the rotation as last published: a ready spare is eligible again until balance() says no)
+        serving = [s for s in running if s.name in self.serving_before]
+        loads = [Load(probes[s.name].inflight, probes[s.name].waiting) for s in serving]
+        decided = decide(self.scale, loads, self.bounds, now, hold)
+        if decided.decisions != self.scale.decisions:
+            log.info("elastic: %s: %d wanted in rotation", decided.decisions[-1].reason, decided.target)
+        self.scale = decided
+        if hold:
+            return
+        desired = decided.target + self.roles.spares
+        if len(running) < desired:
+            parked = tuple(
+                s
+                for s in self.slots
+                if s.name in processes
+                and is_parked(processes[s.name].state, bool(self.tracks[s.name].failed))
+                and not protocol.drained_by_hand(self.layout, s.name)
+            )
+            startable = self.room(tuple(running), parked)[: desired - len(running)]
+            for slot in startable:
+                log.info("elastic: starting %s (%d wanted, %d running)", slot.name, desired, len(running))
+                self._start(slot.name)
+            short = desired - len(running) - len(startable)
+            if short:
+                # The target follows what can run: a scale-out without memory is taken back
+                # (and tried again after another busy period), said once until one starts.
+                self.scale = dataclasses.replace(decided, target=max(self.bounds.low, decided.target - short))
+                if not self.short_of_room:
+                    log.warning(
+                        "elastic: %d more instance(s) wanted, but no parked slot has memory for one now (%d parked)",
+                        short,
+                        len(parked),
+                    )
+            self.short_of_room = bool(short)
+        elif len(running) > desired:
+            # Out of rotation first (a spare, or one still loading), else the last in slot order:
+            # the one the smaller rotation leaves out anyway.
+            victim = max(running, key=lambda s: (s.name not in self.serving_before, s.index))
+            log.info("elastic: draining and stopping %s (%d wanted, %d running)", victim.name, desired, len(running))
+            self.tracks[victim.name] = start_drain(
+                self.tracks[victim.name], "scaled in: stopping once idle", DrainAction.STOP, now, "scaled_in"
+            )
+
+    def log_rotation(self, before: dict[str, Track]) -> None:
+        for slot in self.slots:
+            was, now = before[slot.name], self.tracks[slot.name]
+            if was.in_rotation != now.in_rotation:
+                log.info(
+                    "%s: %s rotation%s",
+                    slot.name,
+                    "back in" if now.in_rotation else "out of",
+                    f" ({now.reason})" if now.reason and not now.in_rotation else "",
+                )
+
+    def finish_draining(self, probes: dict[str, Probe], now: float) -> None:
+        """Act on instances whose planned stop may happen now. TERM: the instance drains
+        itself too, exits, and supervisord starts it again; KILL: it is hung; HOLD: the
+        launcher replaces it. One that outlives its TERM by far is KILLed."""
+        for slot in self.slots:
+            track = self.tracks[slot.name]
+            if track.signalled_at and now - track.signalled_at > self.timeouts.kill_after_term:
+                log.warning("%s: still running %.0fs after TERM: KILL", slot.name, now - track.signalled_at)
+                self._signal(slot.name, DrainAction.KILL)
+                self.tracks[slot.name] = dataclasses.replace(track, signalled_at=now)
+            # (Not in the step that took it out: that probe predates nginx's reload, and
+            # requests may still have been sent to it since.)
+            elif (
+                track.draining_since
+                and track.draining_since < now
+                and not track.signalled_at
+                and drain_done(track, probes[slot.name], self.policy, now)
+            ):
+                if track.drain_signal is DrainAction.STOP:  # scaled in: supervisord leaves it stopped
+                    self._stop(slot.name)
+                elif track.drain_signal is not DrainAction.HOLD:
+                    self._signal(slot.name, track.drain_signal or DrainAction.TERM)
+                self.tracks[slot.name] = dataclasses.replace(track, signalled_at=now)
+
+    def clear_orphan_nginx(self, nginx: ProcessInfo | None) -> None:
+        """Workers of a SIGKILLed nginx master keep the public port, so the master that
+        supervisord starts next can never bind it. QUIT is their graceful stop: they close
+        the port at once (the new master binds it on its next try) and finish what they
+        are serving."""
+        if nginx is None or nginx.state == "RUNNING":
+            return
+        orphans = self.host.orphan_nginx(self.settings.port, nginx.pid)
+        if orphans:
+            log.warning(
+                "nginx: gracefully stopping %d orphaned worker(s) holding port %d (pids %s)",
+                len(orphans),
+                self.settings.port,
+                ", ".join(str(p.pid) for p in orphans),
+            )
+            self.host.kill(orphans, signal.SIGQUIT)
+
+    def _call(self, name: str, what: str, call: Callable[[], None]) -> bool:
+        try:
+            call()
+        except SupervisionError as exc:  # it may have changed state on its own meanwhile
+            log.warning("%s: %s failed: %s", name, what, exc)
+            return False
+        return True
+
+    def _start(self, name: str) -> None:
+        self._call(name, "start", lambda: self.supervisor.start(name))
+
+    def _stop(self, name: str) -> None:
+        self._call(name, "stop", lambda: self.supervisor.stop(name, wait=False))
+
+    def _signal(self, name: str, action: DrainAction) -> None:
+        """Signal an instance through supervisord. A KILL takes its child processes along
+        (they may run in their own sessions, e.g. a stuck espeak-ng or model workers holding
+        GPU memory, and would outlive it)."""
+        children = self.host.children(self.pids[name]) if action is DrainAction.KILL and self.pids.get(name) else []
+        self._call(name, action.value, lambda: self.supervisor.signal(name, action.value))
+        self.host.kill(children)
+
+    def publish(self) -> None:
+        """Rewrite upstreams.conf and reload nginx when the rotation changed. The board
+        leaves an instance out before nginx does and takes one in a step after nginx did: no
+        instance declines a request for one nginx would not send it to."""
+        out = frozenset(name for name, track in self.tracks.items() if not track.in_rotation)
+        if out == self.published:
+            self.mark_board()
+            return
+        if self.board is not None:  # the leaving leave the board now
+            self.board.set_rotation(self.board.rotation() & self._serving(out))
+        self.board_current = False
+        write_atomic(
+            self.layout.upstreams_conf, render_upstreams(self.slots, out, overflow_of(self.settings, self.layout))
+        )
+        # Published once nginx took it: a reload supervisord refused (busy, or nginx down
+        # for a moment) is tried again next step.
+        if not self._call("nginx", "reload", lambda: self.supervisor.signal("nginx", "HUP")):
+            return
+        self.published = out
+        log.info("rotation: %s", ", ".join(s.name for s in self.slots if s.name not in out) or "none")
+
+    def save(self, now: float) -> None:
+        protocol.write_report(
+            self.layout,
+            {name: track_to_dict(t) for name, t in self.tracks.items()},
+            now,
+            probes={name: round(seconds, 6) for name, seconds in self.probe_seconds.items()},
+            pool={
+                "wanted": self.wanted,
+                **self.roles.as_dict(),
+                "surge": self.surge,
+                **({"scale": self.scale.as_dict()} if self.scale is not None else {}),
+            },
+        )
+
+    def timed_probe(self, slot: Slot) -> tuple[Probe, float]:
+        """A probe of one instance and the seconds it took (the metrics' probe latency)."""
+        started = time.monotonic()
+        found = self.prober.probe(slot.port, self.settings.probe_timeout)
+        return found, time.monotonic() - started
+
+    def run(self, sleep: Callable[[float], None] = time.sleep) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        log.info(
+            "health loop: %d instances, probe every %gs (timeout %gs), out after %d failures, "
+            "back after %d good probes, hang timeout %gs",
+            len(self.slots),
+            self.settings.probe_interval,
+            self.settings.probe_timeout,
+            self.policy.fail_threshold,
+            self.policy.recover_threshold,
+            self.policy.hang_timeout,
+        )
+        while not self.stopping:
+            started = time.monotonic()
+            try:
+                self.step()
+            except (SupervisionError, OSError) as exc:  # supervisord busy, a file not writable: next step
+                log.warning("health step failed (%s); trying again", exc)
+            sleep(max(0.0, self.settings.probe_interval - (time.monotonic() - started)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="cosyvoice-lb health loop (run by supervisord)")
+    parser.add_argument("--state-dir", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s health %(levelname)s %(message)s")
+    layout = Layout(Path(args.state_dir).resolve())
+    text = layout.cluster_json.read_text()
+    settings, slots = read_cluster_json(text)
+    HealthLoop(
+        layout, settings, slots, Supervisor(layout, timeout=SUPERVISOR_POLL), Prober(len(slots)), pool=read_pool(text)
+    ).run()
+
+
+if __name__ == "__main__":
+    main()

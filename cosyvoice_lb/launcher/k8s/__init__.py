@@ -1,0 +1,1 @@
+"""Kubernetes: the manifests ``cosyvoice-lb k8s render`` writes."""

@@ -1,0 +1,1 @@
+"""The control panel and the cluster's /metrics (one process, behind nginx)."""

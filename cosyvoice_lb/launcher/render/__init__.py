@@ -1,0 +1,1 @@
+"""The cluster's files: rendered from the plan (pure), then written and checked on disk."""

@@ -1,0 +1,354 @@
+"""Config rendering: a plan and settings in, the cluster's config files out.
+
+Pure: :func:`render` returns ``{relative path: text}`` and writes nothing; the caller
+writes the files (atomically). Templates live in the project's ``templates/`` folder.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass
+
+import jinja2
+
+from cosyvoice_lb.common.settings import Settings, instance_args, problems
+from cosyvoice_lb.common.timeouts import Timeouts
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.mps import client_env
+from cosyvoice_lb.launcher.plan.planner import Plan, Pool, Slot, parse_size
+from cosyvoice_lb.launcher.render.monitoring import monitoring_files
+from cosyvoice_lb.launcher.render.staging import templates_dir
+
+# AF_UNIX socket paths are limited to 108 bytes on Linux (107 usable).
+MAX_SOCKET_PATH = 107
+
+
+class RenderError(ValueError):
+    """Settings that cannot become a working config; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Programs:
+    """What the configs run: resolved by the caller (which binary, which user)."""
+
+    app: str  # path of app.py
+    launcher_python: str  # runs the health loop
+    nginx: str
+    run_as_user: str = ""  # nginx `user` when the launcher runs as root
+    worker_processes: int = 2
+
+
+def _quote_nginx(value: object) -> str:
+    text = str(value)
+    if re.fullmatch(r"[\w./:@+-]+", text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _escape_supervisor(value: object) -> str:
+    return str(value).replace("%", "%%")
+
+
+def _supervisor_env(env: dict[str, str]) -> str:
+    def quote(v: str) -> str:
+        return '"' + v.replace("%", "%%").replace('"', '\\"') + '"'
+
+    return ",".join(f"{k}={quote(v)}" for k, v in sorted(env.items()))
+
+
+def template_environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters.update(nq=_quote_nginx, sv=_escape_supervisor, svenv=_supervisor_env)
+    return env
+
+
+def balancer_url(settings: Settings) -> str:
+    """nginx as an instance on this box reaches it (long texts' segments go there)."""
+    host = settings.listen_host
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "::1"
+    return f"http://{listen_address(host, settings.port)}"
+
+
+def instance_command(settings: Settings, layout: Layout, programs: Programs, slot: Slot, peers: int = 1) -> list[str]:
+    """The instance's command line: its port and starts file, then its share of the settings
+    (written and parsed by the same declarations, see ``settings.instance_args``)."""
+    long_texts = (
+        ["--balancer", balancer_url(settings), "--peers", str(peers), "--segment-key-file", str(layout.segment_key)]
+        if settings.max_long_chars
+        else []
+    )
+    return [
+        settings.python,
+        programs.app,
+        "--port",
+        str(slot.port),
+        "--starts-file",
+        str(layout.starts(slot.name)),
+        "--ledger-dir",
+        str(layout.ledger),
+        "--board",
+        str(layout.routing_board),
+        "--slot",
+        str(slot.index),
+        *(["--auth-file", str(layout.access_policy)] if settings.auth_required else []),
+        *long_texts,
+        *instance_args(
+            settings,
+            outputs_dir=settings.outputs_dir or str(layout.outputs),
+            voices_dir=settings.voices_dir or str(layout.voices),
+        ),
+    ]
+
+
+def instance_env(layout: Layout, slot: Slot, settings: Settings | None = None) -> dict[str, str]:
+    """``settings`` with --mps: the instance talks to its GPU's MPS control daemon, which
+    sees that one card only and remaps it: its clients see it as device 0 (NVIDIA's MPS
+    docs: a client keeping the daemon's CUDA_VISIBLE_DEVICES fails)."""
+    mps = (
+        {
+            **client_env(str(layout.mps_pipe(slot.gpu)), str(layout.mps_log(slot.gpu)), settings.mps_thread_percentage),
+            "CUDA_VISIBLE_DEVICES": "0",
+        }
+        if settings is not None and settings.mps and slot.gpu is not None
+        else {}
+    )
+    return {
+        **slot.env,
+        **mps,
+        "PYTHONUNBUFFERED": "1",
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "GRADIO_TEMP_DIR": str(layout.gradio_tmp / slot.name),
+    }
+
+
+@dataclass(frozen=True)
+class MpsDaemon:
+    """One CUDA MPS control daemon (a supervisord program) for the instances on one GPU."""
+
+    gpu: int
+    command: str
+
+    @property
+    def name(self) -> str:
+        return f"mps-gpu{self.gpu}"
+
+
+def mps_daemons(settings: Settings, plan: Plan, layout: Layout, programs: Programs) -> list[MpsDaemon]:
+    """With --mps, one daemon per GPU the plan puts instances on; refused without GPUs."""
+    if not settings.mps:
+        return []
+    gpus = sorted({slot.gpu for slot in plan.slots if slot.gpu is not None})
+    if not gpus:
+        raise RenderError("--mps shares NVIDIA GPUs between instances, and this plan has none (CPU slots): drop --mps")
+    return [
+        MpsDaemon(
+            gpu,
+            shlex.join(
+                [
+                    programs.launcher_python,
+                    "-m",
+                    "cosyvoice_lb.launcher.cluster.mps",
+                    "--gpu",
+                    str(gpu),
+                    "--pipe-dir",
+                    str(layout.mps_pipe(gpu)),
+                    "--log-dir",
+                    str(layout.mps_log(gpu)),
+                ]
+            ),
+        )
+        for gpu in gpus
+    ]
+
+
+def check(settings: Settings, layout: Layout) -> None:
+    """Refuse settings that would render a config that cannot work."""
+    if not layout.root.is_absolute():
+        raise RenderError(f"state dir must be an absolute path, got {layout.root}")
+    if "%" in str(layout.root):
+        # supervisord expands %(...)s in paths, some of them twice: no escape is reliable.
+        raise RenderError(
+            f"state dir {layout.root} contains '%', which supervisord cannot take in a path: "
+            "choose a --state-dir without it"
+        )
+    socket_bytes = len(os.fsencode(str(layout.socket)))
+    if socket_bytes > MAX_SOCKET_PATH:
+        raise RenderError(
+            f"state dir path is too long for a unix socket ({socket_bytes} > "
+            f"{MAX_SOCKET_PATH} bytes for {layout.socket}): use a shorter --state-dir"
+        )
+    found = problems(settings)
+    if found:
+        raise RenderError(found[0])
+
+
+def warnings(settings: Settings) -> list[str]:
+    """Settings that work but defeat a guarantee: said at `up`, not refused."""
+    found = []
+    if settings.hang_timeout >= settings.request_timeout:
+        found.append(
+            f"--hang-timeout {settings.hang_timeout:g} is not below --request-timeout "
+            f"{settings.request_timeout:g}: a stuck synthesis's request gets a 504 at the bound instead of "
+            "a retry on another instance"
+        )
+    return found
+
+
+def listen_address(host: str, port: int) -> str:
+    """nginx's ``listen`` argument: IPv6 addresses go in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def stub_status_allow(settings: Settings) -> str:
+    """An address besides loopback that may read nginx's stub_status: the one nginx listens
+    on, when it is one address of this box (the control panel reaches nginx there)."""
+    host = settings.listen_host.strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name: nginx's allow takes addresses only (the panel then reads 127.0.0.1)
+        return ""
+    # (127.0.0.2 too: a connection to it comes from 127.0.0.2)
+    return "" if address.is_unspecified or str(address) in ("127.0.0.1", "::1") else str(address)
+
+
+def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = frozenset(), overflow: str = "") -> str:
+    """upstreams.conf: every slot, those out of rotation marked ``down``; ``overflow``: the
+    last resort's socket under --routing work (see ``routing``), "" for none."""
+    return (
+        template_environment()
+        .get_template("upstreams.conf.j2")
+        .render(
+            slots=slots,
+            out_of_rotation=out_of_rotation,
+            overflow=overflow,
+        )
+    )
+
+
+def nginx_command(programs: Programs, layout: Layout) -> list[str]:
+    """nginx as supervisord starts it: first the last resort's socket goes, which an nginx
+    killed outright leaves behind (nginx cannot bind a unix socket that exists)."""
+    return [
+        "/bin/sh",
+        "-c",
+        'rm -f -- "$0" && exec "$@"',
+        str(layout.overflow_socket),
+        programs.nginx,
+        *layout.nginx_args(),
+    ]
+
+
+def overflow_of(settings: Settings, layout: Layout) -> str:
+    """The last resort's socket when instances route by work, else ""."""
+    return str(layout.overflow_socket) if settings.routing == "work" else ""
+
+
+def api_tries(settings: Settings, slots: int, overflow: str) -> int:
+    """How many instances nginx tries for one API request: --retries, and with a last resort
+    (``overflow``: --routing work) at least every slot and then it (each declining instance
+    is a try)."""
+    return max(settings.retries, slots + 1) if overflow else settings.retries
+
+
+def render(
+    settings: Settings, plan: Plan, layout: Layout, programs: Programs, out_of_rotation: frozenset[str] = frozenset()
+) -> dict[str, str]:
+    """Every config file of the cluster, keyed by its path relative to the state dir.
+
+    ``out_of_rotation`` keeps instances the health loop has taken out marked ``down`` when a
+    running cluster is re-rendered.
+    """
+    check(settings, layout)
+    if any(slot.port == settings.port for slot in plan.slots):
+        raise RenderError(
+            f"public port {settings.port} collides with an instance port "
+            f"({plan.slots[0].port}..{plan.slots[-1].port}): change --port or --base-port"
+        )
+    env = template_environment()
+    timeouts = Timeouts(settings)
+    overflow = overflow_of(settings, layout)  # the last resort: routing by work on, or not
+    context = dict(
+        settings=settings,
+        slots=plan.slots,
+        layout=layout,
+        listen=listen_address(settings.listen_host, settings.port),
+        run_as_user=programs.run_as_user,
+        worker_processes=programs.worker_processes,
+        max_body=parse_size(settings.max_body),
+        timeouts=timeouts,
+        instance_command=lambda slot: shlex.join(
+            instance_command(settings, layout, programs, slot, peers=plan.roles.serving)
+        ),
+        instance_env=lambda slot: instance_env(layout, slot, settings),
+        mps_daemons=mps_daemons(settings, plan, layout, programs),
+        health_command=shlex.join(
+            [programs.launcher_python, "-m", "cosyvoice_lb.launcher.health.loop", "--state-dir", str(layout.root)]
+        ),
+        admin_command=shlex.join(
+            [programs.launcher_python, "-m", "cosyvoice_lb.launcher.panel.server", "--state-dir", str(layout.root)]
+        ),
+        stub_status_allow=stub_status_allow(settings),
+        api_tries=api_tries(settings, len(plan.slots), overflow),
+        overflow=overflow,
+        nginx_command=shlex.join(nginx_command(programs, layout)),
+    )
+    return {
+        layout.relative(layout.supervisord_conf): env.get_template("supervisord.conf.j2").render(**context),
+        layout.relative(layout.nginx_conf): env.get_template("nginx.conf.j2").render(**context),
+        layout.relative(layout.upstreams_conf): render_upstreams(plan.slots, out_of_rotation, overflow),
+        layout.relative(layout.cluster_json): cluster_json(settings, plan),
+        **monitoring_files(settings, layout, plan.slots),
+    }
+
+
+def cluster_json(settings: Settings, plan: Plan) -> str:
+    """What the health loop and status read back: the settings and the slots (nothing that
+    changes between two renders of the same cluster, such as free memory)."""
+    slots = [
+        {k: v for k, v in slot.items() if k in ("name", "index", "port", "gpu", "memory")}
+        for slot in plan.as_dict()["slots"]
+    ]
+    return (
+        json.dumps(
+            {
+                "settings": json.loads(settings.to_json()),
+                "plan": {"mode": plan.mode, "slots": slots, "pool": plan.roles.as_dict()},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+def read_pool(text: str) -> Pool:
+    """How the slots of ``cluster.json`` are used (a cluster rendered before pools: all serve)."""
+    data = json.loads(text)["plan"]
+    pool = data.get("pool")
+    if not isinstance(pool, dict):
+        return Pool(serving=len(data["slots"]))
+    return Pool(serving=int(pool["serving"]), spares=int(pool["spares"]), min_serving=int(pool["min_serving"]))
+
+
+def read_cluster_json(text: str) -> tuple[Settings, tuple[Slot, ...]]:
+    """Settings and slots back from ``cluster.json`` (what the health loop and status read)."""
+    data = json.loads(text)
+    slots = tuple(
+        Slot(index=s["index"], port=s["port"], gpu=s["gpu"], memory=s["memory"]) for s in data["plan"]["slots"]
+    )
+    return Settings.from_mapping(data["settings"]), slots

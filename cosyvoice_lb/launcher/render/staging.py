@@ -1,0 +1,126 @@
+"""Where the templates and app.py are: beside the package in a checkout (or an editable
+install), under ``<prefix>/share/cosyvoice-lb`` after a plain ``pip install .``
+(setup.cfg installs them there as data files)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parents[2]
+_CHECKOUT = _PACKAGE.parent
+
+
+def _candidates() -> list[Path]:
+    # <prefix>/lib/pythonX.Y/site-packages/cosyvoice_lb -> <prefix>/share/cosyvoice-lb, whatever
+    # the prefix (a venv, --user, --prefix); then the interpreter's own data paths.
+    parents = Path(__file__).resolve().parents
+    prefixes = [parents[i] for i in (5, 6) if i < len(parents)]
+    prefixes += [Path(sysconfig.get_path("data")), Path(sys.prefix)]
+    return [_CHECKOUT] + [p / "share" / "cosyvoice-lb" for p in prefixes]
+
+
+def _find(relative: str) -> Path:
+    for base in _candidates():
+        if (base / relative).exists():
+            return base / relative
+    searched = ", ".join(str(b) for b in _candidates())
+    raise FileNotFoundError(f"cosyvoice-lb cannot find {relative} (looked in {searched}): reinstall it")
+
+
+def templates_dir() -> Path:
+    return _find("templates")
+
+
+def app_path() -> Path:
+    return _find("app.py")
+
+
+# What an instance runs: staged into the state dir, so the instance imports its own copy
+# from any Python (the user's CosyVoice env has no cosyvoice-lb installed). The instance and
+# common packages go whole: they import nothing else (tests/test_layering.py).
+INSTANCE_PACKAGES = ("instance", "common")
+
+
+def instance_files() -> dict[str, str]:
+    """{path relative to the staging dir: text} for app.py and the instance's packages."""
+    files = {"app.py": app_path().read_text(encoding="utf-8")}
+    files["cosyvoice_lb/__init__.py"] = (_PACKAGE / "__init__.py").read_text(encoding="utf-8")
+    for package in INSTANCE_PACKAGES:
+        for path in sorted((_PACKAGE / package).rglob("*.py")):
+            files[path.relative_to(_PACKAGE.parent).as_posix()] = path.read_text(encoding="utf-8")
+    return files
+
+
+# In each staged tree: the digest of its files, which the instance reports in /ping.
+CODE_FILE = "CODE"
+
+
+def code_digest(files: dict[str, str]) -> str:
+    """A short digest of the instance code: the same files give the same digest anywhere."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        data = files[name].encode("utf-8")
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def staged_digest(lib: Path) -> str:
+    """The digest of the tree ``lib`` points at now ("" when nothing is staged there)."""
+    try:
+        return (lib / CODE_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""
+
+
+def stage(lib: Path, files: dict[str, str] | None = None) -> tuple[str, bool]:
+    """Stage the instance code at ``lib``: a symlink to ``lib-DIGEST``, a complete tree.
+
+    The tree is written into a scratch dir and renamed into place, then the symlink is
+    swapped (``os.replace``): an instance that starts meanwhile sees the old tree or the
+    new one, never half of either, and running instances keep theirs (old trees stay until
+    :func:`prune`). Returns the digest and whether ``lib`` moved."""
+    files = instance_files() if files is None else files
+    digest = code_digest(files)
+    if staged_digest(lib) == digest and lib.is_symlink():
+        return digest, False
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    target = lib.with_name(f"{lib.name}-{digest}")
+    if staged_digest(target) != digest:
+        scratch = Path(tempfile.mkdtemp(dir=lib.parent, prefix=f".{lib.name}-"))
+        try:
+            for name, text in {**files, CODE_FILE: digest + "\n"}.items():
+                (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+                (scratch / name).write_text(text, encoding="utf-8")
+            os.chmod(scratch, 0o755)
+            shutil.rmtree(target, ignore_errors=True)  # (a tree left half-made by a crash: never renamed to)
+            os.rename(scratch, target)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+    if lib.is_dir() and not lib.is_symlink():  # staged by an older version as a plain dir
+        os.rename(lib, lib.with_name(f"{lib.name}-unversioned"))
+    link = lib.with_name(f".{lib.name}.{os.getpid()}.link")
+    link.unlink(missing_ok=True)
+    os.symlink(target.name, link)
+    os.replace(link, lib)
+    return digest, True
+
+
+def prune(lib: Path, keep: set[str]) -> list[str]:
+    """Remove the staged trees beside ``lib`` whose digest is not in ``keep`` (nor the one
+    ``lib`` points at): once no instance runs them. Returns the digests removed."""
+    keep = keep | {staged_digest(lib)}
+    removed = []
+    for tree in lib.parent.glob(f"{lib.name}-*"):
+        digest = tree.name[len(lib.name) + 1 :]
+        if tree.is_dir() and not tree.is_symlink() and digest not in keep:
+            shutil.rmtree(tree, ignore_errors=True)
+            removed.append(digest)
+    return sorted(removed)
