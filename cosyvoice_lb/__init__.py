@@ -4,4 +4,4 @@ Kept free of imports on purpose: the instance side (``server``, ``engines``) run
 model's Python environment, which has none of the launcher's dependencies.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -20,9 +20,10 @@ import pytest
 import yaml
 
 from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.common.sizes import GiB, MiB
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.plan.planner import Budget, GiB, Gpu, Inventory, MiB, Slot, plan
-from cosyvoice_lb.launcher.render.cluster import balancer_url
+from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, Slot, plan
+from cosyvoice_lb.launcher.render.addresses import balancer_url
 from cosyvoice_lb.launcher.render.monitoring import (
     DATASOURCE,
     alert_rules,

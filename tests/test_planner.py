@@ -1,4 +1,4 @@
-"""Slot planning (cosyvoice_lb/planner.py): pure, so every case builds its inventory by hand."""
+"""Slot planning (cosyvoice_lb/launcher/plan/planner.py): pure, so every case builds its inventory by hand."""
 
 from __future__ import annotations
 
@@ -6,20 +6,9 @@ import json
 
 import pytest
 
+from cosyvoice_lb.common.sizes import GiB, MiB
 from cosyvoice_lb.launcher.plan.gpu import parse_gpus
-from cosyvoice_lb.launcher.plan.planner import (
-    Budget,
-    GiB,
-    Gpu,
-    Inventory,
-    MiB,
-    Plan,
-    PlanError,
-    Slot,
-    format_size,
-    parse_size,
-    plan,
-)
+from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, Plan, PlanError, Slot, plan
 
 
 def cards(*sizes_gib: float, free_gib: tuple[float, ...] | None = None) -> Inventory:
@@ -49,96 +38,8 @@ def devices(p: Plan) -> list[int | None]:
     return [s.gpu for s in p.slots]
 
 
-# --- parse_size / format_size -------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("24GiB", 24 * GiB),
-        ("24G", 24 * GiB),
-        ("24GB", 24 * GiB),  # binary, on purpose: a card's "24GB" label is 24 GiB
-        ("24Gi", 24 * GiB),
-        ("24576MiB", 24 * GiB),
-        ("512M", 512 * MiB),
-        ("512MB", 512 * MiB),
-        ("1.5GiB", 3 * GiB // 2),
-        ("0.5G", 512 * MiB),
-        ("4KiB", 4096),
-        ("2T", 2 * 1024**4),
-        ("1TiB", 1024**4),
-        ("1024", 1024),  # a plain number is bytes
-        ("1024B", 1024),
-        ("0", 0),
-        ("24gib", 24 * GiB),
-        ("24g", 24 * GiB),
-        ("24gb", 24 * GiB),
-        ("512mib", 512 * MiB),
-        (" 24 GiB ", 24 * GiB),
-        (2048, 2048),  # not a string: read through str()
-    ],
-)
-def test_parse_size(text, expected):
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "",
-        "   ",
-        "GiB",
-        "abc",
-        "-1GiB",
-        "+5G",
-        "24XB",
-        "24PB",
-        "1e9",
-        "1,5GiB",
-        "24 GiB extra",
-        "24GiBs",
-        "5 GiB/s",
-        "0x10",
-        "1.GiB",
-        ".5G",
-        "five",
-        "24i",
-        "5 iB",
-        "24iB",
-    ],
-)
-def test_parse_size_rejects_with_a_helpful_message(text):
-    with pytest.raises(PlanError) as caught:
-        parse_size(text)
-    message = str(caught.value)
-    assert repr(text) in message  # says what it could not read
-    assert "24GiB" in message and "24576MiB" in message  # and shows what it can read
-
-
 def test_plan_error_is_a_value_error():
     assert issubclass(PlanError, ValueError)
-
-
-@pytest.mark.parametrize(
-    "size, text",
-    [
-        (5 * GiB, "5.0 GiB"),
-        (GiB, "1.0 GiB"),
-        (3 * GiB // 2, "1.5 GiB"),
-        (24 * GiB, "24.0 GiB"),
-        (GiB - MiB, "1023 MiB"),
-        (512 * MiB, "512 MiB"),
-        (MiB, "1 MiB"),
-        (0, "0 MiB"),
-    ],
-)
-def test_format_size(size, text):
-    assert format_size(size) == text
-
-
-@pytest.mark.parametrize("text", ["5GiB", "512MiB", "1.5GiB", "24GiB"])
-def test_format_size_reads_back_with_parse_size(text):
-    assert parse_size(format_size(parse_size(text)).replace(" ", "")) == parse_size(text)
 
 
 # --- parse_gpus (gpu.py) ------------------------------------------------------------------

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from cosyvoice_lb.common.sizes import GiB, MiB
 from cosyvoice_lb.launcher.health.rotation import rotation, spares_of
 from cosyvoice_lb.launcher.plan.planner import (
     Budget,
-    GiB,
     Gpu,
     Inventory,
-    MiB,
     PlanError,
     Pool,
     Slot,

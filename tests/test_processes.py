@@ -21,6 +21,10 @@ LAYOUT = Layout(Path("/srv/cvlb"))
         ["/venv/bin/python", "/x/app.py", "--port", "7860", "--starts-file", "/srv/cvlb/run/instance-0.starts"],
         ["/venv/bin/python", "-m", "cosyvoice_lb.launcher.health.loop", "--state-dir", "/srv/cvlb"],
         ["/venv/bin/python", "-m", "cosyvoice_lb.launcher.panel.server", "--state-dir", "/srv/cvlb"],
+        # (the module paths of 0.1: a cluster it started)
+        ["/venv/bin/python", "-m", "cosyvoice_lb.health_loop", "--state-dir", "/srv/cvlb"],
+        ["/venv/bin/python", "-m", "cosyvoice_lb.health", "--state-dir", "/srv/cvlb"],
+        ["/venv/bin/python", "-m", "cosyvoice_lb.admin", "--state-dir", "/srv/cvlb"],
     ],
 )
 def test_the_cluster_programs_are_recognised(args):

@@ -23,8 +23,9 @@ from supervisor.datatypes import RestartUnconditionally, dict_of_key_value_pairs
 from supervisor.options import ServerOptions
 
 from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.common.sizes import GiB, MiB
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.plan.planner import Budget, GiB, Gpu, Inventory, MiB, plan
+from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, plan
 from cosyvoice_lb.launcher.render.cluster import (
     MAX_SOCKET_PATH,
     Programs,

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_lb.instance.routing.rule import DEFAULT_SLACK
-from cosyvoice_lb.launcher.plan.planner import parse_size
+from cosyvoice_lb.common.sizes import parse_size
 
 ENV_PREFIX = "COSYVOICE_LB_"
 
@@ -520,7 +519,7 @@ class Settings:
         choices=("work", "least-conn"),
     )
     route_slack: float = setting(
-        DEFAULT_SLACK,
+        0.05,
         "Seconds another instance must start a request sooner before one declines it (--routing work).",
         type=float,
         check=not_negative,

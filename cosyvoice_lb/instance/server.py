@@ -37,6 +37,7 @@ from starlette.routing import Match
 from cosyvoice_lb import __version__
 from cosyvoice_lb.common.problems import error_body, error_headers
 from cosyvoice_lb.common.settings import Settings, parse_instance_args, parse_voice_map
+from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.common.timeouts import GRACEFUL_SHUTDOWN
 from cosyvoice_lb.instance.access.auth import PolicyFile
 from cosyvoice_lb.instance.access.gate import Gate
@@ -66,7 +67,6 @@ from cosyvoice_lb.instance.speech.validation import (
 )
 from cosyvoice_lb.instance.speech.voices import Registry
 from cosyvoice_lb.instance.ui.errors import UIErrors
-from cosyvoice_lb.launcher.plan.planner import parse_size
 
 log = logging.getLogger("cosyvoice_lb.instance")
 

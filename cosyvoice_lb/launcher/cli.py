@@ -25,13 +25,14 @@ from rich.text import Text
 
 from cosyvoice_lb import __version__
 from cosyvoice_lb.common.settings import CLUSTER_OPTIONS, PLAN_OPTIONS, Settings, absolute, envvar, flag
+from cosyvoice_lb.common.sizes import SizeError, format_size
 from cosyvoice_lb.launcher.cluster import lifecycle
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.cluster.status import SERVICES, ClusterStatus, pool_line, status
 from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, read_tail
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan import calibration, footprint
-from cosyvoice_lb.launcher.plan.planner import PlanError, format_size
+from cosyvoice_lb.launcher.plan.planner import PlanError
 from cosyvoice_lb.launcher.render.cluster import RenderError
 from cosyvoice_lb.launcher.render.cluster import warnings as render_warnings
 from cosyvoice_lb.launcher.render.credentials import access_of, admin_token_path, open_warning
@@ -40,7 +41,7 @@ from cosyvoice_lb.launcher.render.disk import render_only
 # Wide tables and unwrapped messages when piped (rich assumes 80 columns off a terminal).
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
-USER_ERRORS = (PlanError, RenderError, ClusterError, SupervisionError)
+USER_ERRORS = (PlanError, SizeError, RenderError, ClusterError, SupervisionError)
 
 
 def options(*names: str) -> Callable:

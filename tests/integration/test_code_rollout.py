@@ -46,7 +46,7 @@ def pings(cluster) -> list[dict]:
 
 def change_instance_code(cluster, marker: str) -> None:
     """A new version of the instance code: /ping says ``marker``."""
-    server = cluster["copy"] / "cosyvoice_lb" / "server.py"
+    server = cluster["copy"] / "cosyvoice_lb" / "instance" / "server.py"
     text = server.read_text()
     old = cluster.get("marker_line", '        "pid": os.getpid(),\n')
     new = f'        "pid": os.getpid(),\n        "rollout_marker": "{marker}",\n'
@@ -137,7 +137,7 @@ def test_a_half_done_roll_out_shows_and_a_surge_roll_out_finishes_it(cluster):
     assert [i["code"] for i in body["instances"][:INSTANCES]] == [staged, previous]
     assert any("roll-out not finished: instance-1" in w for w in body["warnings"])
     # instance-1 still runs its own, complete tree
-    assert (cluster["state"] / "run" / f"lib-{previous}" / "cosyvoice_lb" / "server.py").exists()
+    assert (cluster["state"] / "run" / f"lib-{previous}" / "cosyvoice_lb" / "instance" / "server.py").exists()
     table = run(cluster["copy"], "status", "--state-dir", str(cluster["state"])).stdout
     assert f"{previous[:8]} (old)" in table
     with Load(cluster["url"], threads=2, seconds=240) as load:

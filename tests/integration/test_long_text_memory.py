@@ -16,7 +16,7 @@ import requests
 from conftest import cli, free_port_block, wait_for
 
 from cosyvoice_lb.common.settings import ENGINE_FOOTPRINTS
-from cosyvoice_lb.launcher.plan.planner import parse_size
+from cosyvoice_lb.common.sizes import parse_size
 
 pytestmark = pytest.mark.integration
 MiB = 2**20

@@ -23,7 +23,9 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-DEFAULT_SLACK = 0.05  # seconds: a decline must gain the request more than this
+from cosyvoice_lb.common.settings import Settings
+
+DEFAULT_SLACK = Settings.route_slack  # seconds: a decline must gain the request more than this
 RATE_WEIGHT = 0.2  # of the newest synthesis in the moving average of seconds per character
 LAST_HEADER = "X-Cvlb-Route"  # "last": nginx's last resort, never declined
 TRY_HEADER = "X-Cvlb-Try"  # nginx's id of one client request, the same on each of its tries

@@ -8,6 +8,7 @@ import socket
 import psutil
 
 from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.compat import MODULES
 
 
 def listeners(port: int) -> list[psutil.Process]:
@@ -62,12 +63,8 @@ def is_cluster_program(args: list[str], layout: Layout) -> bool:
         flag in ("--starts-file", "--pipe-dir") and value.startswith(str(layout.run) + os.sep) for flag, value in pairs
     ):  # (an instance; a CUDA MPS daemon's wrapper)
         return True
-    # (cosyvoice_lb.launcher.health.rules: the loop's module before it was split from the rules)
-    modules = (
-        "cosyvoice_lb.launcher.health.loop",
-        "cosyvoice_lb.launcher.health.rules",
-        "cosyvoice_lb.launcher.panel.server",
-    )
+    modules = {"cosyvoice_lb.launcher.health.loop", "cosyvoice_lb.launcher.panel.server"}
+    modules |= {shim.old for shim in MODULES if shim.new in modules}  # (a cluster an older version started)
     return any(m in args for m in modules) and ("--state-dir", str(layout.root)) in pairs
 
 

@@ -12,11 +12,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.launcher.cluster.protocol import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.probe import Probe
 from cosyvoice_lb.launcher.health.rotation import PARKED
-from cosyvoice_lb.launcher.plan.planner import parse_size
 
 ALIVE = ("RUNNING", "STARTING")
 # Why an instance was restarted, as the metrics count it: the loop orders all but "crash"
@@ -320,9 +320,3 @@ def track_to_dict(track: Track) -> dict:
     values = dataclasses.asdict(track)
     values["drain_signal"] = track.drain_signal.value if track.drain_signal else ""
     return values
-
-
-if __name__ == "__main__":  # the loop's module of earlier versions: clusters they rendered still run it
-    from cosyvoice_lb.launcher.health.loop import main
-
-    main()

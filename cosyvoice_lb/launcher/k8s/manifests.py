@@ -22,11 +22,12 @@ import yaml
 
 from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings, envvar, problems
+from cosyvoice_lb.common.sizes import SizeError, parse_size
 from cosyvoice_lb.common.timeouts import Timeouts
 from cosyvoice_lb.launcher.cluster.layout import layout_for
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan.footprint import budget_for, parse_instances
-from cosyvoice_lb.launcher.plan.planner import Gpu, Inventory, PlanError, parse_size, plan
+from cosyvoice_lb.launcher.plan.planner import Gpu, Inventory, PlanError, plan
 from cosyvoice_lb.launcher.render.credentials import given_tokens
 
 PORT = 8080  # nginx in the pod
@@ -446,7 +447,7 @@ def write_manifests(settings: Settings, deployment: Deployment, out_dir: str) ->
         raise ClusterError(str(exc)) from None
     try:
         files = manifests(settings, dataclasses.replace(deployment, api_tokens=tuple(api), admin_tokens=tuple(admin)))
-    except PlanError as exc:
+    except (PlanError, SizeError) as exc:
         raise ClusterError(str(exc)) from None
     out = Path(out_dir)
     written = []

@@ -24,7 +24,7 @@ from cosyvoice_lb.launcher.cluster.supervision import SupervisionError
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.health.probe import loopback_session
 from cosyvoice_lb.launcher.panel.metrics import ClusterView, NginxCounters, parse_stub_status
-from cosyvoice_lb.launcher.render.cluster import balancer_url
+from cosyvoice_lb.launcher.render.addresses import balancer_url
 from cosyvoice_lb.launcher.render.disk import recorded
 
 ACTIONS = ("restart", "drain", "undrain")

@@ -40,8 +40,8 @@ from cosyvoice_lb.launcher.cluster.supervision import read_tail
 from cosyvoice_lb.launcher.health.probe import loopback_session
 from cosyvoice_lb.launcher.panel.control import Actions, gather
 from cosyvoice_lb.launcher.panel.metrics import ClusterView, ViewCollector
+from cosyvoice_lb.launcher.render import templates
 from cosyvoice_lb.launcher.render.disk import recorded
-from cosyvoice_lb.launcher.render.staging import templates_dir
 
 log = logging.getLogger("cosyvoice_lb.admin")
 
@@ -137,7 +137,7 @@ def build_app(
     actions = actions or Actions(layout)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ViewCollector(cached.get))
-    page = (templates_dir() / "admin.html").read_text(encoding="utf-8")
+    page = templates.read("admin.html")
 
     def who(request: Request) -> str:
         """ "admin" (a token), "session" (the panel's cookie), "metrics" (the scrape token) or ""."""

@@ -9,18 +9,10 @@ import json
 from dataclasses import dataclass
 
 from cosyvoice_lb.common.settings import ENGINE_FOOTPRINTS, TRT_EXTRA, VLLM_CARD_FRACTION, Settings
+from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.plan.gpu import inventory
-from cosyvoice_lb.launcher.plan.planner import (
-    Budget,
-    Plan,
-    PlanError,
-    Slot,
-    parse_size,
-    plan,
-    startable,
-    with_own_slots,
-)
+from cosyvoice_lb.launcher.plan.planner import Budget, Plan, PlanError, Slot, plan, startable, with_own_slots
 
 
 def parse_instances(value: str) -> int | None:

@@ -13,7 +13,8 @@ from typing import Any
 
 import psutil
 
-from cosyvoice_lb.launcher.plan.planner import Gpu, Inventory, PlanError, parse_size
+from cosyvoice_lb.common.sizes import SizeError, parse_size
+from cosyvoice_lb.launcher.plan.planner import Gpu, Inventory, PlanError
 
 
 def host_inventory(gpus: tuple[Gpu, ...] = (), source: str = "none") -> Inventory:
@@ -27,9 +28,11 @@ def parse_gpus(text: str) -> tuple[Gpu, ...]:
     sizes = [part for part in (p.strip() for p in text.split(",")) if part]
     if not sizes:
         raise PlanError("--gpus needs sizes, e.g. --gpus 24GiB,24GiB")
-    return tuple(
-        Gpu(index=i, total=parse_size(s), free=parse_size(s), name="hypothetical") for i, s in enumerate(sizes)
-    )
+    try:
+        totals = [parse_size(s) for s in sizes]
+    except SizeError as exc:
+        raise PlanError(f"--gpus: {exc}") from None
+    return tuple(Gpu(index=i, total=total, free=total, name="hypothetical") for i, total in enumerate(totals))
 
 
 def visible_indexes(uuids: list[str], value: str | None) -> list[int]:

@@ -9,19 +9,18 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import re
 import shlex
 from dataclasses import dataclass
 
-import jinja2
-
 from cosyvoice_lb.common.settings import Settings, instance_args, problems
+from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.common.timeouts import Timeouts
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.mps import client_env
-from cosyvoice_lb.launcher.plan.planner import Plan, Pool, Slot, parse_size
+from cosyvoice_lb.launcher.plan.planner import Plan, Pool, Slot
+from cosyvoice_lb.launcher.render.addresses import balancer_url, listen_address
 from cosyvoice_lb.launcher.render.monitoring import monitoring_files
-from cosyvoice_lb.launcher.render.staging import templates_dir
+from cosyvoice_lb.launcher.render.templates import template_environment
 
 # AF_UNIX socket paths are limited to 108 bytes on Linux (107 usable).
 MAX_SOCKET_PATH = 107
@@ -35,52 +34,11 @@ class RenderError(ValueError):
 class Programs:
     """What the configs run: resolved by the caller (which binary, which user)."""
 
-    app: str  # path of app.py
+    app: str  # path of the staged app.py
     launcher_python: str  # runs the health loop
     nginx: str
     run_as_user: str = ""  # nginx `user` when the launcher runs as root
     worker_processes: int = 2
-
-
-def _quote_nginx(value: object) -> str:
-    text = str(value)
-    if re.fullmatch(r"[\w./:@+-]+", text):
-        return text
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _escape_supervisor(value: object) -> str:
-    return str(value).replace("%", "%%")
-
-
-def _supervisor_env(env: dict[str, str]) -> str:
-    def quote(v: str) -> str:
-        return '"' + v.replace("%", "%%").replace('"', '\\"') + '"'
-
-    return ",".join(f"{k}={quote(v)}" for k, v in sorted(env.items()))
-
-
-def template_environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-    env.filters.update(nq=_quote_nginx, sv=_escape_supervisor, svenv=_supervisor_env)
-    return env
-
-
-def balancer_url(settings: Settings) -> str:
-    """nginx as an instance on this box reaches it (long texts' segments go there)."""
-    host = settings.listen_host
-    if host in ("0.0.0.0", ""):
-        host = "127.0.0.1"
-    elif host in ("::", "[::]"):
-        host = "::1"
-    return f"http://{listen_address(host, settings.port)}"
 
 
 def instance_command(settings: Settings, layout: Layout, programs: Programs, slot: Slot, peers: int = 1) -> list[str]:
@@ -206,13 +164,6 @@ def warnings(settings: Settings) -> list[str]:
             "a retry on another instance"
         )
     return found
-
-
-def listen_address(host: str, port: int) -> str:
-    """nginx's ``listen`` argument: IPv6 addresses go in brackets."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
 
 
 def stub_status_allow(settings: Settings) -> str:

@@ -26,8 +26,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.common.timeouts import Timeouts
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.planner import Slot
+from cosyvoice_lb.launcher.render.addresses import balancer_url
+from cosyvoice_lb.launcher.render.templates import template_environment
 
 # How every panel names its data source: the dashboard's datasource variable.
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
@@ -41,9 +44,6 @@ def _yaml_string(value: object) -> str:
 
 
 def _from_template(template: str, **context: Any) -> str:
-    # Imported here, not at the top: render imports this module to add these files to its own.
-    from cosyvoice_lb.launcher.render.cluster import template_environment
-
     env = template_environment()  # the house Jinja settings: StrictUndefined, trim_blocks, ...
     env.filters["yq"] = _yaml_string
     return env.get_template(template).render(**context)
@@ -64,8 +64,6 @@ def scrape_targets(slots: Iterable[Slot]) -> str:
 
 def balancer_target(settings: Settings) -> str:
     """``host:port`` at which Prometheus on this box reaches nginx (the cluster's /metrics)."""
-    from cosyvoice_lb.launcher.render.cluster import balancer_url  # here: render imports this module
-
     return balancer_url(settings).removeprefix("http://")
 
 
@@ -78,7 +76,6 @@ def prometheus_config(settings: Settings, layout: Layout) -> str:
 def alert_rules(settings: Settings | None = None) -> str:
     """alerts.yml: the cluster's alert rules (one group, ``cosyvoice-lb``). The health loop
     counts as stale after 30 s, or after what `status` allows when its probes are slower."""
-    from cosyvoice_lb.common.timeouts import Timeouts
 
     stale = max(30, math.ceil(Timeouts(settings or Settings()).health_stale))
     return _from_template("alerts.yml.j2", stale=stale)

@@ -1,44 +1,20 @@
-"""Where the templates and app.py are: beside the package in a checkout (or an editable
-install), under ``<prefix>/share/cosyvoice-lb`` after a plain ``pip install .``
-(setup.cfg installs them there as data files)."""
+"""The instance code staged into the state dir: a whole tree per digest, swapped in atomically.
+
+Instances run in the user's CosyVoice environment, which has no cosyvoice-lb installed:
+each imports the copy staged under ``run/lib`` (the instance and common packages, read from
+this installed package, and ``app.py`` to run them)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import shutil
-import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
-_PACKAGE = Path(__file__).resolve().parents[2]
-_CHECKOUT = _PACKAGE.parent
+import cosyvoice_lb
 
-
-def _candidates() -> list[Path]:
-    # <prefix>/lib/pythonX.Y/site-packages/cosyvoice_lb -> <prefix>/share/cosyvoice-lb, whatever
-    # the prefix (a venv, --user, --prefix); then the interpreter's own data paths.
-    parents = Path(__file__).resolve().parents
-    prefixes = [parents[i] for i in (5, 6) if i < len(parents)]
-    prefixes += [Path(sysconfig.get_path("data")), Path(sys.prefix)]
-    return [_CHECKOUT] + [p / "share" / "cosyvoice-lb" for p in prefixes]
-
-
-def _find(relative: str) -> Path:
-    for base in _candidates():
-        if (base / relative).exists():
-            return base / relative
-    searched = ", ".join(str(b) for b in _candidates())
-    raise FileNotFoundError(f"cosyvoice-lb cannot find {relative} (looked in {searched}): reinstall it")
-
-
-def templates_dir() -> Path:
-    return _find("templates")
-
-
-def app_path() -> Path:
-    return _find("app.py")
+_PACKAGE = Path(cosyvoice_lb.__file__).resolve().parent
 
 
 # What an instance runs: staged into the state dir, so the instance imports its own copy
@@ -49,7 +25,7 @@ INSTANCE_PACKAGES = ("instance", "common")
 
 def instance_files() -> dict[str, str]:
     """{path relative to the staging dir: text} for app.py and the instance's packages."""
-    files = {"app.py": app_path().read_text(encoding="utf-8")}
+    files = {"app.py": (_PACKAGE / "instance" / "__main__.py").read_text(encoding="utf-8")}
     files["cosyvoice_lb/__init__.py"] = (_PACKAGE / "__init__.py").read_text(encoding="utf-8")
     for package in INSTANCE_PACKAGES:
         for path in sorted((_PACKAGE / package).rglob("*.py")):
