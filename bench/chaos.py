@@ -78,11 +78,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 import requests
-from load import Interrupted, cli_command, free_port_block, shielded, stop_on_sigterm  # bench/load.py
 
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.cluster.processes import orphan_nginx, stray_processes
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus, status
+from load import Interrupted, cli_command, free_port_block, shielded, stop_on_sigterm  # bench/load.py
 
 # --- bounds ------------------------------------------------------------------------------
 

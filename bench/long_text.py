@@ -38,7 +38,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import load  # noqa: E402  (bench/load.py: SIGTERM stops the run as Ctrl-C does)
-
 from cosyvoice_lb.instance.audio.segments import split_text  # noqa: E402
 from cosyvoice_lb.launcher.cluster.ports import free_port_block  # noqa: E402
 

@@ -12,10 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from load import Result  # noqa: E402  (bench/load.py)
-
 import run  # noqa: E402
 from cosyvoice_lb.common.settings import Settings  # noqa: E402
+from load import Result  # noqa: E402  (bench/load.py)
 
 
 def results(latencies_ms, failed: int = 0) -> list[Result]:
