@@ -98,7 +98,7 @@ def test_nothing_is_open_without_the_admin_token(panel):
         )
     assert client.post("/admin/api/instances/instance-0/restart").status_code == 401
     assert client.get("/admin/api/status", headers=bearer("x" * 40)).status_code == 401
-    assert not layout.cordon("instance-0").exists()
+    assert not layout.drained("instance-0").exists()
 
 
 def test_the_generated_tokens_are_private_and_distinct(panel):
@@ -118,7 +118,7 @@ def test_the_scrape_token_reads_metrics_and_nothing_else(panel):
     assert metrics.status_code == 200 and 'cosyvoice_lb_instance_up{name="instance-0"} 1.0' in metrics.text
     assert client.get("/admin/api/status", headers=scrape).status_code == 401
     assert client.post("/admin/api/instances/instance-0/drain", headers=scrape).status_code == 401
-    assert not layout.cordon("instance-0").exists()
+    assert not layout.drained("instance-0").exists()
 
 
 def test_the_admin_token_drains_and_returns_an_instance(panel):

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 import soundfile
 
-from cosyvoice_lb.instance.audio.wav import Outputs, PromptError, StoredFile, expired, read_prompt, streaming_wav_header
+from cosyvoice_lb.instance.audio.formats import encode
+from cosyvoice_lb.instance.audio.outputs import Outputs, StoredFile, expired
+from cosyvoice_lb.instance.audio.prompts import PromptError, read_prompt
+from cosyvoice_lb.instance.audio.wav import WavBuilder, pcm16, wav_bytes, wav_header
 
 
 def encoded(fmt: str, seconds: float = 3.0, rate: int = 24000, channels: int = 1, silent: bool = False) -> bytes:
@@ -73,10 +76,26 @@ def test_a_refusal_names_the_reason_not_an_in_memory_file():
 
 
 def test_streaming_header_announces_16_bit_mono_of_unknown_length():
-    header = streaming_wav_header(24000)
+    header = wav_header(24000, None)
     assert header[:4] == b"RIFF" and header[8:16] == b"WAVEfmt " and len(header) == 44
     fmt, channels, rate, byte_rate, align, bits = struct.unpack("<HHIIHH", header[20:36])
     assert (fmt, channels, rate, byte_rate, align, bits) == (1, 1, 24000, 48000, 2, 16)
+    assert struct.unpack("<I", header[4:8]) == struct.unpack("<I", header[40:44]) == (0xFFFFFFFF,)
+
+
+def test_every_route_writes_the_same_wav_for_the_same_audio():
+    """/v1/tts (whole: wav_bytes; long texts: WavBuilder; streamed: a header of unknown length
+    and pcm16 chunks) and /v1/audio/speech (response_format wav, whole or streamed) give the
+    same header and samples: rounded, clipped, not truncated."""
+    audio = np.concatenate([0.5 * np.sin(np.arange(4800, dtype=np.float32) / 5), np.array([1.5, -1.5, 0.00002], "f4")])
+    whole = wav_bytes(audio, 24000)
+    built = WavBuilder(24000)
+    for piece in np.array_split(audio, 7):
+        built.feed(piece)
+    assert bytes(built.data) == whole == encode(audio, 24000, "wav")
+    assert whole[44:] == pcm16(audio) and np.frombuffer(whole[-6:], "<i2").tolist() == [32767, -32767, 1]
+    streamed = wav_header(24000, None) + b"".join(pcm16(piece) for piece in np.array_split(audio, 3))
+    assert streamed[44:] == whole[44:] and streamed[8:40] == whole[8:40]
 
 
 @pytest.mark.parametrize(
@@ -114,8 +133,6 @@ def test_written_audio_is_readable_by_the_service_only(tmp_path):
 
 
 def test_a_wav_built_chunk_by_chunk_is_the_audio_whole():
-    from cosyvoice_lb.instance.audio.wav import WavBuilder
-
     chunks = [0.5 * np.sin(np.arange(n, dtype=np.float32) / 7) for n in (1000, 1, 2400)] + [np.full(10, 2.0)]
     wav = WavBuilder(24000)
     for chunk in chunks:
@@ -128,8 +145,6 @@ def test_a_wav_built_chunk_by_chunk_is_the_audio_whole():
 
 
 def test_a_built_wav_is_kept_as_it_is(tmp_path):
-    from cosyvoice_lb.instance.audio.wav import WavBuilder
-
     wav = WavBuilder(16000)
     wav.feed(np.full(1600, 0.25, dtype=np.float32))
     name = Outputs(str(tmp_path), port=7860, max_age=3600, max_bytes=10**6).save(wav, 16000)

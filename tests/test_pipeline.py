@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from cosyvoice_lb.instance.audio.wav import PromptError
+from cosyvoice_lb.instance.audio.prompts import PromptError
 from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest
 from cosyvoice_lb.instance.speech.admission import Admission, Cancelled, NotReady, Overloaded, TimedOut
 from cosyvoice_lb.instance.speech.pipeline import ERRORS, Job, NoAudio, Pipeline, describe

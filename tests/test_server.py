@@ -16,7 +16,7 @@ import soundfile
 from conftest import free_port_block
 from fastapi.testclient import TestClient
 
-from cosyvoice_lb.instance.audio.wav import Outputs
+from cosyvoice_lb.instance.audio.outputs import Outputs
 from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest
 from cosyvoice_lb.instance.engines.espeak import EspeakEngine
 from cosyvoice_lb.instance.server import build_app
@@ -561,7 +561,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.parametrize("disk,cause", [("full", "No space left on device"), ("readonly", "Read-only file system")])
 def test_a_result_that_cannot_be_kept_is_a_507_naming_the_cause(loaded, small_disk, disk, cause):
-    from cosyvoice_lb.instance.audio.wav import Outputs
+    from cosyvoice_lb.instance.audio.outputs import Outputs
 
     directory = small_disk[disk]
     if disk == "full":

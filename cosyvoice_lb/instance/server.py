@@ -44,7 +44,8 @@ from cosyvoice_lb.instance.access.gate import Gate
 from cosyvoice_lb.instance.api.forms import read_form
 from cosyvoice_lb.instance.api.openai import add_openai_routes
 from cosyvoice_lb.instance.api.streams import AudioStream, audio_source, collect_wav, first_of, streaming_headers
-from cosyvoice_lb.instance.audio.wav import Outputs, pcm16, streaming_wav_header
+from cosyvoice_lb.instance.audio.outputs import Outputs
+from cosyvoice_lb.instance.audio.wav import pcm16, wav_header
 from cosyvoice_lb.instance.engines import create_engine
 from cosyvoice_lb.instance.metrics import MISSING, Metrics, RequestMetrics
 from cosyvoice_lb.instance.routing.board import Opener
@@ -258,7 +259,7 @@ def build_app(
         source = audio_source(pipeline, fanout, job, payload, prompt_data, request.headers, deadline)
         if job.request.stream:
             first = await first_of(source)
-            header = [streaming_wav_header(engine.sample_rate)]
+            header = [wav_header(engine.sample_rate, None)]
 
             def encode(chunk: np.ndarray) -> bytes:
                 return (header.pop() if header else b"") + pcm16(chunk)

@@ -30,11 +30,12 @@ Instance side: imports the standard library, numpy and soundfile only.
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any
 
 import numpy as np
 import soundfile
+
+from cosyvoice_lb.instance.audio.wav import pcm16, wav_header
 
 FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 CONTENT_TYPES = {
@@ -59,7 +60,6 @@ _LIBSNDFILE = {  # format -> (libsndfile major format, subtype)
     "opus": ("OGG", "OPUS"),
     "flac": ("FLAC", "PCM_16"),
 }
-_UNKNOWN_SIZE = 0xFFFFFFFF
 
 
 class FormatUnavailable(ValueError):
@@ -257,41 +257,20 @@ class _Pcm:
         self.started = False
 
     def write(self, audio: np.ndarray) -> bytes:
-        data = _s16le(audio)
+        data = pcm16(audio)
         if not self.stream:
             self.held.append(data)
             return b""
         if self.header and not self.started:
             self.started = True
-            return wav_header(None) + data
+            return wav_header(OUTPUT_RATE, None) + data
         return data
 
     def close(self) -> bytes:
         if self.stream:
             return self.write(np.zeros(0, dtype=np.float32))
         data = b"".join(self.held)
-        return (wav_header(len(data)) if self.header else b"") + data
-
-
-def _s16le(audio: np.ndarray) -> bytes:
-    return np.round(audio * 32767.0).astype("<i2").tobytes()
-
-
-def wav_header(data_bytes: int | None) -> bytes:
-    """A 44-byte header for 16-bit mono PCM at ``OUTPUT_RATE``; ``None`` for a stream of
-    unknown length (RIFF and data sizes 0xFFFFFFFF)."""
-    riff = _UNKNOWN_SIZE if data_bytes is None else 36 + data_bytes
-    data = _UNKNOWN_SIZE if data_bytes is None else data_bytes
-    fmt = struct.pack("<HHIIHH", 1, 1, OUTPUT_RATE, OUTPUT_RATE * 2, 2, 16)
-    return (
-        b"RIFF"
-        + struct.pack("<I", riff)
-        + b"WAVEfmt "
-        + struct.pack("<I", 16)
-        + fmt
-        + b"data"
-        + struct.pack("<I", data)
-    )
+        return (wav_header(OUTPUT_RATE, len(data)) if self.header else b"") + data
 
 
 class _Libsndfile:

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from cosyvoice_lb.common import pids
 from cosyvoice_lb.instance.routing.rule import Backlog, Peer
-from cosyvoice_lb.instance.speech.poison import pid_alive
 
 MAGIC = b"CVLBRT01"
 HEADER = 64
@@ -40,14 +40,10 @@ _ROW = struct.Struct("<qddBBB")
 _RING_POS = 28
 
 
-def _alive(pid: int) -> bool:
-    return pid > 0 and pid_alive(pid)  # (an empty row's pid is 0: kill(0) would signal our group)
-
-
 class Board:
     """One open board. ``alive`` tells whether a pid still runs (injected in tests)."""
 
-    def __init__(self, memory: mmap.mmap, alive: Callable[[int], bool] = _alive):
+    def __init__(self, memory: mmap.mmap, alive: Callable[[int], bool] = pids.alive):
         self.memory, self.alive = memory, alive
 
     # --- opening -------------------------------------------------------------------------

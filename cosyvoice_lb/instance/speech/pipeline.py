@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_lb.common.timeouts import WORKER_GRACE
-from cosyvoice_lb.instance.audio.wav import Outputs, PromptError, WavBuilder, read_prompt, wav_bytes, write_wav
+from cosyvoice_lb.instance.audio.outputs import Outputs
+from cosyvoice_lb.instance.audio.prompts import PromptError, read_prompt
+from cosyvoice_lb.instance.audio.wav import WavBuilder, wav_bytes, write_wav
 from cosyvoice_lb.instance.engines import Engine, EngineError, SynthesisRequest, Unspeakable, clones
 from cosyvoice_lb.instance.metrics import Metrics
 from cosyvoice_lb.instance.routing.router import Router

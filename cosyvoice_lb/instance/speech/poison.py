@@ -44,6 +44,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cosyvoice_lb.common import pids
+
 log = logging.getLogger("cosyvoice_lb.instance")
 
 DEATHS_LIMIT = 2
@@ -92,27 +94,6 @@ def fingerprint(*parts: object) -> str:
     return digest.hexdigest()[:32]
 
 
-PF_EXITING = 0x4  # the kernel's flag of a task in do_exit (include/linux/sched.h)
-
-
-def pid_alive(pid: int) -> bool:
-    """The process runs. A zombie does not (a killed instance stays one until supervisord
-    reaps it), nor one that is exiting: its sockets close during the exit, before it is a
-    zombie, and nginx retries its request at once -- the retry must see the death."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-            fields = stat.read().rpartition(")")[2].split()
-        return fields[0] not in ("Z", "X") and not int(fields[6]) & PF_EXITING
-    except (OSError, IndexError, ValueError):  # no /proc (not Linux): the signal said it exists
-        return True
-
-
 def _parse(directory: str, name: str) -> _Mark | None:
     """A mark's file name: ``PRINT.PID.KNOWN.ATTEMPT.RANDOM`` (``PRINT.PID.RANDOM`` before
     the known deaths and the attempt were kept: read as a first run of its own)."""
@@ -137,7 +118,7 @@ class Ledger:
         self,
         directory: str,
         pid: int | None = None,
-        alive: Callable[[int], bool] = pid_alive,
+        alive: Callable[[int], bool] = pids.alive,
         clock: Callable[[], float] = time.time,
         limit: int = DEATHS_LIMIT,
         max_age: float = MAX_AGE,

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_lb.instance.audio.wav import write_wav
+from cosyvoice_lb.common.atomic import write_atomic
+from cosyvoice_lb.instance.audio.wav import PRIVATE, write_wav
 from cosyvoice_lb.instance.speech.validation import BadRequest, safe
 
 VOICE_ID = re.compile(r"voice_[0-9a-f]{24}")
@@ -194,13 +195,10 @@ class Registry:
         building = self.root / f".new-{voice.id}"
         try:
             # the name's way to its id, written first: it finds the voice once the rename below makes it whole
-            (claim / CLAIM_ID).write_text(voice.id, encoding="utf-8")
+            write_atomic(claim / CLAIM_ID, voice.id, mode=PRIVATE)
             building.mkdir(mode=0o700)
             write_wav(building / AUDIO, audio, rate)
-            meta = building / f".{META}.part"
-            with os.fdopen(os.open(meta, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as out:
-                json.dump(asdict(voice), out, ensure_ascii=False)
-            os.replace(meta, building / META)
+            write_atomic(building / META, json.dumps(asdict(voice), ensure_ascii=False), mode=PRIVATE)
             os.rename(building, self.root / voice.id)
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)

@@ -159,7 +159,7 @@ class Layout:
         """The token Prometheus sends for the cluster's /metrics: it reads metrics, nothing else (0600)."""
         return self.monitoring / "scrape-token"
 
-    def cordon(self, name: str) -> Path:
+    def drained(self, name: str) -> Path:
         """An instance drained by hand: out of rotation, its process kept, until undrained."""
         return self.run / f"{name}.drained"
 

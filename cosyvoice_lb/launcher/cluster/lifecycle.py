@@ -27,7 +27,7 @@ from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.cluster.listeners import wanted
 from cosyvoice_lb.launcher.cluster.protocol import (
     DrainAction,
-    clear_cordons,
+    clear_drained,
     clear_drains,
     clear_starts,
     drain_by_hand,
@@ -103,7 +103,7 @@ def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progre
     if layout.run.is_dir():  # restarts are counted from this up; old requests are void
         clear_starts(layout)
         clear_drains(layout)
-        clear_cordons(layout)
+        clear_drained(layout)
         end_rollout(layout)
     layout.health_json.unlink(missing_ok=True)
     layout.routing_board.unlink(missing_ok=True)  # (rows of the last run's processes: a fresh board)
@@ -180,7 +180,7 @@ def _update(
         for name in removed:
             supervisor.remove_group(name)
             clear_starts(layout, name)
-            clear_cordons(layout, name)
+            clear_drained(layout, name)
         for name in added:
             supervisor.add_group(name)
         # Credentials turned on, or a wider listener: the instances get them first, and only then

@@ -22,6 +22,7 @@ import os
 import time
 from typing import Any
 
+from cosyvoice_lb.common import pids
 from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.launcher.cluster.layout import Layout
 
@@ -142,20 +143,10 @@ def rollout_surge(layout: Layout) -> int:
         surge, pid = max(0, int(marker["surge"])), int(marker.get("pid", 0))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return 0
-    if pid and not _alive(pid):
+    if pid and not pids.alive(pid):
         end_rollout(layout)
         return 0
     return surge
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's: there
-        return True
-    return True
 
 
 def end_rollout(layout: Layout) -> None:
@@ -170,24 +161,24 @@ DRAINED = "drained by hand (undrain to return it)"
 def drain_by_hand(layout: Layout, name: str) -> None:
     """Out of rotation until :func:`undrain`: requests in flight finish, the process stays
     (to look at it, or to keep it warm). The health loop honours it at its next step."""
-    write_atomic(layout.cordon(name), f"{time.time():.3f}\n")
+    write_atomic(layout.drained(name), f"{time.time():.3f}\n")
 
 
 def undrain(layout: Layout, name: str) -> bool:
     """Back in rotation at the health loop's next good probes; False when it was not drained."""
     try:
-        layout.cordon(name).unlink()
+        layout.drained(name).unlink()
     except FileNotFoundError:
         return False
     return True
 
 
 def drained_by_hand(layout: Layout, name: str) -> bool:
-    return layout.cordon(name).exists()
+    return layout.drained(name).exists()
 
 
-def clear_cordons(layout: Layout, name: str | None = None) -> None:
-    paths = [layout.cordon(name)] if name else list(layout.run.glob("*.drained"))
+def clear_drained(layout: Layout, name: str | None = None) -> None:
+    paths = [layout.drained(name)] if name else list(layout.run.glob("*.drained"))
     for path in paths:
         path.unlink(missing_ok=True)
 
