@@ -23,7 +23,7 @@ from cosyvoice_lb.launcher.health.loop import HealthLoop
 from cosyvoice_lb.launcher.health.probe import Probe
 from cosyvoice_lb.launcher.health.rotation import PARKED, SPARE
 from cosyvoice_lb.launcher.health.rules import pick_recycle
-from cosyvoice_lb.launcher.plan.planner import Pool, Slot
+from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 
 SLOTS = tuple(Slot(i, 7860 + i, None, 0) for i in range(4))
 NAMES = [s.name for s in SLOTS]
@@ -43,7 +43,7 @@ class Prober:
 
 
 class Rig:
-    def __init__(self, tmp_path, pool: Pool, running: int, room=None, **changes):
+    def __init__(self, tmp_path, pool: Roles, running: int, room=None, **changes):
         self.layout = Layout(tmp_path)
         self.layout.run.mkdir(exist_ok=True)
         self.layout.nginx_dir.mkdir(exist_ok=True)
@@ -109,7 +109,7 @@ def rigs():
 
 
 def test_a_warm_spare_takes_a_crashed_instances_place_in_the_same_step(tmp_path, rigs):
-    rig = rigs(tmp_path, Pool(serving=2, spares=1), running=3)
+    rig = rigs(tmp_path, Roles(serving=2, spares=1), running=3)
     rig.step(2)
     assert rig.serving() == [I0, I1]
     assert rig.reason(I2) == SPARE and rig.reason(I3) == PARKED
@@ -127,7 +127,7 @@ def test_a_warm_spare_takes_a_crashed_instances_place_in_the_same_step(tmp_path,
 
 
 def test_a_spare_is_not_recycled_away_nor_holds_up_recycling(tmp_path, rigs):
-    rig = rigs(tmp_path, Pool(serving=2, spares=1), running=3, max_requests=10)
+    rig = rigs(tmp_path, Roles(serving=2, spares=1), running=3, max_requests=10)
     rig.step(2)
     rig.prober.set(I0, Probe("ready", served=11))
     rig.step()
@@ -137,7 +137,7 @@ def test_a_spare_is_not_recycled_away_nor_holds_up_recycling(tmp_path, rigs):
 
 
 def test_a_surge_roll_out_lets_more_serve_and_its_end_gives_the_last_one_back(tmp_path, rigs):
-    rig = rigs(tmp_path, Pool(serving=2), running=2)
+    rig = rigs(tmp_path, Roles(serving=2), running=2)
     rig.step(2)
     protocol.start_rollout(rig.layout, 1)
     rig.start(I2, 300)  # the launcher starts the replacement on a parked slot
@@ -154,7 +154,7 @@ def test_a_surge_roll_out_lets_more_serve_and_its_end_gives_the_last_one_back(tm
 
 def test_elastic_starts_a_parked_slot_after_a_busy_period_and_stops_one_when_idle(tmp_path, rigs, caplog):
     caplog.set_level(logging.INFO, logger="cosyvoice_lb.health")
-    rig = rigs(tmp_path, Pool(serving=3, min_serving=1), running=1, scale_up_after=3, idle_release=5)
+    rig = rigs(tmp_path, Roles(serving=3, min_serving=1), running=1, scale_up_after=3, idle_release=5)
     rig.step(2)
     assert rig.serving() == [I0] and rig.loop.scale.target == 1
     rig.prober.set(I0, BUSY)
@@ -196,7 +196,7 @@ def test_elastic_without_memory_for_a_parked_slot_says_so_once(tmp_path, rigs, c
     caplog.set_level(logging.INFO, logger="cosyvoice_lb.health")
     rig = rigs(
         tmp_path,
-        Pool(serving=3, min_serving=1),
+        Roles(serving=3, min_serving=1),
         running=1,
         room=lambda running, parked: [],
         scale_up_after=2,
@@ -210,7 +210,7 @@ def test_elastic_without_memory_for_a_parked_slot_says_so_once(tmp_path, rigs, c
 
 
 def test_no_scaling_during_a_roll_out(tmp_path, rigs):
-    rig = rigs(tmp_path, Pool(serving=3, min_serving=1), running=1, scale_up_after=2)
+    rig = rigs(tmp_path, Roles(serving=3, min_serving=1), running=1, scale_up_after=2)
     rig.step(2)
     protocol.start_rollout(rig.layout, 1)
     rig.prober.set(I0, BUSY)
@@ -228,7 +228,7 @@ def test_pick_recycle_counts_spares_and_parked_slots_aside():
 
 
 def test_elastic_with_a_spare_judges_the_load_by_the_serving_ones_only(tmp_path, rigs):
-    rig = rigs(tmp_path, Pool(serving=3, spares=1, min_serving=1), running=2, scale_up_after=3, idle_release=600)
+    rig = rigs(tmp_path, Roles(serving=3, spares=1, min_serving=1), running=2, scale_up_after=3, idle_release=600)
     rig.step(2)
     assert rig.serving() == [I0] and rig.reason(I1) == SPARE
     rig.prober.set(I0, BUSY)  # the spare is idle, as spares are: it does not make the load look light
@@ -244,7 +244,7 @@ def test_a_roll_out_marker_left_by_a_launcher_that_is_gone_is_dropped(tmp_path, 
     import sys
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    rig = rigs(tmp_path, Pool(serving=2, spares=1), running=3)
+    rig = rigs(tmp_path, Roles(serving=2, spares=1), running=3)
     rig.layout.rollout.write_text(json.dumps({"surge": 1, "since": 0, "pid": int(gone.stdout)}))
     rig.step(2)
     assert rig.serving() == [I0, I1] and rig.reason(I2) == SPARE  # the spare stays a spare

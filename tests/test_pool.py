@@ -12,7 +12,7 @@ from cosyvoice_lb.launcher.plan.planner import (
     Gpu,
     Inventory,
     PlanError,
-    Pool,
+    Roles,
     Slot,
     plan,
     startable,
@@ -72,7 +72,7 @@ def test_surge_and_spares_spread_over_cards_like_serving_slots():
 
 def test_elastic_starts_at_its_floor_and_may_grow_to_the_planned_number():
     p = plan(cards(24), FIVE, instances=4, min_instances=1, spares=0)
-    assert p.roles == Pool(serving=4, spares=0, min_serving=1)
+    assert p.roles == Roles(serving=4, spares=0, min_serving=1)
     assert p.roles.elastic and p.roles.started == 1 and len(p.slots) == 4
     with pytest.raises(PlanError, match="--min-instances 5 is above the 4 instances planned"):
         plan(cards(24), FIVE, instances=4, min_instances=5)

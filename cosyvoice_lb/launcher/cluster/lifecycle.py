@@ -49,7 +49,7 @@ from cosyvoice_lb.launcher.cluster.waits import (
 )
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan.footprint import make_plan
-from cosyvoice_lb.launcher.plan.planner import Pool, Slot
+from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.plan.preflight import check_ports, check_tools
 from cosyvoice_lb.launcher.render.credentials import generated_token
 from cosyvoice_lb.launcher.render.disk import recorded, render_to_disk
@@ -247,7 +247,7 @@ NO_SURGE = "no parked slot has memory for a replacement now"
 
 
 def settle_count(
-    layout: Layout, settings: Settings, supervisor: Supervisor, slots: tuple[Slot, ...], pool: Pool, on_progress: Report
+    layout: Layout, settings: Settings, supervisor: Supervisor, slots: tuple[Slot, ...], pool: Roles, on_progress: Report
 ) -> None:
     """After new settings: as many instances running as they ask for (serving and spares;
     elastic: at least the floor, the health loop does the rest). Parked slots start, or

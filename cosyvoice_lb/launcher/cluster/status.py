@@ -27,7 +27,7 @@ from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, Supervis
 from cosyvoice_lb.launcher.health.probe import Prober
 from cosyvoice_lb.launcher.health.rotation import OCCUPIED, PARKED, SPARE, is_parked
 from cosyvoice_lb.launcher.plan.gpu import GpuReading, gpu_readings, process_gpu_memory
-from cosyvoice_lb.launcher.plan.planner import Pool, Slot
+from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.render.credentials import admin_token_path, open_warning
 from cosyvoice_lb.launcher.render.disk import recorded, recorded_pool
 from cosyvoice_lb.launcher.render.staging import staged_digest
@@ -312,7 +312,7 @@ def read_listeners(result: ClusterStatus, settings: Settings, layout: Layout) ->
         )
 
 
-def pool_summary(pool: Pool, reported: dict, instances: list[InstanceStatus]) -> dict:
+def pool_summary(pool: Roles, reported: dict, instances: list[InstanceStatus]) -> dict:
     """How many serve of how many wanted, the spares, the parked slots, a roll-out's surge and
     the elastic scale with its latest decisions (from the health loop's report)."""
     scale = reported.get("scale") if isinstance(reported.get("scale"), dict) else None

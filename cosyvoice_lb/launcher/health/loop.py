@@ -54,7 +54,7 @@ from cosyvoice_lb.launcher.health.rules import (
 from cosyvoice_lb.launcher.health.scaling import Bounds, Load, Scale, decide
 from cosyvoice_lb.launcher.plan.footprint import room_to_start
 from cosyvoice_lb.launcher.plan.gpu import process_gpu_memory
-from cosyvoice_lb.launcher.plan.planner import Pool, Slot
+from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.render.cluster import overflow_of, read_cluster_json, read_pool, render_upstreams
 
 log = logging.getLogger("cosyvoice_lb.health")
@@ -121,11 +121,11 @@ class HealthLoop:
         host: Host | None = None,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
-        pool: Pool | None = None,
+        pool: Roles | None = None,
         room: Room | None = None,
     ):
         self.layout, self.settings, self.slots = layout, settings, slots
-        self.roles = pool or Pool(serving=len(slots))
+        self.roles = pool or Roles(serving=len(slots))
         self.room: Room = room or (lambda running, parked: room_to_start(settings, running, parked))
         self.bounds = Bounds.of(self.roles, settings) if self.roles.elastic else None
         self.policy = Policy.from_settings(settings)

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.plan.planner import Pool
+from cosyvoice_lb.launcher.plan.planner import Roles
 
 HISTORY = 8  # decisions kept (health.json, status)
 
@@ -24,7 +24,7 @@ class Bounds:
     idle_release: float
 
     @classmethod
-    def of(cls, pool: Pool, settings: Settings) -> Bounds:
+    def of(cls, pool: Roles, settings: Settings) -> Bounds:
         return cls(pool.min_serving, pool.serving, settings.scale_up_after, settings.idle_release)
 
 

@@ -94,7 +94,7 @@ class DeviceFit:
 
 
 @dataclass(frozen=True)
-class Pool:
+class Roles:
     """How the planned slots are used: ``serving`` in rotation (elastic: between
     ``min_serving`` and ``serving``), ``spares`` loaded out of rotation; the slots past
     ``serving + spares`` are parked (planned, not started) for roll-outs' surge."""
@@ -136,11 +136,11 @@ class Plan:
     fits: tuple[DeviceFit, ...]
     capacity: int  # how many fit on the box (before --instances)
     notes: tuple[str, ...] = field(default_factory=tuple)
-    pool: Pool | None = None  # None: every slot serves
+    pool: Roles | None = None  # None: every slot serves
 
     @property
-    def roles(self) -> Pool:
-        return self.pool or Pool(serving=len(self.slots))
+    def roles(self) -> Roles:
+        return self.pool or Roles(serving=len(self.slots))
 
     @property
     def surge(self) -> int:
@@ -325,7 +325,7 @@ def plan(
     slots = tuple(
         Slot(index=i, port=base_port + i, gpu=device, memory=per_device[device]) for i, device in enumerate(placement)
     )
-    pool = Pool(serving=count, spares=spares, min_serving=min_instances if 0 < min_instances < count else 0)
+    pool = Roles(serving=count, spares=spares, min_serving=min_instances if 0 < min_instances < count else 0)
     return Plan(mode=mode, slots=slots, fits=tuple(fits), capacity=capacity, notes=tuple(notes), pool=pool)
 
 

@@ -17,7 +17,7 @@ from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.common.timeouts import Timeouts
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.mps import client_env
-from cosyvoice_lb.launcher.plan.planner import Plan, Pool, Slot
+from cosyvoice_lb.launcher.plan.planner import Plan, Roles, Slot
 from cosyvoice_lb.launcher.render.addresses import balancer_url, listen_address
 from cosyvoice_lb.launcher.render.monitoring import monitoring_files
 from cosyvoice_lb.launcher.render.templates import template_environment
@@ -287,13 +287,13 @@ def cluster_json(settings: Settings, plan: Plan) -> str:
     )
 
 
-def read_pool(text: str) -> Pool:
+def read_pool(text: str) -> Roles:
     """How the slots of ``cluster.json`` are used (a cluster rendered before pools: all serve)."""
     data = json.loads(text)["plan"]
     pool = data.get("pool")
     if not isinstance(pool, dict):
-        return Pool(serving=len(data["slots"]))
-    return Pool(serving=int(pool["serving"]), spares=int(pool["spares"]), min_serving=int(pool["min_serving"]))
+        return Roles(serving=len(data["slots"]))
+    return Roles(serving=int(pool["serving"]), spares=int(pool["spares"]), min_serving=int(pool["min_serving"]))
 
 
 def read_cluster_json(text: str) -> tuple[Settings, tuple[Slot, ...]]:

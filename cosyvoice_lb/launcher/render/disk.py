@@ -19,7 +19,7 @@ from cosyvoice_lb.launcher.cluster.protocol import out_of_rotation
 from cosyvoice_lb.launcher.cluster.supervision import Supervisor
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan.footprint import make_plan
-from cosyvoice_lb.launcher.plan.planner import Plan, Pool, Slot
+from cosyvoice_lb.launcher.plan.planner import Plan, Roles, Slot
 from cosyvoice_lb.launcher.plan.preflight import check_model, check_settings, check_state_dir, find_nginx
 from cosyvoice_lb.launcher.render.cluster import Programs, read_cluster_json, read_pool, render
 from cosyvoice_lb.launcher.render.credentials import write_admin_access, write_policy, write_segment_key
@@ -34,12 +34,12 @@ def recorded(layout: Layout) -> tuple[Settings, tuple[Slot, ...]] | None:
         return None
 
 
-def recorded_pool(layout: Layout, slots: tuple[Slot, ...]) -> Pool:
+def recorded_pool(layout: Layout, slots: tuple[Slot, ...]) -> Roles:
     """How the recorded slots are used (all serve when cluster.json does not say)."""
     try:
         return read_pool(layout.cluster_json.read_text())
     except (OSError, ValueError, KeyError, TypeError):
-        return Pool(serving=len(slots))
+        return Roles(serving=len(slots))
 
 
 def programs_for(settings: Settings) -> Programs:
