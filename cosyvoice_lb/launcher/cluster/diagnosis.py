@@ -1,0 +1,294 @@
+"""What the cluster's state means: the facts ``status`` gathers in, a :class:`ClusterStatus`
+(each instance's state, the problems and warnings, the pool) out.
+
+Pure, as the health loop's ``judge`` is: no supervisord, no HTTP, no files, no clock of its
+own, so every rule is tested with facts written by hand.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.common.timeouts import Timeouts
+from cosyvoice_lb.launcher.cluster.listeners import Address, beyond_loopback, describe, wanted
+from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
+from cosyvoice_lb.launcher.health.rotation import OCCUPIED, PARKED, SPARE, is_parked
+from cosyvoice_lb.launcher.plan.gpu import GpuReading
+from cosyvoice_lb.launcher.plan.planner import Roles, Slot
+
+SERVICES = ("nginx", "health", "admin")
+ESSENTIAL = ("nginx", "health")  # the cluster does not serve (well) without them
+
+
+@dataclass
+class InstanceStatus:
+    name: str
+    port: int
+    gpu: int | None
+    pid: int
+    state: str
+    ready: bool
+    in_rotation: bool
+    restarts: int
+    uptime: float
+    reason: str = ""
+    inflight: int = 0
+    waiting: int = 0  # requests waiting for its engine
+    failed: str = ""  # given up on after a crash loop: why (it stays stopped until restarted)
+    failed_at: float = 0.0
+    gpu_memory: int = 0  # bytes NVML says this process holds; 0 without a GPU (or pids NVML cannot see)
+    drained: bool = False  # drained by hand: out of rotation on purpose until undrained
+    spare: bool = False  # a warm spare: ready, out of rotation until an instance is taken out
+    parked: bool = False  # a slot not started on purpose (for surges; scaled in)
+    code: str = ""  # the digest of the staged code it runs (its /ping); "" while it does not answer
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "RUNNING" and self.ready and self.in_rotation
+
+    @property
+    def available(self) -> bool:
+        """Up and ready, and in rotation unless drained by hand or a warm spare (what a
+        start waits for)."""
+        return self.state == "RUNNING" and self.ready and (self.in_rotation or self.drained or self.spare)
+
+
+@dataclass
+class ClusterStatus:
+    running: bool
+    url: str = ""
+    instances: list[InstanceStatus] = field(default_factory=list)
+    nginx: dict = field(default_factory=dict)
+    health: dict = field(default_factory=dict)
+    admin: dict = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    report: list[str] = field(default_factory=list)  # per failed instance: why, and its log's last lines
+    access: dict = field(default_factory=dict)  # who can reach it, whether credentials are needed
+    warnings: list[str] = field(default_factory=list)  # works, but defeats a guarantee
+    unanswered: bool = False  # supervisord's socket is there but it does not answer
+    gpus: list[GpuReading] = field(default_factory=list)  # the cards visible here, read now; none without NVML
+    pool: dict = field(default_factory=dict)  # wanted in rotation, spares, surge, elastic scale (health.json)
+    daemons: dict = field(default_factory=dict)  # CUDA MPS control daemons (--mps): name -> state, pid
+    code: str = ""  # the digest of the instance code staged now (what a restart runs)
+
+    @property
+    def exit_code(self) -> int:
+        if self.unanswered:  # it runs, but its supervisord does not answer: a problem, not "not running"
+            return 1
+        if not self.running:
+            return 3
+        return 1 if self.problems else 0
+
+    def instance(self, name: str) -> InstanceStatus | None:
+        return next((i for i in self.instances if i.name == name), None)
+
+    def as_dict(self) -> dict:
+        return {
+            "running": self.running,
+            "ok": self.running and not self.problems,
+            "url": self.url,
+            "instances": [i.__dict__ for i in self.instances],
+            "nginx": self.nginx,
+            "health": self.health,
+            "admin": self.admin,
+            "problems": self.problems,
+            "access": self.access,
+            "warnings": self.warnings,
+            "gpus": [g.as_dict() for g in self.gpus],
+            "pool": self.pool,
+            "daemons": self.daemons,
+            "code": self.code,
+        }
+
+
+@dataclass
+class Observation:
+    """Everything ``status`` read from a running cluster, at one moment."""
+
+    settings: Settings
+    slots: tuple[Slot, ...]
+    roles: Roles
+    programs: dict[str, ProcessInfo]  # supervisord's, by program name
+    health: dict  # the health loop's last report (health.json), {} before its first
+    pings: dict[str, dict]  # each running instance's /ping body ({} when it did not answer)
+    nginx_answer: int  # nginx's /ping status (0: no answer)
+    drained: frozenset[str] = frozenset()  # drained by hand
+    starts: dict[str, int] = field(default_factory=dict)  # how often each instance was started
+    listening: frozenset[Address] | None = None  # nginx's real sockets; None: no nginx process
+    config_behind: float = 0.0  # the mtime of a config nginx has not taken (0: it runs the newest)
+    staged: str = ""  # the digest of the instance code staged now
+    admin_token_file: str = ""
+    open_warning: str = ""  # the access warning of these settings, if any
+    now: float = 0.0  # epoch seconds
+
+
+def public_url(settings: Settings) -> str:
+    host = settings.listen_host
+    if host in ("0.0.0.0", "*", ""):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "[::1]"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{settings.port}"
+
+
+def diagnose(seen: Observation) -> ClusterStatus:
+    """The cluster's status from what was seen: each instance, the services, the pool, nginx's
+    listeners, the code and the health loop's freshness, each with what is wrong and what to do."""
+    settings = seen.settings
+    result = ClusterStatus(running=True, url=public_url(settings))
+    result.access = {
+        "listen": f"{settings.listen_host}:{settings.port}",
+        "public": settings.exposed,
+        "credentials": settings.auth_required,
+        "admin": f"{result.url}/admin",
+        "admin_token_file": seen.admin_token_file,
+    }
+    result.warnings = [seen.open_warning] if seen.open_warning else []
+    tracks = seen.health.get("instances", {})
+    for slot in seen.slots:
+        item = instance_status(seen, slot, tracks.get(slot.name, {}))
+        result.instances.append(item)
+        instance_findings(result, item, seen.pings.get(slot.name, {}))
+    service_findings(result, seen.programs)
+    result.pool = pool_summary(seen.roles, seen.health.get("pool", {}), result.instances)
+    coming = sum(1 for i in result.instances if not i.parked and not i.serving and not i.spare and not i.failed)
+    if result.pool["in_rotation"] + coming < result.pool["wanted"]:  # e.g. an instance stopped by hand
+        result.problems.append(
+            f"{result.pool['in_rotation']} instance(s) in rotation of {result.pool['wanted']} wanted, and none "
+            "coming: 'cosyvoice-lb up' with the cluster's settings starts parked slots"
+        )
+    result.nginx.update(port=settings.port, url=result.url, answers=seen.nginx_answer)
+    listener_findings(result, settings, seen.listening, seen.config_behind)
+    result.code = seen.staged
+    behind = [i.name for i in result.instances if i.code and result.code and i.code != result.code]
+    if behind:
+        result.warnings.append(
+            f"roll-out not finished: {', '.join(behind)} run(s) older code than staged ({result.code}): "
+            "'cosyvoice-lb restart --all' replaces them"
+        )
+    if result.nginx["state"] == "RUNNING" and seen.nginx_answer == 0:
+        result.problems.append(f"nginx does not answer on {result.url}")
+    age = seen.now - float(seen.health.get("updated", 0))
+    result.health["updated_seconds_ago"] = round(age, 1) if seen.health else None
+    if result.health["state"] == "RUNNING" and age > Timeouts(settings).health_stale:
+        result.problems.append(f"the health loop has not reported for {age:.0f}s (hung?)")
+    return result
+
+
+def instance_status(seen: Observation, slot: Slot, track: dict) -> InstanceStatus:
+    """One slot: what supervisord, its /ping and the health loop's track say of it."""
+    proc = seen.programs.get(slot.name)
+    body = seen.pings.get(slot.name, {})
+    ready = bool(body.get("ready"))
+    in_rotation = bool(track.get("in_rotation")) and track.get("pid") == (proc.pid if proc else None)
+    failed = track.get("failed", "") or (
+        "failed: supervisord gave up starting it" if proc and proc.state == "FATAL" else ""
+    )
+    parked = proc is not None and is_parked(proc.state, bool(failed))
+    return InstanceStatus(
+        name=slot.name,
+        port=slot.port,
+        gpu=slot.gpu,
+        pid=proc.pid if proc else 0,
+        state=proc.state if proc else "MISSING",
+        ready=ready,
+        in_rotation=in_rotation,
+        restarts=max(0, seen.starts.get(slot.name, 0) - 1),
+        uptime=round(proc.uptime, 1) if proc and proc.state in OCCUPIED else 0.0,  # (a stopped one: its last run)
+        reason=PARKED if parked else "" if in_rotation else track.get("reason", ""),
+        inflight=int(body.get("inflight", 0)),
+        waiting=int(body.get("waiting", 0)),
+        failed=failed,
+        failed_at=float(track.get("failed_at", 0.0)) if track.get("failed") else 0.0,
+        drained=slot.name in seen.drained,
+        spare=ready and not in_rotation and track.get("reason") == SPARE,
+        parked=parked,
+        code=str(body.get("code", "")),
+    )
+
+
+def instance_findings(result: ClusterStatus, item: InstanceStatus, body: dict) -> None:
+    """What is wrong with one instance (problems) or only worth saying (warnings), in place."""
+    # (it serves, yet something is wrong there: e.g. its results are not kept, disk full)
+    result.problems.extend(f"{item.name}: {problem}" for problem in body.get("problems", []) if item.ready)
+    if item.failed:
+        result.problems.append(
+            f"{item.name} {item.failed}; see 'cosyvoice-lb logs {item.name}', fix the cause, "
+            f"then 'cosyvoice-lb restart {item.name}'"
+        )
+    elif item.parked or item.spare:  # on purpose: said in the pool line
+        pass
+    elif item.state != "RUNNING" or not item.ready:
+        result.problems.append(f"{item.name} is {item.state.lower()}{'' if item.ready else ', not ready'}")
+    elif item.drained:  # on purpose: said, not a problem
+        result.warnings.append(
+            f"{item.name} is drained by hand (out of rotation): 'cosyvoice-lb undrain {item.name}' puts it back"
+        )
+    elif not item.in_rotation:
+        result.problems.append(f"{item.name} is ready but not in nginx's rotation yet")
+
+
+def service_findings(result: ClusterStatus, programs: dict[str, ProcessInfo]) -> None:
+    """nginx, the health loop, the panel and the CUDA MPS daemons: their states, in place."""
+    for name in SERVICES:
+        proc = programs.get(name)
+        state = proc.state if proc else "MISSING"
+        setattr(result, name, {"state": state, "pid": proc.pid if proc else 0})
+        if state != "RUNNING":
+            result.problems.append(f"{name} is {state.lower()}")
+    for name, proc in sorted(programs.items()):
+        if name.startswith("mps-gpu"):
+            result.daemons[name] = {"state": proc.state, "pid": proc.pid}
+            if proc.state != "RUNNING":
+                result.problems.append(f"{name} (CUDA MPS) is {proc.state.lower()}: see 'cosyvoice-lb logs {name}'")
+
+
+def listener_findings(
+    result: ClusterStatus, settings: Settings, actual: frozenset[Address] | None, config_behind: float
+) -> None:
+    """What nginx really does (in place): the addresses its processes listen on (``access``
+    says those, not the config's), and a problem where they or its config lag what is on disk."""
+    listening = actual or frozenset()
+    configured = wanted(settings.listen_host, settings.port)
+    result.access.update(listen=describe(set(listening)), public=beyond_loopback(set(listening)))
+    result.nginx["listening"] = sorted(describe({address}) for address in listening)
+    result.nginx["configured"] = f"{settings.listen_host}:{settings.port}"
+    if actual is None:  # (no nginx process)
+        return
+    if listening != configured:
+        result.problems.append(
+            f"nginx listens on {describe(set(listening))}, not on {describe(configured)} as its config says: "
+            "'cosyvoice-lb up' with the cluster's settings (or 'cosyvoice-lb restart nginx') moves it"
+        )
+    if beyond_loopback(set(listening)) and not settings.auth_required and not settings.exposed:
+        result.problems.append(
+            f"nginx listens on {describe(set(listening))} while the cluster requires no credentials: anyone who "
+            "reaches it can synthesize; 'cosyvoice-lb restart nginx' puts it back on loopback"
+        )
+    if config_behind:
+        result.problems.append(
+            "nginx still runs a config older than the one on disk ("
+            + time.strftime("%H:%M:%S", time.localtime(config_behind))
+            + "): a reload failed, so rotation changes do not reach it; see 'cosyvoice-lb logs nginx-error', "
+            "then 'cosyvoice-lb up' with the cluster's settings (or 'cosyvoice-lb restart nginx')"
+        )
+
+
+def pool_summary(pool: Roles, reported: dict, instances: list[InstanceStatus]) -> dict:
+    """How many serve of how many wanted, the spares, the parked slots, a roll-out's surge and
+    the elastic scale with its latest decisions (from the health loop's report)."""
+    scale = reported.get("scale") if isinstance(reported.get("scale"), dict) else None
+    return {
+        "wanted": int(reported.get("wanted", pool.serving)),
+        "in_rotation": sum(1 for i in instances if i.serving),
+        "spares": sum(1 for i in instances if i.spare),
+        "spares_wanted": pool.spares,
+        "parked": sum(1 for i in instances if i.parked),
+        "surge": int(reported.get("surge", 0)),
+        "elastic": {"min": pool.min_serving, "max": pool.serving} if pool.elastic else None,
+        "decisions": scale.get("decisions", [])[-3:] if scale else [],
+    }
