@@ -1,4 +1,4 @@
-"""Kubernetes manifests (cosyvoice_lb/k8s.py, `cosyvoice-lb k8s render`): strict offline
+"""Kubernetes manifests (cosyvoice_lb/launcher/k8s/, `cosyvoice-lb k8s render`): strict offline
 validation against two Kubernetes versions' schemas, probe timings and the grace period's
 arithmetic, secrets only in the Secret, the HPA's metric the cluster really exposes, and the
 Dockerfile the Deployment runs."""
@@ -16,6 +16,7 @@ from conftest import ROOT, cli
 from cosyvoice_lb.common.settings import ENV_PREFIX, Settings, envvar
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus
 from cosyvoice_lb.launcher.k8s.manifests import PRE_STOP_SECONDS, Deployment, manifests, write_manifests
+from cosyvoice_lb.launcher.k8s.objects import pod_container, pod_volumes, volume_claim
 from cosyvoice_lb.launcher.panel.metrics import ClusterView, families
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -146,6 +147,25 @@ def test_shared_voices_and_per_pod_outputs(files):
     env = {e["name"]: e.get("value") for e in container(files)["env"]}
     assert env[envvar("voices_dir")] == "/srv/voices" and env[envvar("outputs_dir")] == "/srv/outputs/$(POD_NAME)"
     assert env["POD_NAME"] is None  # (from the downward API, defined before its use)
+
+
+def test_a_claim_without_a_storage_class_leaves_the_class_out():
+    # (absent: the cluster's default class; "" would ask for no class at all)
+    claim = volume_claim(Deployment(), "outputs", "50Gi")
+    assert "storageClassName" not in claim["spec"] and claim["metadata"]["name"] == "cosyvoice-lb-outputs"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
+
+
+def test_the_model_is_mounted_read_only_at_the_model_dir_only_with_a_model_volume():
+    given = Deployment(model_volume="models")
+    mounts = {m["name"]: m for m in pod_container(V3, given)["volumeMounts"]}
+    assert mounts["model"] == {"name": "model", "mountPath": V3.model_dir, "readOnly": True}
+    claims = {v["name"]: v for v in pod_volumes(given)}
+    assert claims["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert "model" not in {m["name"] for m in pod_container(V3, Deployment())["volumeMounts"]}
+    assert "model" not in {v["name"] for v in pod_volumes(Deployment())}
+    without_dir = pod_container(dataclasses.replace(V3, model_dir=""), given)
+    assert "model" not in {m["name"] for m in without_dir["volumeMounts"]}  # nowhere to mount it
 
 
 def test_the_ui_sticks_and_the_api_balances(files):
