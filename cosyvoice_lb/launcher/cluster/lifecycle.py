@@ -21,10 +21,10 @@ import psutil
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL, SUPERVISOR_SILENT, Timeouts
-from cosyvoice_lb.launcher.cluster import nginx_apply, processes
+from cosyvoice_lb.launcher.cluster import processes
 from cosyvoice_lb.launcher.cluster.changes import described, guard_step
+from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Report, Say
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
-from cosyvoice_lb.launcher.cluster.listeners import wanted
 from cosyvoice_lb.launcher.cluster.protocol import (
     DrainAction,
     clear_drained,
@@ -36,11 +36,9 @@ from cosyvoice_lb.launcher.cluster.protocol import (
     undrain,
 )
 from cosyvoice_lb.launcher.cluster.rollout import Slots, surge_rollout, surge_room
-from cosyvoice_lb.launcher.cluster.status import NO_TELEMETRY, SERVICES, ClusterStatus, failure_report, status
+from cosyvoice_lb.launcher.cluster.status import SERVICES, ClusterStatus, failure_report
 from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, Supervisor
 from cosyvoice_lb.launcher.cluster.waits import (
-    Progress,
-    Report,
     drain,
     loop_reported,
     others_serving,
@@ -55,36 +53,23 @@ from cosyvoice_lb.launcher.render.credentials import generated_token
 from cosyvoice_lb.launcher.render.disk import recorded, render_to_disk
 from cosyvoice_lb.launcher.render.staging import prune, stage
 
+# What the last render recorded (cluster.json): the settings and the slots.
+Recorded = tuple[Settings, tuple[Slot, ...]]
+
+
 # --- up --------------------------------------------------------------------------------
 
 
-def up(
-    settings: Settings, on_progress: Report = lambda p: None, say: Callable[[str], None] = lambda line: None
-) -> ClusterStatus:
+def up(settings: Settings, on_progress: Report = lambda p: None, say: Say = lambda line: None) -> ClusterStatus:
     """Start the cluster, or bring a running one to these settings (the ones given, defaults
     included: see ``changes``); wait until all ready. ``say``: what changes, before it does."""
     layout = layout_for(settings)
     check_tools(settings)
-    supervisor = Supervisor(layout, wait_timeout=Timeouts(settings).supervisor_wait)
-    previous = recorded(layout) if supervisor.running() else None
-    if previous is None:
-        current = _start(settings, layout, supervisor, on_progress)
-    else:
-        for line in described(previous[0], settings):
-            say(f"changing: {line}")
-        guard = guard_step(previous[0], settings, str(layout.api_token))
-        if guard is not None:  # access and listener change together: two steps, the safe way round
-            if not guard.api_token_file or guard.api_token_file == str(layout.api_token):
-                generated_token(layout)  # (made once; the final settings use the same one)
-            say(
-                "credentials stay in force while nginx listens beyond loopback: "
-                + ("credentials first, then nginx moves" if settings.auth_required else "nginx moves first")
-            )
-            _update(guard, layout, supervisor, previous, on_progress, say)
-            previous = recorded(layout) or previous
-        current = _update(settings, layout, supervisor, previous, on_progress, say)
+    c = Cluster.of(layout, settings, on_progress)
+    previous = recorded(layout) if c.supervisor.running() else None
+    current = start(c) if previous is None else update(c, previous, say)
     pruned(layout, current)
-    current.report = failure_report(layout, current)
+    current.report = failure_report(layout, current, supervisor=c.supervisor)
     return current
 
 
@@ -97,177 +82,222 @@ def pruned(layout: Layout, current: ClusterStatus) -> list[str]:
     return prune(layout.instance_lib, {i.code for i in running})
 
 
-def _start(settings: Settings, layout: Layout, supervisor: Supervisor, on_progress: Report) -> ClusterStatus:
+def start(c: Cluster) -> ClusterStatus:
+    """A first start: plan, render, supervisord, the instances (all at once, or --stagger'd
+    one after another). Whatever goes wrong (Ctrl-C too), what was started is stopped."""
+    settings, layout = c.settings, c.layout
     result, _ = make_plan(settings)
     check_ports(settings, result.slots, held=set())
-    if layout.run.is_dir():  # restarts are counted from this up; old requests are void
+    forget_last_run(layout)
+    result, layout, _ = render_to_disk(settings, planned=result)
+    # The first ones serve (and wait as spares); the slots past them stay parked for surges.
+    starting = [s.name for s in result.slots[: result.roles.started]]
+    try:
+        c.supervisor.start_daemon()
+        for index, name in enumerate(starting):
+            if settings.staggered:  # one model load at a time: each instance serves before the next starts
+                c.progress(Progress(index, len(starting), f"starting {name} (--stagger)"))
+            c.supervisor.start(name)
+            if settings.staggered:
+                try:
+                    wait_serving(c, [name])
+                except ClusterError:  # this one failed: the others may still serve (checked below)
+                    pass
+        # Serving with some instances failed is still serving: they are reported, not fatal.
+        return wait_serving(c, starting)
+    except BaseException as exc:  # never a half-started cluster, whatever went wrong (Ctrl-C too)
+        down(layout)
+        raise ClusterError(f"{what_failed(exc)}\nThe cluster was stopped; logs are in {layout.logs}") from None
+
+
+def what_failed(exc: BaseException) -> str:
+    if isinstance(exc, (ClusterError, SupervisionError)):
+        return str(exc)
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+
+
+def forget_last_run(layout: Layout) -> None:
+    """Restarts are counted from this start; old requests, drains by hand, a roll-out marker,
+    the last run's health report and routing board rows are void."""
+    if layout.run.is_dir():
         clear_starts(layout)
         clear_drains(layout)
         clear_drained(layout)
         end_rollout(layout)
     layout.health_json.unlink(missing_ok=True)
-    layout.routing_board.unlink(missing_ok=True)  # (rows of the last run's processes: a fresh board)
-    result, layout, _ = render_to_disk(settings, planned=result)
-    # The first ones serve (and wait as spares); the slots past them stay parked for surges.
-    starting = result.slots[: result.roles.started]
-    try:
-        supervisor.start_daemon()
-        for slot in starting:
-            if settings.staggered:  # one model load at a time: each instance serves before the next starts
-                on_progress(Progress(slot.index, len(starting), f"starting {slot.name} (--stagger)"))
-            supervisor.start(slot.name)
-            if settings.staggered:
-                try:
-                    wait_serving(layout, settings, [slot.name], on_progress)
-                except ClusterError:  # this one failed: the others may still serve (checked below)
-                    pass
-        # Serving with some instances failed is still serving: they are reported, not fatal.
-        return wait_serving(layout, settings, [s.name for s in starting], on_progress)
-    except BaseException as exc:  # never a half-started cluster, whatever went wrong (Ctrl-C too)
-        down(layout)
-        what = (
-            str(exc)
-            if isinstance(exc, (ClusterError, SupervisionError))
-            else ("interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}")
+    layout.routing_board.unlink(missing_ok=True)
+
+
+def update(c: Cluster, previous: Recorded, say: Say) -> ClusterStatus:
+    """Bring a running cluster to ``c.settings``, said line by line first. Access and the
+    listener changing together go in two steps, the safe way round (``changes.guard_step``)."""
+    settings, layout = c.settings, c.layout
+    for line in described(previous[0], settings):
+        say(f"changing: {line}")
+    guard = guard_step(previous[0], settings, str(layout.api_token))
+    if guard is not None:
+        if not guard.api_token_file or guard.api_token_file == str(layout.api_token):
+            generated_token(layout)  # (made once; the final settings use the same one)
+        say(
+            "credentials stay in force while nginx listens beyond loopback: "
+            + ("credentials first, then nginx moves" if settings.auth_required else "nginx moves first")
         )
-        raise ClusterError(f"{what}\nThe cluster was stopped; logs are in {layout.logs}") from None
+        update_to(c.with_settings(guard), previous, say)
+        previous = recorded(layout) or previous
+    return update_to(c, previous, say)
 
 
-def _update(
-    settings: Settings,
-    layout: Layout,
-    supervisor: Supervisor,
-    previous: tuple[Settings, tuple[Slot, ...]],
-    on_progress: Report,
-    say: Callable[[str], None] = lambda line: None,
-) -> ClusterStatus:
+def update_to(c: Cluster, previous: Recorded, say: Say) -> ClusterStatus:
     """Apply new settings to a running cluster, one instance at a time; nginx takes its new
     config checked (``nginx_apply``): early when it narrows, last when it widens."""
+    settings, layout = c.settings, c.layout
     old_settings, old_slots = previous
     if settings.mps != old_settings.mps:
         raise ClusterError(
             f"--mps {'on' if settings.mps else 'off'} changes how every instance reaches its GPU, which cannot "
             f"happen one instance at a time: 'cosyvoice-lb down', then 'up' with the new settings"
         )
-    own = Slots.read(layout, supervisor, old_slots).running  # (parked slots hold no memory)
+    own = Slots.read(layout, c.supervisor, old_slots).running  # (parked slots hold no memory)
     result, _ = make_plan(settings, own=own)
     check_ports(settings, result.slots, held={old_settings.port, *(s.port for s in old_slots)})
     result, layout, changed = render_to_disk(settings, own=own, planned=result, live=True)
-    nginx_log = layout.log("nginx-error")
     if changed:
-        added, groups_changed, removed = supervisor.reload()
-        # Slots the plan no longer has may be serving (roles move between slots): parked
-        # slots that stay take over first, and serve (the loop still running knows them)
-        # before the new loop leaves the old ones out.
-        before = Slots.read(layout, supervisor, old_slots)
-        leaving = [s.name for s in before.running if s.name in removed]
-        taking_over = [s.name for s in before.parked if s.name not in removed][: len(leaving)]
-        if taking_over:
-            on_progress(Progress(0, len(taking_over), f"{', '.join(taking_over)} take over from {', '.join(leaving)}"))
-            for name in taking_over:
-                supervisor.start(name)
-            wait_serving(layout, settings, taking_over, on_progress)
-        # The health loop reads its slots at start; it re-publishes the rotation at once.
-        # (Its program changed, e.g. its command: supervisord takes the new one with the group.)
-        restarted = time.time()
-        if "health" in groups_changed:
-            supervisor.remove_group("health")
-            supervisor.add_group("health")
-        else:
-            supervisor.stop("health")
-            supervisor.start("health", wait=True)  # it must be there to drain the instances replaced below
-        loop_reported(layout, settings, restarted)
-        for name in removed:
-            supervisor.remove_group(name)
-            clear_starts(layout, name)
-            clear_drained(layout, name)
-        for name in added:
-            supervisor.add_group(name)
-        # Credentials turned on, or a wider listener: the instances get them first, and only then
-        # does nginx take its new config. Otherwise nginx first (e.g. back to loopback).
-        moves = (settings.listen_host, settings.port) != (old_settings.listen_host, old_settings.port)
-        late = (settings.auth_required and not old_settings.auth_required) or (moves and settings.exposed)
-        nginx_group = "nginx" in groups_changed
-
-        def take_nginx() -> None:
-            if nginx_group:  # (its program changed: supervisord starts the new one)
-                supervisor.remove_group("nginx")
-                supervisor.add_group("nginx")
-                nginx_apply.wait_listening(supervisor, nginx_log, wanted(settings.listen_host, settings.port))
-            else:
-                nginx_apply.apply(supervisor, nginx_log, settings.listen_host, settings.port, say)
-
-        if not late:
-            take_nginx()
-        # New instance code (staged in run/lib) means every instance is "changed".
-        slot_names = [s.name for s in result.slots]
-        if any(layout.instance_lib in path.parents for path in changed):
-            groups_changed = sorted(set(groups_changed) | (set(slot_names) - set(added)))
-        now = Slots.read(layout, supervisor, result.slots)
-        instances_changed = [n for n in groups_changed if n in slot_names]
-
-        def regroup(name: str) -> None:  # a stopped slot takes its new config (and stays stopped)
-            supervisor.remove_group(name)
-            supervisor.add_group(name)
-
-        for slot in now.parked:  # nothing runs there: the new config now
-            if slot.name in instances_changed:
-                regroup(slot.name)
-        # (drained by hand: out of rotation already, replaced in place without a surge)
-        running = [s.name for s in now.running if s.name in instances_changed and not drained_by_hand(layout, s.name)]
-        free = surge_room(layout, settings, Slots.read(layout, supervisor, result.slots), settings.surge, running)
-        if running and free:
-            on_progress(Progress(0, len(running), f"surge roll-out: {len(free)} at a time on parked slots"))
-            surge_rollout(layout, settings, supervisor, running, free, on_progress, refresh=regroup)
-            running = []
-        elif running and settings.surge:
-            on_progress(Progress(0, len(running), f"--surge {settings.surge}: {NO_SURGE}; draining first"))
-        # Otherwise changed instances are replaced one after another, each serving before the
-        # next: out of rotation and idle first (the health loop's drain), then the new config.
-        running += [s.name for s in now.running if s.name in instances_changed and drained_by_hand(layout, s.name)]
-        for name in running:
-            on_progress(Progress(0, len(running), f"replacing {name} with its new settings"))
-            others_serving(layout, settings, name, on_progress)
-            old = drain(layout, settings, supervisor, [name], DrainAction.HOLD, on_progress)
-            regroup(name)
-            supervisor.start(name)
-            serving_or_fail(layout, settings, [name], on_progress, old)
-        if late:
-            take_nginx()
-    elif nginx_apply.lagging(supervisor, layout, wanted(settings.listen_host, settings.port)):
+        code_changed = any(layout.instance_lib in path.parents for path in changed)
+        apply_rendered(c, previous, result.slots, code_changed, say)
+    elif c.nginx.lagging(settings):
         # (nothing to render, yet nginx does not run its config: an earlier failed move or reload)
-        nginx_apply.apply(supervisor, nginx_log, settings.listen_host, settings.port, say)
+        c.nginx.apply(settings, say)
     # (also with nothing changed: a slot stopped by hand, or an interrupted restart, is started)
-    settle_count(layout, settings, supervisor, result.slots, result.roles, on_progress)
-    names = [s.name for s in Slots.read(layout, supervisor, result.slots).running]
-    return wait_serving(layout, settings, names, on_progress)
+    settle_count(c, result.slots, result.roles)
+    return wait_serving(c, [s.name for s in Slots.read(layout, c.supervisor, result.slots).running])
+
+
+def apply_rendered(c: Cluster, previous: Recorded, slots: tuple[Slot, ...], code_changed: bool, say: Say) -> None:
+    """The configs on disk changed: supervisord takes them, and the cluster moves over in
+    this order, each step before the next:
+
+    1. parked slots that stay take over from slots the plan no longer has, and serve;
+    2. the health loop restarts on the new slots (it drains the instances replaced below);
+    3. removed programs go, added ones come (stopped);
+    4. nginx, when the change narrows access (or changes nothing about it);
+    5. the changed instances, replaced with a surge where parked slots allow, else one after
+       another, each out of rotation and idle first;
+    6. nginx, when the change widens access: credentials on, or a listener beyond loopback.
+    """
+    settings, old_settings = c.settings, previous[0]
+    added, groups_changed, removed = c.supervisor.reload()
+    take_over(c, previous[1], removed)
+    restart_health_loop(c, "health" in groups_changed)
+    for name in removed:
+        c.supervisor.remove_group(name)
+        clear_starts(c.layout, name)
+        clear_drained(c.layout, name)
+    for name in added:
+        c.supervisor.add_group(name)
+    moves = (settings.listen_host, settings.port) != (old_settings.listen_host, old_settings.port)
+    widens = (settings.auth_required and not old_settings.auth_required) or (moves and settings.exposed)
+    nginx_program = "nginx" in groups_changed
+    if not widens:
+        take_nginx(c, nginx_program, say)
+    names = [s.name for s in slots]
+    if code_changed:  # new instance code (staged in run/lib): every instance is "changed"
+        groups_changed = sorted(set(groups_changed) | (set(names) - set(added)))
+    replace_changed(c, slots, [n for n in groups_changed if n in names])
+    if widens:
+        take_nginx(c, nginx_program, say)
+
+
+def take_over(c: Cluster, old_slots: tuple[Slot, ...], removed: list[str]) -> None:
+    """Slots the plan no longer has may be serving (roles move between slots): parked slots
+    that stay take over first, and serve (the loop still running knows them) before the new
+    loop leaves the old ones out."""
+    before = Slots.read(c.layout, c.supervisor, old_slots)
+    leaving = [s.name for s in before.running if s.name in removed]
+    taking_over = [s.name for s in before.parked if s.name not in removed][: len(leaving)]
+    if taking_over:
+        c.progress(Progress(0, len(taking_over), f"{', '.join(taking_over)} take over from {', '.join(leaving)}"))
+        for name in taking_over:
+            c.supervisor.start(name)
+        wait_serving(c, taking_over)
+
+
+def restart_health_loop(c: Cluster, program_changed: bool) -> None:
+    """The health loop reads its slots at start; restarted, it re-publishes the rotation at
+    once, and is there to drain the instances replaced next. (Its program changed, e.g. its
+    command: supervisord takes the new one with the group.)"""
+    restarted = c.wall()
+    if program_changed:
+        c.supervisor.remove_group("health")
+        c.supervisor.add_group("health")
+    else:
+        c.supervisor.stop("health")
+        c.supervisor.start("health", wait=True)
+    loop_reported(c, restarted)
+
+
+def take_nginx(c: Cluster, program_changed: bool, say: Say) -> None:
+    if program_changed:  # (its program changed: supervisord starts the new one)
+        c.nginx.replace_program(c.settings)
+    else:
+        c.nginx.apply(c.settings, say)
+
+
+def regroup(c: Cluster, name: str) -> None:
+    """A stopped slot takes its new config (and stays stopped)."""
+    c.supervisor.remove_group(name)
+    c.supervisor.add_group(name)
+
+
+def replace_changed(c: Cluster, slots: tuple[Slot, ...], changed: list[str]) -> None:
+    """Instances whose config changed run it: a parked slot at once; running ones with a surge
+    roll-out where parked slots have room, else one after another, each drained first (one
+    drained by hand is replaced in place, without a surge)."""
+    now = Slots.read(c.layout, c.supervisor, slots)
+    for slot in now.parked:  # nothing runs there: the new config now
+        if slot.name in changed:
+            regroup(c, slot.name)
+    by_hand = {s.name for s in now.running if drained_by_hand(c.layout, s.name)}
+    running = [s.name for s in now.running if s.name in changed and s.name not in by_hand]
+    free = surge_room(c, Slots.read(c.layout, c.supervisor, slots), c.settings.surge, running)
+    if running and free:
+        c.progress(Progress(0, len(running), f"surge roll-out: {len(free)} at a time on parked slots"))
+        surge_rollout(c, running, free, refresh=lambda name: regroup(c, name))
+        running = []
+    elif running and c.settings.surge:
+        c.progress(Progress(0, len(running), f"--surge {c.settings.surge}: {NO_SURGE}; draining first"))
+    running += [s.name for s in now.running if s.name in changed and s.name in by_hand]
+    for name in running:
+        c.progress(Progress(0, len(running), f"replacing {name} with its new settings"))
+        others_serving(c, name)
+        old = drain(c, [name], DrainAction.HOLD)
+        regroup(c, name)
+        c.supervisor.start(name)
+        serving_or_fail(c, [name], old)
 
 
 NO_SURGE = "no parked slot has memory for a replacement now"
 
 
-def settle_count(
-    layout: Layout, settings: Settings, supervisor: Supervisor, slots: tuple[Slot, ...], pool: Roles, on_progress: Report
-) -> None:
+def settle_count(c: Cluster, slots: tuple[Slot, ...], roles: Roles) -> None:
     """After new settings: as many instances running as they ask for (serving and spares;
     elastic: at least the floor, the health loop does the rest). Parked slots start, or
     the surplus is drained (out of rotation, idle) and stopped: spares and the last first."""
-    now = Slots.read(layout, supervisor, slots)
-    wanted = pool.started
+    now = Slots.read(c.layout, c.supervisor, slots)
+    wanted = roles.started
     if len(now.running) < wanted:
         for slot in now.parked[: wanted - len(now.running)]:
-            on_progress(Progress(0, wanted, f"starting {slot.name}"))
-            supervisor.start(slot.name)
+            c.progress(Progress(0, wanted, f"starting {slot.name}"))
+            c.supervisor.start(slot.name)
         return
-    if pool.elastic or len(now.running) == wanted:
+    if roles.elastic or len(now.running) == wanted:
         return
-    current = {i.name: i for i in status(layout, telemetry=NO_TELEMETRY).instances}
+    current = {i.name: i for i in c.read_status().instances}
     surplus = sorted(now.running, key=lambda s: (current[s.name].in_rotation, -s.index))[: len(now.running) - wanted]
     names = [s.name for s in surplus]
-    on_progress(Progress(0, len(names), f"stopping {', '.join(names)} (fewer instances asked for)"))
-    drain(layout, settings, supervisor, names, DrainAction.HOLD, on_progress)
+    c.progress(Progress(0, len(names), f"stopping {', '.join(names)} (fewer instances asked for)"))
+    drain(c, names, DrainAction.HOLD)
     for name in names:
-        supervisor.stop(name)
+        c.supervisor.stop(name)
 
 
 # --- restart, down, logs ---------------------------------------------------------------
@@ -288,17 +318,40 @@ def restart(
     planned now if the cluster has fewer and memory allows; else drain first, said so.
     Returns what was done, a line each."""
     record = recorded(layout)
-    supervisor = Supervisor(layout, wait_timeout=Timeouts(record[0] if record else Settings()).supervisor_wait)
-    if not supervisor.running() or record is None:
+    c = Cluster.of(layout, record[0] if record else Settings(), on_progress)
+    if not c.supervisor.running() or record is None:
         raise ClusterError(f"no cluster runs in {layout.root}: start it with 'cosyvoice-lb up'")
-    settings, slots = record
-    instances = [s.name for s in slots]
+    return restart_in(c, record[1], names, rolling, c.settings.surge if surge is None else surge)
+
+
+def restart_in(c: Cluster, slots: tuple[Slot, ...], names: list[str] | None, rolling: bool, surge: int) -> list[str]:
+    """:func:`restart`'s steps on a running cluster: the services asked for, then the
+    instances (new code staged first; a surge roll-out where it can; the rest in turn)."""
     # --all --rolling keeps capacity: each waits for the others to serve. Names given by
     # hand are restarted as asked.
     careful = names is None and rolling
-    parked = {s.name for s in Slots.read(layout, supervisor, slots).parked}
+    names = restartable(c, slots, names)
+    done = restart_services(c, [n for n in names if n in SERVICES])
+    targets = [n for n in names if n in {s.name for s in slots}]
+    if targets:  # a restarted instance runs the code installed now (e.g. after a git pull)
+        digest, moved = stage(c.layout.instance_lib)
+        if moved:
+            c.progress(Progress(0, len(targets), f"staged new instance code {digest}"))
+            done.append(f"staged new instance code {digest}; the instances restarted below run it")
+    if targets and rolling and surge:
+        targets = surge_first(c, targets, surge, done)
+    done += restart_in_turn(c, targets, rolling, careful)
+    if targets or any(line.startswith("replaced") for line in done):
+        pruned(c.layout, c.read_status())
+    return done
+
+
+def restartable(c: Cluster, slots: tuple[Slot, ...], names: list[str] | None) -> list[str]:
+    """The programs to restart (every running instance for None), or why not."""
+    instances = [s.name for s in slots]
+    parked = {s.name for s in Slots.read(c.layout, c.supervisor, slots).parked}
     names = [n for n in instances if n not in parked] if names is None else names
-    known = supervisor.processes()
+    known = c.supervisor.processes()
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ClusterError(f"no program named {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -315,66 +368,68 @@ def restart(
             f"{', '.join(daemons)} serves every instance on its GPU: restarting it alone would break them; "
             "'cosyvoice-lb down' then 'up' restarts the whole cluster"
         )
-    for name in [n for n in names if n in SERVICES]:
-        on_progress(Progress(0, 1, f"restarting {name}"))
-        supervisor.stop(name)
-        supervisor.start(name)
+    return names
+
+
+def restart_services(c: Cluster, services: list[str]) -> list[str]:
+    for name in services:
+        c.progress(Progress(0, 1, f"restarting {name}"))
+        c.supervisor.stop(name)
+        c.supervisor.start(name)
         if name == "nginx":  # (back where its config says, or an error)
-            nginx_apply.wait_listening(
-                supervisor, layout.log("nginx-error"), wanted(settings.listen_host, settings.port)
-            )
-    done = [f"restarted {n}" for n in names if n in SERVICES]
-    targets = [n for n in names if n in instances]
-    if targets:  # a restarted instance runs the code installed now (e.g. after a git pull)
-        digest, moved = stage(layout.instance_lib)
-        if moved:
-            on_progress(Progress(0, len(targets), f"staged new instance code {digest}"))
-            done.append(f"staged new instance code {digest}; the instances restarted below run it")
-    surge = settings.surge if surge is None else surge
-    if targets and rolling and surge:
-        now = grown(layout, settings, supervisor, surge, done)
-        # (drained by hand: out of rotation already, restarted in place below)
-        running = [s.name for s in now.running if s.name in targets and not drained_by_hand(layout, s.name)]
-        free = surge_room(layout, settings, now, surge, running)
-        if free and running:
-            on_progress(Progress(0, len(running), f"surge roll-out: {len(free)} at a time on parked slots"))
-            done += [
-                f"replaced {line}" for line in surge_rollout(layout, settings, supervisor, running, free, on_progress)
-            ]
-            targets = [n for n in targets if n not in running]  # (left: those not running, started below)
-        elif running:
-            on_progress(Progress(0, len(running), f"--surge {surge}: {NO_SURGE}; draining first"))
-            done.append(f"--surge {surge}: {NO_SURGE}; restarted draining first")
-    current = {i.name: i for i in status(layout, telemetry=NO_TELEMETRY).instances}
-    # Those not serving first: restarting them costs no capacity.
+            c.nginx.restarted(c.settings)
+    return [f"restarted {n}" for n in services]
+
+
+def surge_first(c: Cluster, targets: list[str], surge: int, done: list[str]) -> list[str]:
+    """Replace the running targets with a surge roll-out where parked slots have room (the
+    slots grown to ``surge`` first, see :func:`grown`); the targets left to restart in turn."""
+    now = grown(c, surge, done)
+    # (drained by hand: out of rotation already, restarted in place below)
+    running = [s.name for s in now.running if s.name in targets and not drained_by_hand(c.layout, s.name)]
+    free = surge_room(c, now, surge, running)
+    if free and running:
+        c.progress(Progress(0, len(running), f"surge roll-out: {len(free)} at a time on parked slots"))
+        done += [f"replaced {line}" for line in surge_rollout(c, running, free)]
+        return [n for n in targets if n not in running]  # (left: those not running, started below)
+    if running:
+        c.progress(Progress(0, len(running), f"--surge {surge}: {NO_SURGE}; draining first"))
+        done.append(f"--surge {surge}: {NO_SURGE}; restarted draining first")
+    return targets
+
+
+def restart_in_turn(c: Cluster, targets: list[str], rolling: bool, careful: bool) -> list[str]:
+    """Drained restarts: those not serving first (restarting them costs no capacity); rolling,
+    one at a time, each serving again before the next (``careful``: and the others serving
+    before each goes); else all at once."""
+    current = {i.name: i for i in c.read_status().instances}
     targets = sorted(targets, key=lambda n: current[n].serving)
+    done = []
     for group in [[n] for n in targets] if rolling else [targets] if targets else []:
-        on_progress(Progress(0, len(group), f"restarting {', '.join(group)}"))
+        c.progress(Progress(0, len(group), f"restarting {', '.join(group)}"))
         if careful and current[group[0]].serving:
-            others_serving(layout, settings, group[0], on_progress)
-        old = drain(layout, settings, supervisor, group, DrainAction.TERM, on_progress)
+            others_serving(c, group[0])
+        old = drain(c, group, DrainAction.TERM)
         for name in group:
             if name not in old:  # stopped (given up on after a crash loop, or crashed): start it
-                supervisor.start(name)
-        serving_or_fail(layout, settings, group, on_progress, old)
+                c.supervisor.start(name)
+        serving_or_fail(c, group, old)
         done += [f"restarted {name}" for name in group]
-    if targets or any(line.startswith("replaced") for line in done):
-        pruned(layout, status(layout, telemetry=NO_TELEMETRY))
     return done
 
 
-def grown(layout: Layout, settings: Settings, supervisor: Supervisor, surge: int, said: list[str]) -> Slots:
+def grown(c: Cluster, surge: int, said: list[str]) -> Slots:
     """The slots, with parked ones planned for a ``surge`` the cluster has fewer of (as
     `up --surge N` does, which it is: the instances keep running, supervisord's config
     grows, and the cluster keeps --surge N from now on, said in ``said``)."""
-    record = recorded(layout)
+    record = recorded(c.layout)
     slots = record[1] if record else ()
-    now = Slots.read(layout, supervisor, slots)
-    if len(now.parked) >= surge or settings.surge >= surge:
+    now = Slots.read(c.layout, c.supervisor, slots)
+    if len(now.parked) >= surge or c.settings.surge >= surge:
         return now
-    up(dataclasses.replace(settings, surge=surge))
-    record = recorded(layout)
-    now = Slots.read(layout, supervisor, record[1] if record else slots)
+    up(dataclasses.replace(c.settings, surge=surge))
+    record = recorded(c.layout)
+    now = Slots.read(c.layout, c.supervisor, record[1] if record else slots)
     said.append(f"planned --surge {surge} (the cluster keeps it): {len(now.parked)} parked slot(s)")
     return now
 

@@ -9,11 +9,10 @@ rotation while it lasts, and to scale nothing meanwhile.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Supervision
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.protocol import (
     DrainAction,
@@ -22,11 +21,9 @@ from cosyvoice_lb.launcher.cluster.protocol import (
     report_tracks,
     start_rollout,
 )
-from cosyvoice_lb.launcher.cluster.supervision import Supervisor
-from cosyvoice_lb.launcher.cluster.waits import Progress, Report, drain, loop_reported, serving_or_fail
+from cosyvoice_lb.launcher.cluster.waits import drain, loop_reported, serving_or_fail
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.health.rotation import OCCUPIED, is_parked
-from cosyvoice_lb.launcher.plan.footprint import room_to_start
 from cosyvoice_lb.launcher.plan.planner import Slot
 
 # Puts a stopped slot's program on the current config (for `up`: remove and add its group).
@@ -41,7 +38,7 @@ class Slots:
     parked: tuple[Slot, ...]  # stopped on purpose, not given up on
 
     @classmethod
-    def read(cls, layout: Layout, supervisor: Supervisor, slots: tuple[Slot, ...]) -> Slots:
+    def read(cls, layout: Layout, supervisor: Supervision, slots: tuple[Slot, ...]) -> Slots:
         procs = supervisor.processes()
         tracks = report_tracks(layout)
         state = {s.name: procs[s.name].state if s.name in procs else "MISSING" for s in slots}
@@ -51,22 +48,14 @@ class Slots:
         )
 
 
-def surge_room(layout: Layout, settings: Settings, now: Slots, surge: int, old: list[str]) -> list[Slot]:
+def surge_room(c: Cluster, now: Slots, surge: int, old: list[str]) -> list[Slot]:
     """The parked slots a roll-out may start at once: up to ``surge``, as memory allows now
     (not one drained by hand: it would start out of rotation)."""
-    parked = tuple(s for s in now.parked if s.name not in old and not drained_by_hand(layout, s.name))
-    return room_to_start(settings, now.running, parked)[:surge]
+    parked = tuple(s for s in now.parked if s.name not in old and not drained_by_hand(c.layout, s.name))
+    return c.room(now.running, parked)[:surge]
 
 
-def surge_rollout(
-    layout: Layout,
-    settings: Settings,
-    supervisor: Supervisor,
-    old: list[str],
-    free: list[Slot],
-    on_progress: Report,
-    refresh: Refresh = lambda name: None,
-) -> list[str]:
+def surge_rollout(c: Cluster, old: list[str], free: list[Slot], refresh: Refresh = lambda name: None) -> list[str]:
     """Replace the ``old`` instances, ``len(free)`` at a time: start replacements on the
     ``free`` parked slots, wait until they serve, then drain the same number of old ones
     (out of rotation, idle) and stop them; their slots take the next replacements.
@@ -75,38 +64,38 @@ def surge_rollout(
     surge = len(free)
     if not surge:
         raise ClusterError("a surge roll-out needs at least one parked slot with memory")
-    asked = time.time()
-    start_rollout(layout, surge)
-    loop_reported(layout, settings, asked)  # the loop lets the extra ones in from now on
+    asked = c.wall()
+    start_rollout(c.layout, surge)
+    loop_reported(c, asked)  # the loop lets the extra ones in from now on
     queue, spare = list(old), [s.name for s in free]
     done: list[str] = []
     try:
         while queue:
             batch, spare = spare[: min(surge, len(queue))], spare[min(surge, len(queue)) :]
-            on_progress(Progress(len(done), len(old), f"starting {', '.join(batch)} (surge) to replace {queue[0]}"))
+            c.progress(Progress(len(done), len(old), f"starting {', '.join(batch)} (surge) to replace {queue[0]}"))
             for name in batch:
                 refresh(name)
-                supervisor.start(name)
+                c.supervisor.start(name)
             try:
-                serving_or_fail(layout, settings, batch, on_progress, {})
+                serving_or_fail(c, batch, {})
             except ClusterError as exc:
                 # (stopped through the loop, which counts the stop: its next start is no crash)
-                drain(layout, settings, supervisor, batch, DrainAction.STOP, on_progress)
+                drain(c, batch, DrainAction.STOP)
                 raise ClusterError(
                     f"surge roll-out stopped, {len(done)} of {len(old)} replaced ({', '.join(done) or 'none'}); "
                     f"the instances not replaced still serve:\n{exc}"
                 ) from None
             outgoing, queue = queue[: len(batch)], queue[len(batch) :]
-            on_progress(Progress(len(done), len(old), f"{', '.join(batch)} serving: draining {', '.join(outgoing)}"))
-            drain(layout, settings, supervisor, outgoing, DrainAction.HOLD, on_progress)
+            c.progress(Progress(len(done), len(old), f"{', '.join(batch)} serving: draining {', '.join(outgoing)}"))
+            drain(c, outgoing, DrainAction.HOLD)
             for name in outgoing:
-                supervisor.stop(name)
+                c.supervisor.stop(name)
                 refresh(name)
             spare += outgoing
             done += [f"{o} -> {n}" for o, n in zip(outgoing, batch)]
     finally:
-        ended = time.time()
-        end_rollout(layout)
-        loop_reported(layout, settings, ended)  # the rotation is back to the wanted number when this returns
-    on_progress(Progress(len(old), len(old), "surge roll-out done"))
+        ended = c.wall()
+        end_rollout(c.layout)
+        loop_reported(c, ended)  # the rotation is back to the wanted number when this returns
+    c.progress(Progress(len(old), len(old), "surge roll-out done"))
     return done

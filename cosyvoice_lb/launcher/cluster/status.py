@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL
 from cosyvoice_lb.launcher.cluster import processes
@@ -152,9 +153,11 @@ def read_gpus(result: ClusterStatus, telemetry: Telemetry) -> None:
         item.gpu_memory = used.get(item.pid, 0) if item.pid else 0
 
 
-def failure_report(layout: Layout, current: ClusterStatus, names: list[str] | None = None) -> list[str]:
+def failure_report(
+    layout: Layout, current: ClusterStatus, names: list[str] | None = None, supervisor: Tails | None = None
+) -> list[str]:
     """For each failed instance: why, and the last lines of its log."""
-    supervisor = Supervisor(layout)
+    supervisor = supervisor or Supervisor(layout)
     lines = []
     for item in current.instances:
         if item.failed and (names is None or item.name in names):
@@ -163,7 +166,15 @@ def failure_report(layout: Layout, current: ClusterStatus, names: list[str] | No
     return lines
 
 
-def last_lines(supervisor: Supervisor, name: str, lines: int = 20) -> str:
+class Tails(Protocol):
+    """Where the programs' logs are read (:class:`Supervisor`)."""
+
+    layout: Layout
+
+    def tail(self, name: str, length: int = 4000) -> str: ...
+
+
+def last_lines(supervisor: Tails, name: str, lines: int = 20) -> str:
     text = supervisor.tail(name, 8000)
     if name == "nginx":
         text += read_tail(supervisor.layout.log("nginx-error"), 4000)

@@ -1,19 +1,18 @@
 """Waiting on the cluster while it changes: until instances serve (or failed), until the others
 serve before one is stopped, until the health loop took a drain request or reported.
 
-Used by ``lifecycle`` (up, restart) and ``rollout`` (surge roll-outs); reads the cluster
-through ``status`` and talks to the health loop through ``protocol``.
+Used by ``lifecycle`` (up, restart) and ``rollout`` (surge roll-outs). Everything goes through
+the :class:`~cosyvoice_lb.launcher.cluster.context.Cluster` passed in: its status reader, its
+supervisord, its clock; the health loop is reached through the state dir (``protocol``).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.common.timeouts import SUPERVISOR_SILENT, Timeouts
-from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.common.timeouts import SUPERVISOR_SILENT
+from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Report
+from cosyvoice_lb.launcher.cluster.diagnosis import ESSENTIAL, ClusterStatus, InstanceStatus
 from cosyvoice_lb.launcher.cluster.protocol import (
     DrainAction,
     answer_drain,
@@ -22,48 +21,33 @@ from cosyvoice_lb.launcher.cluster.protocol import (
     read_report,
     report_tracks,
 )
-from cosyvoice_lb.launcher.cluster.status import (
-    ESSENTIAL,
-    NO_TELEMETRY,
-    ClusterStatus,
-    failure_report,
-    last_lines,
-    status,
-)
-from cosyvoice_lb.launcher.cluster.supervision import Supervisor
+from cosyvoice_lb.launcher.cluster.status import failure_report, last_lines
 from cosyvoice_lb.launcher.errors import ClusterError
 
-Report = Callable[["Progress"], None]
+__all__ = [
+    "Progress",
+    "Report",
+    "drain",
+    "loop_reported",
+    "others_serving",
+    "serving_or_fail",
+    "wait_serving",
+]
 
 
-@dataclass
-class Progress:
-    """What `up` and `restart` report while they wait."""
-
-    ready: int
-    total: int
-    detail: str
-
-
-def loop_reported(layout: Layout, settings: Settings, since: float) -> None:
+def loop_reported(c: Cluster, since: float) -> None:
     """Wait (bounded) until the health loop has written a report after ``since``: it has
     then published the rotation for the slots it read at its start."""
-    deadline = time.monotonic() + Timeouts(settings).loop_answer
-    while time.monotonic() < deadline and float(read_report(layout).get("updated", 0)) <= since:
-        time.sleep(0.1)
+    c.wait_until(lambda: float(read_report(c.layout).get("updated", 0)) > since, c.timeouts.loop_answer)
 
 
-def others_serving(layout: Layout, settings: Settings, name: str, on_progress: Report) -> None:
+def others_serving(c: Cluster, name: str) -> None:
     """Before a drained stop of ``name``: wait until every other instance (but those given
     up on, or drained by hand) serves, so the stop costs one instance of capacity and never
     the last one."""
-    deadline = time.monotonic() + Timeouts(settings).others_serving
+    deadline = c.clock() + c.timeouts.others_serving
     while True:
-        instances = [
-            i
-            for i in status(layout, telemetry=NO_TELEMETRY).instances
-            if i.name != name and not i.failed and not i.parked
-        ]
+        instances = [i for i in c.read_status().instances if i.name != name and not i.failed and not i.parked]
         # (drained by hand: out of rotation on purpose, nothing to wait for; but not the only ones left)
         others = [i for i in instances if not i.drained]
         drained = [i.name for i in instances if i.drained]
@@ -76,74 +60,85 @@ def others_serving(layout: Layout, settings: Settings, name: str, on_progress: R
         short = [i.name for i in others if not (i.serving or i.spare)]
         if not short:
             return
-        if time.monotonic() > deadline:
+        if c.clock() > deadline:
             raise ClusterError(
                 f"{', '.join(short)} did not serve within --startup-timeout: not stopping {name} "
                 "as well; see 'cosyvoice-lb status' (restart NAME restarts one regardless)"
             )
-        on_progress(Progress(len(others) - len(short), len(others), f"before {name}: waiting for {', '.join(short)}"))
-        time.sleep(0.5)
+        c.progress(Progress(len(others) - len(short), len(others), f"before {name}: waiting for {', '.join(short)}"))
+        c.sleep(0.5)
 
 
-def drain(
-    layout: Layout,
-    settings: Settings,
-    supervisor: Supervisor,
-    names: list[str],
-    action: DrainAction,
-    on_progress: Report,
-) -> dict[str, int]:
+def drain(c: Cluster, names: list[str], action: DrainAction) -> dict[str, int]:
     """Ask the health loop for a drained stop of ``names``: out of rotation, then (once their
     requests are done) TERM, or for HOLD nothing: the caller replaces them. Returns the pids
     of those that were running. Without a working health loop they are stopped directly
     (each still drains its own requests on TERM; nginx retries the ones it refuses)."""
-    procs = supervisor.processes()
+    procs = c.supervisor.processes()
     running = {n: procs[n].pid for n in names if n in procs and procs[n].state in ("RUNNING", "STARTING")}
-    timeouts = Timeouts(settings)
     for name in names:
-        ask_drain(layout, name, action)
+        ask_drain(c.layout, name, action)
     health_up = "health" in procs and procs["health"].state in ("RUNNING", "STARTING")
-    deadline = time.monotonic() + (timeouts.loop_answer if health_up else 0.0)
-    while any(drain_pending(layout, n) for n in names) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    ignored = [n for n in names if drain_pending(layout, n)]
-    tracks = report_tracks(layout)
+    c.wait_until(
+        lambda: not any(drain_pending(c.layout, n) for n in names), c.timeouts.loop_answer if health_up else 0.0
+    )
+    ignored = [n for n in names if drain_pending(c.layout, n)]
+    tracks = report_tracks(c.layout)
     for name in ignored:
         if not tracks.get(name, {}).get("failed"):  # (kept for one given up on: the health loop clears it)
-            answer_drain(layout, name)
-        on_progress(Progress(0, len(names), f"the health loop did not take the request: stopping {name} directly"))
+            answer_drain(c.layout, name)
+        c.progress(Progress(0, len(names), f"the health loop did not take the request: stopping {name} directly"))
         if name in running:
-            supervisor.stop(name)
+            c.supervisor.stop(name)
             if action is DrainAction.TERM:
-                supervisor.start(name)
+                c.supervisor.start(name)
     held = [n for n in running if n not in ignored]
     if action is DrainAction.HOLD and held:
-        deadline = time.monotonic() + timeouts.hold_done
-        while time.monotonic() < deadline and not all(
-            report_tracks(layout).get(n, {}).get("signalled_at") for n in held
-        ):
-            time.sleep(0.1)
+        c.wait_until(
+            lambda: all(report_tracks(c.layout).get(n, {}).get("signalled_at") for n in held), c.timeouts.hold_done
+        )
     return running
 
 
-def serving_or_fail(
-    layout: Layout, settings: Settings, names: list[str], on_progress: Report, replacing: dict[str, int]
-) -> ClusterStatus:
+def serving_or_fail(c: Cluster, names: list[str], replacing: dict[str, int]) -> ClusterStatus:
     """Wait for ``names`` (new processes) to serve; any of them failing is an error."""
-    current = wait_serving(layout, settings, names, on_progress, replacing=replacing)
-    report = failure_report(layout, current, names)
+    current = wait_serving(c, names, replacing=replacing)
+    report = failure_report(c.layout, current, names, c.supervisor)
     if report:
         raise ClusterError("\n".join(report))
     return current
 
 
+@dataclass
+class Start:
+    """One wait for instances to serve: who, since when, and what was seen so far."""
+
+    names: list[str]
+    replacing: dict[str, int]
+    since: float  # epoch seconds: a failure the health loop recorded before this is not this start's
+    served: set[str] = field(default_factory=set)  # seen serving once: done, even if recycled meanwhile
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def note(self, current: ClusterStatus) -> list[InstanceStatus]:
+        """Take in a status; the named instances still waited for."""
+        for item in current.instances:
+            if item.name not in self.names:
+                continue
+            if item.available and item.pid != self.replacing.get(item.name):
+                self.served.add(item.name)
+            recorded = item.failed if item.failed_at >= self.since or item.state == "FATAL" else ""
+            if item.name not in self.failed and item.name not in self.served and recorded:
+                self.failed[item.name] = recorded
+            item.failed = self.failed.get(item.name, "")
+        return [
+            i
+            for i in current.instances
+            if i.name in self.names and i.name not in self.served and i.name not in self.failed
+        ]
+
+
 def wait_serving(
-    layout: Layout,
-    settings: Settings,
-    names: list[str],
-    on_progress: Report,
-    poll: float = 0.25,
-    replacing: dict[str, int] | None = None,
+    c: Cluster, names: list[str], poll: float = 0.25, replacing: dict[str, int] | None = None
 ) -> ClusterStatus:
     """Wait until each named instance serves (ready and in rotation; for ``replacing``,
     a process other than the pid given) or has failed, and nginx answers.
@@ -153,70 +148,64 @@ def wait_serving(
     done, even if it is recycled while the others are waited for. The others are still
     waited for; :class:`ClusterError` only when none of them serves.
     """
-    supervisor = Supervisor(layout)
-    replacing = replacing or {}
-    since = time.time()  # a failure the health loop recorded before this wait is not this start's
-    deadline = time.monotonic() + Timeouts(settings).serving
-    failed: dict[str, str] = {}
-    served: set[str] = set()
-    answered = time.monotonic()
+    start = Start(names, replacing or {}, since=c.wall())
+    deadline = c.clock() + c.timeouts.serving
+    answered = c.clock()
     while True:
-        current = status(layout, telemetry=NO_TELEMETRY)  # (polled: no NVML each time)
+        current = c.read_status()
         if current.unanswered or not current.running:
             # supervisord stopped answering (stopped, swapping, stuck) or went away: no
             # instance can be started or checked; bounded, then a clear error.
-            if time.monotonic() - answered > SUPERVISOR_SILENT or not current.unanswered:
+            if c.clock() - answered > SUPERVISOR_SILENT or not current.unanswered:
                 raise ClusterError(
                     f"supervisord stopped answering while instances started: "
-                    f"{'; '.join(current.problems)}; see {layout.log('supervisord')}"
+                    f"{'; '.join(current.problems)}; see {c.layout.log('supervisord')}"
                 )
-            on_progress(Progress(0, len(names), "supervisord does not answer; asking again"))
-            time.sleep(poll)
+            c.progress(Progress(0, len(names), "supervisord does not answer; asking again"))
+            c.sleep(poll)
             continue
-        answered = time.monotonic()
-        for item in current.instances:
-            if item.name not in names:
-                continue
-            if item.available and item.pid != replacing.get(item.name):
-                served.add(item.name)
-            recorded = item.failed if item.failed_at >= since or item.state == "FATAL" else ""
-            if item.name not in failed and item.name not in served and recorded:
-                failed[item.name] = recorded
-            item.failed = failed.get(item.name, "")
-        for service in ESSENTIAL:  # (the control panel is not: a cluster serves without it)
-            state = getattr(current, service).get("state")
-            if state in ("FATAL", "BACKOFF", "EXITED", "MISSING"):
-                raise ClusterError(
-                    f"{service} does not stay up ({state}); last log lines:\n{last_lines(supervisor, service)}"
-                )
-        waiting = [i for i in current.instances if i.name in names and i.name not in served and i.name not in failed]
-        if not waiting and failed and len(failed) == len(names):
+        answered = c.clock()
+        waiting = start.note(current)
+        essential_up(c, current)
+        if not waiting and start.failed and len(start.failed) == len(names):
             first = "no instance could start:" if len(names) > 1 else f"{names[0]} could not start:"
-            raise ClusterError("\n".join([first] + failure_report(layout, current, names)))
+            raise ClusterError("\n".join([first] + failure_report(c.layout, current, names, c.supervisor)))
         if not waiting and current.nginx.get("answers") == 200:
-            on_progress(
-                Progress(
-                    len(names) - len(failed),
-                    len(names),
-                    "all ready" if not failed else f"{len(failed)} failed: {', '.join(failed)}",
-                )
-            )
+            failed = start.failed
+            done = "all ready" if not failed else f"{len(failed)} failed: {', '.join(failed)}"
+            c.progress(Progress(len(names) - len(failed), len(names), done))
             return current
         detail = ", ".join(i.name + (f" ({i.reason})" if i.reason else "") for i in waiting) or "nginx"
-        on_progress(Progress(len(names) - len(waiting) - len(failed), len(names), "waiting for " + detail))
-        if time.monotonic() > deadline:
-            if len(waiting) + len(failed) < len(names):  # some serve: the slow ones are reported, not fatal
-                for item in waiting:
-                    item.failed = failed[item.name] = (
-                        f"failed: not ready within --startup-timeout {settings.startup_timeout:.0f}s"
-                    )
-                on_progress(Progress(len(names) - len(failed), len(names), f"{len(failed)} failed"))
-                return current
-            tails = "\n".join(
-                f"--- {i.name} ({layout.log(i.name)}):\n{last_lines(supervisor, i.name, 8)}" for i in waiting
-            )
+        c.progress(Progress(len(names) - len(waiting) - len(start.failed), len(names), "waiting for " + detail))
+        if c.clock() > deadline:
+            return timed_out(c, start, current, waiting)
+        c.sleep(poll)
+
+
+def essential_up(c: Cluster, current: ClusterStatus) -> None:
+    """nginx and the health loop stay up while instances start (the control panel need not:
+    a cluster serves without it); raises with their last log lines when one does not."""
+    for service in ESSENTIAL:
+        state = getattr(current, service).get("state")
+        if state in ("FATAL", "BACKOFF", "EXITED", "MISSING"):
             raise ClusterError(
-                f"not ready within --startup-timeout {settings.startup_timeout:.0f}s: "
-                f"{'; '.join(current.problems) or 'nginx does not answer /ping with 200'}\n{tails}"
+                f"{service} does not stay up ({state}); last log lines:\n{last_lines(c.supervisor, service)}"
             )
-        time.sleep(poll)
+
+
+def timed_out(c: Cluster, start: Start, current: ClusterStatus, waiting: list[InstanceStatus]) -> ClusterStatus:
+    """--startup-timeout passed: with some serving, the slow ones are reported as failed (not
+    fatal); with none, an error with each one's last log lines."""
+    names, failed = start.names, start.failed
+    if len(waiting) + len(failed) < len(names):
+        for item in waiting:
+            item.failed = failed[item.name] = (
+                f"failed: not ready within --startup-timeout {c.settings.startup_timeout:.0f}s"
+            )
+        c.progress(Progress(len(names) - len(failed), len(names), f"{len(failed)} failed"))
+        return current
+    tails = "\n".join(f"--- {i.name} ({c.layout.log(i.name)}):\n{last_lines(c.supervisor, i.name, 8)}" for i in waiting)
+    raise ClusterError(
+        f"not ready within --startup-timeout {c.settings.startup_timeout:.0f}s: "
+        f"{'; '.join(current.problems) or 'nginx does not answer /ping with 200'}\n{tails}"
+    )
