@@ -224,7 +224,7 @@ def test_the_control_panel_lists_the_instances_and_restarts_one_drained(cluster)
             log = page.locator("#log")
             page.locator("#log-name").select_option("health")
             log.filter(has_text="restart requested").wait_for(timeout=10000)
-            if os.environ.get("CVLB_SCREENSHOT"):  # the README's picture
+            if os.environ.get("CVLB_SCREENSHOT"):  # the picture in docs/observability.md
                 page.screenshot(path=os.environ["CVLB_SCREENSHOT"], full_page=True)
         finally:
             stop.set()

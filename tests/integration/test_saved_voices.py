@@ -212,7 +212,7 @@ def test_registration_applies_the_prompt_rules(cluster):
     )
     assert r.status_code == 400 and "silent" in r.json()["error"]["message"]
     assert r.headers["x-should-retry"] == "false"
-    for seconds in (0.5, 2.9):  # what the README and the UI say: 3-15 s
+    for seconds in (0.5, 2.9):  # what docs/api.md and the UI say: 3-15 s
         short = io.BytesIO()
         soundfile.write(short, soundfile.read(PROMPT, dtype="float32")[0][: int(seconds * 16000)], 16000, format="WAV")
         r = cluster["http"].post(
