@@ -1,5 +1,5 @@
-"""Monitoring files (cosyvoice_lb/monitoring.py): Prometheus targets and config, alert rules,
-the Grafana dashboard.
+"""Monitoring files (cosyvoice_lb/launcher/render/prometheus.py: Prometheus targets and config,
+alert rules; render/grafana.py: the Grafana dashboard; render/monitoring.py: all of them).
 
 Pure tests render on a made-up state dir (nothing is written); the promtool tests write the
 files into tmp_path laid out as a state dir and let Prometheus's own tool judge them:
@@ -24,16 +24,9 @@ from cosyvoice_lb.common.sizes import GiB, MiB
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, Slot, plan
 from cosyvoice_lb.launcher.render.addresses import balancer_url
-from cosyvoice_lb.launcher.render.monitoring import (
-    DATASOURCE,
-    alert_rules,
-    balancer_target,
-    dashboard_exprs,
-    grafana_dashboard,
-    monitoring_files,
-    prometheus_config,
-    scrape_targets,
-)
+from cosyvoice_lb.launcher.render.grafana import DATASOURCE, dashboard_exprs, grafana_dashboard
+from cosyvoice_lb.launcher.render.monitoring import monitoring_files
+from cosyvoice_lb.launcher.render.prometheus import alert_rules, balancer_target, prometheus_config, scrape_targets
 
 HERE = Path(__file__).resolve().parent
 ALERTS_TEST = HERE / "monitoring" / "alerts_test.yml"

@@ -27,7 +27,7 @@ from conftest import cli, free_port_block, instance_samples, unexpected_tracebac
 from prometheus_client.parser import text_string_to_metric_families
 
 from cosyvoice_lb.instance.metrics import OUTCOMES, ROUTES
-from cosyvoice_lb.launcher.render.monitoring import dashboard_exprs
+from cosyvoice_lb.launcher.render.grafana import dashboard_exprs
 
 pytestmark = pytest.mark.integration
 PROMETHEUS = shutil.which("prometheus")
