@@ -209,6 +209,159 @@ def _fit_cpu(inventory: Inventory, budget: Budget) -> DeviceFit:
     )
 
 
+@dataclass(frozen=True)
+class _Devices:
+    """The devices a plan places slots on: each one's fit, and the memory a slot takes there."""
+
+    mode: str  # "gpu" or "cpu"
+    fits: list[DeviceFit]
+    devices: list[int | None]  # NVML indexes, or [None] for the CPU
+    per_device: dict[int | None, int]  # bytes one slot is budgeted on each device
+    per_slot: int  # the most one slot takes on any device (for messages)
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Room:
+    """How many instances the box holds, after ``--max-instances``."""
+
+    fits: list[DeviceFit]
+    capacity: int  # what fits in memory and cores: as many as ``instances=None`` plans
+    room: int  # what fits in memory alone: the most an explicit ``--instances`` may ask for
+    notes: tuple[str, ...]
+
+
+def _check_request(
+    budget: Budget, *, base_port: int, instances: int | None, spares: int, surge: int, min_instances: int
+) -> None:
+    """Refuse a request no box could plan (negative counts, an empty footprint, a port that is
+    not one) before looking at the box, so the message names the flag to fix."""
+    if spares < 0 or surge < 0 or min_instances < 0:
+        raise PlanError("--spares, --surge and --min-instances cannot be negative")
+    if budget.gpu_footprint <= 0 or budget.host_footprint <= 0:
+        raise PlanError("the footprint must be larger than 0 (e.g. --footprint 5GiB)")
+    if budget.reserve < 0:
+        raise PlanError("the reserve cannot be negative (e.g. --reserve 1GiB)")
+    if budget.max_instances is not None and budget.max_instances < 1:
+        raise PlanError("--max-instances must be at least 1")
+    if instances is not None and instances < 1:
+        raise PlanError("--instances must be at least 1 (or 'auto')")
+    if not 1 <= base_port <= 65535:
+        raise PlanError(f"base port {base_port} is not a TCP port (1-65535)")
+
+
+def _gpu_devices(inventory: Inventory, budget: Budget) -> _Devices:
+    """GPU placement: every card with how many instances fit on it, a note for each card
+    that holds none (so a refusal says which card and why)."""
+    fits = [_fit_gpu(g, budget) for g in inventory.gpus]
+    per_device: dict[int | None, int] = {g.index: budget.on_card(g) for g in inventory.gpus}
+    per_slot = max(per_device.values())
+    notes = tuple(
+        f"{fit.device}: no instance fits ({format_size(fit.free)} free, "
+        f"{format_size(fit.total)} total, {format_size(per_slot)} "
+        f"per instance + {format_size(budget.reserve)} reserve)"
+        for fit in fits
+        if fit.fits == 0
+    )
+    return _Devices("gpu", fits, [g.index for g in inventory.gpus], per_device, per_slot, notes)
+
+
+def _cpu_devices(inventory: Inventory, budget: Budget) -> _Devices:
+    """CPU placement, on a box without a usable GPU: one device, the host's RAM and cores."""
+    note = (
+        "no GPU found: planning CPU slots from "
+        f"{inventory.cpu_cores} cores and {format_size(inventory.ram_available)} free RAM"
+    )
+    per_slot = budget.host_footprint
+    return _Devices("cpu", [_fit_cpu(inventory, budget)], [None], {None: per_slot}, per_slot, (note,))
+
+
+def _room(fits: list[DeviceFit], budget: Budget) -> _Room:
+    """Capacity and room of the devices, both capped at ``--max-instances`` (the per-device
+    fits trimmed round-robin to match). Memory is a hard limit (out of memory kills); CPU
+    cores only share time: so room counts memory only, capacity cores too."""
+    capacity = sum(f.fits for f in fits)
+    room = sum(min(f.by_total, f.by_free) for f in fits)
+    cap = budget.max_instances
+    if cap is None:
+        return _Room(fits, capacity, room, ())
+    if capacity <= cap:
+        return _Room(fits, capacity, min(room, cap), ())
+    note = f"capped at --max-instances {cap} (room for {capacity})"
+    return _Room(_cap(fits, cap), cap, min(room, cap), (note,))
+
+
+def _auto_serving(capacity: int, spares: int, notes: tuple[str, ...]) -> int:
+    """How many serve when ``--instances`` is auto: what fits, less the spares; refused when
+    nothing fits (``notes`` say why) or the spares would take every slot."""
+    if capacity == 0:
+        raise PlanError(
+            "no instance fits on this box: "
+            + "; ".join(notes or ["lower --footprint or --reserve"])
+            + ". Lower --footprint/--reserve, free memory, or use --instances N --force"
+        )
+    if capacity - spares < 1:
+        raise PlanError(
+            f"room for {capacity} instance(s) only: none would serve beside --spares {spares}. "
+            "Ask for fewer spares, lower --footprint, or give --instances N --force"
+        )
+    return capacity - spares
+
+
+def _asked_serving(
+    instances: int, spares: int, *, force: bool, room: _Room, devices: _Devices, cpu_cores: int
+) -> tuple[str, ...]:
+    """Check an explicit ``--instances`` (with the spares) against the room: refused past
+    it unless ``force``; the notes say when it is forced, or when CPU slots share cores."""
+    wanted = instances + spares
+    if wanted <= room.room:
+        if wanted > room.capacity and devices.mode == "cpu":
+            return (f"{wanted} instances on {cpu_cores} cores: they share the CPU",)
+        return ()
+    if force:
+        return (f"--force: {wanted} instances where {room.room} fit",)
+    spare_words = f" and {spares} spare{'s' if spares != 1 else ''}" if spares else ""
+    raise PlanError(
+        f"{instances} instances{spare_words} requested but only {room.room} fit "
+        f"({', '.join(f'{f.device}: {min(f.by_total, f.by_free)}' for f in room.fits)}; "
+        f"{format_size(devices.per_slot)} per instance). "
+        "Ask for fewer, lower --footprint, or pass --force to start them anyway"
+    )
+
+
+def _surge_slots(surge: int, room: int, occupied: int) -> tuple[int, tuple[str, ...]]:
+    """How many of the ``surge`` parked slots fit beside the ``occupied`` ones (serving and
+    spares), and a note when fewer than asked."""
+    headroom = min(surge, max(0, room - occupied))
+    if headroom == surge:
+        return headroom, ()
+    return headroom, (
+        f"--surge {surge}: room for {headroom} parked slot(s) beside {occupied} instances; "
+        "roll-outs surge with what there is, or drain first",
+    )
+
+
+def _roles(serving: int, spares: int, min_instances: int) -> Roles:
+    """The slots' roles: ``serving`` in rotation, elastic down to ``min_instances`` (refused
+    above ``serving``; below 1 or equal to it, a fixed number), then the spares."""
+    if min_instances > serving:
+        raise PlanError(
+            f"--min-instances {min_instances} is above the {serving} instances planned to serve: "
+            "lower it, or raise --instances"
+        )
+    return Roles(serving=serving, spares=spares, min_serving=min_instances if 0 < min_instances < serving else 0)
+
+
+def _check_ports(base_port: int, total: int) -> None:
+    """Refuse slots whose ports would run past 65535: checked before placing, since a tiny
+    footprint can "fit" billions of slots."""
+    if base_port + total - 1 > 65535:
+        raise PlanError(
+            f"ports {base_port}..{base_port + total - 1} run past 65535: "
+            "lower --base-port, or check --footprint (plain numbers are bytes)"
+        )
+
+
 def plan(
     inventory: Inventory,
     budget: Budget,
@@ -227,106 +380,31 @@ def plan(
     GPUs are filled one instance per card in turn (0, 1, 0, 1, ...) so load and
     memory spread evenly. Asking for more than fits is refused unless ``force``.
     """
-    if spares < 0 or surge < 0 or min_instances < 0:
-        raise PlanError("--spares, --surge and --min-instances cannot be negative")
-    if budget.gpu_footprint <= 0 or budget.host_footprint <= 0:
-        raise PlanError("the footprint must be larger than 0 (e.g. --footprint 5GiB)")
-    if budget.reserve < 0:
-        raise PlanError("the reserve cannot be negative (e.g. --reserve 1GiB)")
-    if budget.max_instances is not None and budget.max_instances < 1:
-        raise PlanError("--max-instances must be at least 1")
-    if instances is not None and instances < 1:
-        raise PlanError("--instances must be at least 1 (or 'auto')")
-    if not 1 <= base_port <= 65535:
-        raise PlanError(f"base port {base_port} is not a TCP port (1-65535)")
-
-    notes: list[str] = []
-    if inventory.gpus:
-        mode = "gpu"
-        fits = [_fit_gpu(g, budget) for g in inventory.gpus]
-        devices: list[int | None] = [g.index for g in inventory.gpus]
-        per_device: dict[int | None, int] = {g.index: budget.on_card(g) for g in inventory.gpus}
-        per_slot = max(per_device.values())
-        for fit in fits:
-            if fit.fits == 0:
-                notes.append(
-                    f"{fit.device}: no instance fits ({format_size(fit.free)} free, "
-                    f"{format_size(fit.total)} total, {format_size(max(per_device.values()))} "
-                    f"per instance + {format_size(budget.reserve)} reserve)"
-                )
-    else:
-        mode = "cpu"
-        fits = [_fit_cpu(inventory, budget)]
-        devices = [None]
-        per_device = {None: budget.host_footprint}
-        per_slot = budget.host_footprint
-        notes.append(
-            "no GPU found: planning CPU slots from "
-            f"{inventory.cpu_cores} cores and {format_size(inventory.ram_available)} free RAM"
-        )
-
-    capacity = sum(f.fits for f in fits)
-    # Memory is a hard limit (out of memory kills); CPU cores only share time. So an explicit
-    # --instances N is refused past what fits in memory, and only noted past the core count.
-    room = sum(min(f.by_total, f.by_free) for f in fits)
-    if budget.max_instances is not None and capacity > budget.max_instances:
-        notes.append(f"capped at --max-instances {budget.max_instances} (room for {capacity})")
-        capacity = budget.max_instances
-        fits = _cap(fits, budget.max_instances)
-    if budget.max_instances is not None:
-        room = min(room, budget.max_instances)
-
-    spare_words = f" and {spares} spare{'s' if spares != 1 else ''}" if spares else ""
+    _check_request(
+        budget, base_port=base_port, instances=instances, spares=spares, surge=surge, min_instances=min_instances
+    )
+    devices = _gpu_devices(inventory, budget) if inventory.gpus else _cpu_devices(inventory, budget)
+    room = _room(devices.fits, budget)
+    notes = devices.notes + room.notes
     if instances is None:
-        count = capacity - spares
-        if capacity == 0:
-            raise PlanError(
-                "no instance fits on this box: "
-                + "; ".join(notes or ["lower --footprint or --reserve"])
-                + ". Lower --footprint/--reserve, free memory, or use --instances N --force"
-            )
-        if count < 1:
-            raise PlanError(
-                f"room for {capacity} instance(s) only: none would serve beside --spares {spares}. "
-                "Ask for fewer spares, lower --footprint, or give --instances N --force"
-            )
+        count = _auto_serving(room.capacity, spares, notes)
     else:
         count = instances
-        if count + spares > room and not force:
-            raise PlanError(
-                f"{count} instances{spare_words} requested but only {room} fit "
-                f"({', '.join(f'{f.device}: {min(f.by_total, f.by_free)}' for f in fits)}; "
-                f"{format_size(per_slot)} per instance). "
-                "Ask for fewer, lower --footprint, or pass --force to start them anyway"
-            )
-        if count + spares > room:
-            notes.append(f"--force: {count + spares} instances where {room} fit")
-        elif count + spares > capacity and mode == "cpu":
-            notes.append(f"{count + spares} instances on {inventory.cpu_cores} cores: they share the CPU")
-    if min_instances > count:
-        raise PlanError(
-            f"--min-instances {min_instances} is above the {count} instances planned to serve: "
-            "lower it, or raise --instances"
+        notes += _asked_serving(
+            instances, spares, force=force, room=room, devices=devices, cpu_cores=inventory.cpu_cores
         )
-    headroom = min(surge, max(0, room - count - spares))
-    if headroom < surge:
-        notes.append(
-            f"--surge {surge}: room for {headroom} parked slot(s) beside {count + spares} instances; "
-            "roll-outs surge with what there is, or drain first"
-        )
+    pool = _roles(count, spares, min_instances)
+    headroom, surge_notes = _surge_slots(surge, room.room, count + spares)
+    notes += surge_notes
     total = count + spares + headroom
 
-    if base_port + total - 1 > 65535:  # before placing: a tiny footprint can "fit" billions
-        raise PlanError(
-            f"ports {base_port}..{base_port + total - 1} run past 65535: "
-            "lower --base-port, or check --footprint (plain numbers are bytes)"
-        )
-    placement = _place(total, fits, devices)
+    _check_ports(base_port, total)
+    placement = _place(total, room.fits, devices.devices)
     slots = tuple(
-        Slot(index=i, port=base_port + i, gpu=device, memory=per_device[device]) for i, device in enumerate(placement)
+        Slot(index=i, port=base_port + i, gpu=device, memory=devices.per_device[device])
+        for i, device in enumerate(placement)
     )
-    pool = Roles(serving=count, spares=spares, min_serving=min_instances if 0 < min_instances < count else 0)
-    return Plan(mode=mode, slots=slots, fits=tuple(fits), capacity=capacity, notes=tuple(notes), pool=pool)
+    return Plan(mode=devices.mode, slots=slots, fits=tuple(room.fits), capacity=room.capacity, notes=notes, pool=pool)
 
 
 def startable(
