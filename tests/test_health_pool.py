@@ -1,6 +1,7 @@
-"""The health loop with a pool (cosyvoice_lb/health_loop.py): warm spares take an empty
-place in the step that empties it, a surge roll-out lets more into rotation, and elastic
-instances start parked slots and drain and stop one when idle.
+"""The health loop with a pool (cosyvoice_lb/launcher/health/loop.py, its elastic job in
+health/elastic.py): warm spares take an empty place in the step that empties it, a surge
+roll-out lets more into rotation, and elastic instances start parked slots and drain and
+stop one when idle.
 
 Driven step by step against the scripted fakes of test_health_loop (supervisord, probes,
 host, clock); the state dir is real.
@@ -19,10 +20,13 @@ from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster import protocol
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
+from cosyvoice_lb.launcher.health.elastic import Seen, follow_load, hold_reason, running_slots
 from cosyvoice_lb.launcher.health.loop import HealthLoop
 from cosyvoice_lb.launcher.health.probe import Probe
 from cosyvoice_lb.launcher.health.rotation import PARKED, SPARE
-from cosyvoice_lb.launcher.health.rules import pick_recycle
+from cosyvoice_lb.launcher.health.rules import Track, pick_recycle
+from cosyvoice_lb.launcher.health.scaling import Bounds, Scale
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 
 SLOTS = tuple(Slot(i, 7860 + i, None, 0) for i in range(4))
@@ -219,8 +223,6 @@ def test_no_scaling_during_a_roll_out(tmp_path, rigs):
 
 
 def test_pick_recycle_counts_spares_and_parked_slots_aside():
-    from cosyvoice_lb.launcher.health.rules import Track
-
     tracks = {I0: Track(in_rotation=True), I1: Track(in_rotation=True), I2: Track(reason=SPARE), I3: Track()}
     due = {I0: "served 11 requests", I1: "", I2: "", I3: ""}
     assert pick_recycle(due, tracks, {}) is None  # without knowing, a spare looks like a missing instance
@@ -252,3 +254,68 @@ def test_a_roll_out_marker_left_by_a_launcher_that_is_gone_is_dropped(tmp_path, 
     protocol.start_rollout(rig.layout, 1)  # this process: alive
     rig.step()
     assert rig.serving() == [I0, I1, I2] and protocol.rollout_surge(rig.layout) == 1
+
+
+# --- the elastic job on its own: what a step saw in, what to keep out ---------------------------
+
+
+def seen(states: dict[str, str], tracks: dict[str, Track], probes: dict[str, Probe], surge: int = 0) -> Seen:
+    processes = {n: ProcessInfo(n, state, 100 + i, 0.0, 1.0, "", 0) for i, (n, state) in enumerate(states.items())}
+    return Seen(SLOTS, processes, probes, tracks, frozenset({I0}), surge, spares=0)
+
+
+def test_follow_load_starts_what_the_room_allows_and_takes_back_the_rest(tmp_path):
+    tracks = {I0: Track(in_rotation=True, ever_ready=True), I1: Track(), I2: Track(), I3: Track()}
+    saw = seen({I0: "RUNNING", I1: "STOPPED", I2: "STOPPED", I3: "STOPPED"}, tracks, {I0: BUSY})
+    bounds = Bounds(low=1, high=4, scale_up_after=2.0, idle_release=600.0)
+    busy = Scale(target=2, busy_since=100.0)  # two wanted already, one more due now
+    started: list[str] = []
+    followed = follow_load(
+        saw,
+        busy,
+        bounds,
+        room=lambda running, parked: list(parked[:1]),
+        layout=Layout(tmp_path),
+        start=started.append,
+        short_of_room=False,
+        now=110.0,
+    )
+    assert started == [I1]
+    assert followed.scale.target == 2 and followed.short_of_room  # 3 decided, 1 had no memory
+    assert followed.drains == {}
+
+
+def test_follow_load_drains_the_last_one_when_fewer_are_wanted(tmp_path):
+    tracks = {name: Track(in_rotation=True, ever_ready=True) for name in (I0, I1)} | {I2: Track(), I3: Track()}
+    saw = seen({I0: "RUNNING", I1: "RUNNING", I2: "STOPPED", I3: "STOPPED"}, tracks, {I0: READY, I1: READY})
+    bounds = Bounds(low=1, high=4, scale_up_after=2.0, idle_release=5.0)
+    followed = follow_load(
+        saw,
+        Scale(target=2, idle_since=100.0),
+        bounds,
+        room=lambda running, parked: pytest.fail("no slot to start"),
+        layout=Layout(tmp_path),
+        start=lambda name: pytest.fail(f"{name} started"),
+        short_of_room=True,
+        now=110.0,
+    )
+    assert followed.scale.target == 1 and followed.short_of_room  # (said until one starts)
+    assert list(followed.drains) == [I1]  # out of the published rotation first
+    assert followed.drains[I1].drain_signal is DrainAction.STOP
+
+
+def test_the_target_holds_during_a_roll_out_and_while_one_loads_or_stops():
+    ready = Track(in_rotation=True, ever_ready=True)
+    states = {I0: "RUNNING", I1: "RUNNING"}
+    assert hold_reason(seen(states, {I0: ready, I1: ready, I2: Track(), I3: Track()}, {}, surge=1), []) == (
+        "a roll-out is under way"
+    )
+    loading = {I0: ready, I1: Track(), I2: Track(), I3: Track()}
+    saw = seen(states, loading, {})
+    assert [s.name for s in running_slots(saw)] == [I0, I1]
+    assert hold_reason(saw, running_slots(saw)) == f"{I1} loading"
+    stopping = {I0: ready, I1: Track(ever_ready=True), I2: Track(draining_since=5.0), I3: Track()}
+    saw = seen(states, stopping, {})
+    assert hold_reason(saw, running_slots(saw)) == f"{I2} stopping"
+    scaled_in = {I0: ready, I1: Track(ever_ready=True, drain_signal=DrainAction.STOP), I2: Track(), I3: Track()}
+    assert [s.name for s in running_slots(seen(states, scaled_in, {}))] == [I0]

@@ -8,7 +8,9 @@ nginx gracefully, and restarts an instance by signal through supervisord
 fastest way back to serving.
 
 Everything it works with is passed in: settings and slots, the supervisor adapter, the
-prober, the host's process facts, a clock and a random source; tests script them.
+prober, the host's process facts (``health.adapters``), a clock and a random source; tests
+script them. An elastic pool's following of the load is ``health.elastic``'s job, which
+the loop calls each step.
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
-
-import psutil
 
 from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
@@ -32,11 +31,12 @@ from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL, Timeouts
 from cosyvoice_lb.instance.routing.board import Board
 from cosyvoice_lb.launcher.cluster import protocol
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.processes import orphan_nginx
 from cosyvoice_lb.launcher.cluster.protocol import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo, SupervisionError, Supervisor
+from cosyvoice_lb.launcher.health.adapters import Host, Probing, Supervision
+from cosyvoice_lb.launcher.health.elastic import Room, Seen, follow_load
 from cosyvoice_lb.launcher.health.probe import Probe, Prober
-from cosyvoice_lb.launcher.health.rotation import OCCUPIED, SPARE, is_parked, rotation, spares_of
+from cosyvoice_lb.launcher.health.rotation import SPARE, is_parked, rotation, spares_of
 from cosyvoice_lb.launcher.health.rules import (
     ALIVE,
     Policy,
@@ -51,63 +51,12 @@ from cosyvoice_lb.launcher.health.rules import (
     track_from_dict,
     track_to_dict,
 )
-from cosyvoice_lb.launcher.health.scaling import Bounds, Load, Scale, decide
+from cosyvoice_lb.launcher.health.scaling import Bounds, Scale
 from cosyvoice_lb.launcher.plan.footprint import room_to_start
-from cosyvoice_lb.launcher.plan.gpu import process_gpu_memory
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.render.cluster import overflow_of, read_cluster_json, read_pool, render_upstreams
 
 log = logging.getLogger("cosyvoice_lb.health")
-
-
-class Supervision(Protocol):
-    """What the loop asks of supervisord (``supervision.Supervisor``)."""
-
-    def processes(self) -> dict[str, ProcessInfo]: ...
-    def start(self, name: str, wait: bool = False) -> None: ...
-    def stop(self, name: str, wait: bool = True) -> None: ...
-    def signal(self, name: str, signal: str) -> None: ...
-    def tail(self, name: str, length: int = 4000) -> str: ...
-
-
-# Of the parked slots, those with memory to start now beside the running ones.
-Room = Callable[[tuple[Slot, ...], tuple[Slot, ...]], list[Slot]]
-
-
-class Probing(Protocol):
-    def probe(self, port: int, timeout: float) -> Probe: ...
-
-
-class Host:
-    """What the loop asks of the operating system (psutil, NVML): an adapter of its own."""
-
-    def children(self, pid: int) -> list[psutil.Process]:
-        try:
-            return psutil.Process(pid).children(recursive=True)
-        except psutil.Error:
-            return []
-
-    def kill(self, procs: list[psutil.Process], sig: int = signal.SIGKILL) -> None:
-        for proc in procs:
-            try:
-                proc.send_signal(sig)
-            except psutil.Error:
-                pass
-
-    def memory(self, pids: dict[str, int]) -> dict[str, int]:
-        """Per instance, the larger of its RSS and its GPU memory (per process), bytes."""
-        gpu = process_gpu_memory(set(pids.values()))
-        found = {}
-        for name, pid in pids.items():
-            try:
-                rss = psutil.Process(pid).memory_info().rss
-            except psutil.Error:
-                rss = 0
-            found[name] = max(rss, gpu.get(pid, 0))
-        return found
-
-    def orphan_nginx(self, port: int, master_pid: int) -> list[psutil.Process]:
-        return orphan_nginx(port, master_pid)
 
 
 class HealthLoop:
@@ -314,7 +263,19 @@ class HealthLoop:
         extra ones; the other ready instances wait out of rotation as warm spares."""
         self.surge = protocol.rollout_surge(self.layout)
         if self.bounds is not None and self.scale is not None:
-            self.follow_load(processes, probes, now)
+            seen = Seen(self.slots, processes, probes, self.tracks, self.serving_before, self.surge, self.roles.spares)
+            followed = follow_load(
+                seen,
+                self.scale,
+                self.bounds,
+                room=self.room,
+                layout=self.layout,
+                start=self._start,
+                short_of_room=self.short_of_room,
+                now=now,
+            )
+            self.scale, self.short_of_room = followed.scale, followed.short_of_room
+            self.tracks.update(followed.drains)
             self.wanted = self.scale.target
         else:
             self.wanted = self.roles.serving
@@ -325,72 +286,6 @@ class HealthLoop:
         for name in spares_of(eligible, chosen):
             self.tracks[name] = dataclasses.replace(self.tracks[name], in_rotation=False, reason=SPARE)
         self.serving_before = frozenset(chosen)
-
-    def follow_load(self, processes: dict[str, ProcessInfo], probes: dict[str, Probe], now: float) -> None:
-        """Elastic: the scaler's next target, then a parked slot started or one instance
-        drained and stopped to reach it (never during a roll-out)."""
-        assert self.bounds is not None and self.scale is not None
-        alive = {name for name, p in processes.items() if p.state in OCCUPIED}
-        running = [
-            s
-            for s in self.slots
-            if s.name in alive
-            and not self.tracks[s.name].failed
-            and self.tracks[s.name].drain_signal is not DrainAction.STOP
-        ]
-        loading = [s.name for s in running if not self.tracks[s.name].ever_ready]
-        stopping = [s.name for s in self.slots if self.tracks[s.name].draining_since]
-        hold = (
-            "a roll-out is under way"
-            if self.surge
-            else f"{', '.join(loading)} loading"
-            if loading
-            else f"{', '.join(stopping)} stopping"
-            if stopping
-            else ""
-        )
-        # (the rotation as last published: a ready spare is eligible again until balance() says no)
-        serving = [s for s in running if s.name in self.serving_before]
-        loads = [Load(probes[s.name].inflight, probes[s.name].waiting) for s in serving]
-        decided = decide(self.scale, loads, self.bounds, now, hold)
-        if decided.decisions != self.scale.decisions:
-            log.info("elastic: %s: %d wanted in rotation", decided.decisions[-1].reason, decided.target)
-        self.scale = decided
-        if hold:
-            return
-        desired = decided.target + self.roles.spares
-        if len(running) < desired:
-            parked = tuple(
-                s
-                for s in self.slots
-                if s.name in processes
-                and is_parked(processes[s.name].state, bool(self.tracks[s.name].failed))
-                and not protocol.drained_by_hand(self.layout, s.name)
-            )
-            startable = self.room(tuple(running), parked)[: desired - len(running)]
-            for slot in startable:
-                log.info("elastic: starting %s (%d wanted, %d running)", slot.name, desired, len(running))
-                self._start(slot.name)
-            short = desired - len(running) - len(startable)
-            if short:
-                # The target follows what can run: a scale-out without memory is taken back
-                # (and tried again after another busy period), said once until one starts.
-                self.scale = dataclasses.replace(decided, target=max(self.bounds.low, decided.target - short))
-                if not self.short_of_room:
-                    log.warning(
-                        "elastic: %d more instance(s) wanted, but no parked slot has memory for one now (%d parked)",
-                        short,
-                        len(parked),
-                    )
-            self.short_of_room = bool(short)
-        elif len(running) > desired:
-            # Out of rotation first (a spare, or one still loading), else the last in slot order:
-            # the one the smaller rotation leaves out anyway.
-            victim = max(running, key=lambda s: (s.name not in self.serving_before, s.index))
-            log.info("elastic: draining and stopping %s (%d wanted, %d running)", victim.name, desired, len(running))
-            self.tracks[victim.name] = start_drain(
-                self.tracks[victim.name], "scaled in: stopping once idle", DrainAction.STOP, now, "scaled_in"
-            )
 
     def log_rotation(self, before: dict[str, Track]) -> None:
         for slot in self.slots:
