@@ -220,7 +220,7 @@ def test_the_command_up_prints_to_run_next_works_as_typed(monkeypatch, tmp_path)
 
 
 def test_up_says_who_can_reach_the_service():
-    from cosyvoice_lb.launcher.cli import reach
+    from cosyvoice_lb.launcher.views import reach
 
     assert "other machines" in reach("0.0.0.0", 8080) and "other machines" in reach("::", 8080)
     assert reach("127.0.0.1", 8080) == "from this box only (loopback)"

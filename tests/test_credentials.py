@@ -10,7 +10,8 @@ import stat
 import pytest
 from test_auth import TOKEN, bcrypt_line
 
-from cosyvoice_lb.common.settings import Settings, problems
+from cosyvoice_lb.common.setting_errors import setting_errors
+from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.instance.access.auth import Policy, digest
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.errors import ClusterError
@@ -46,25 +47,27 @@ def test_exposure_and_whether_credentials_are_required(kwargs, listen, exposed, 
 
 def test_contradictions_are_refused(tmp_path):
     tokens = private(tmp_path / "t", TOKEN + "\n")
-    assert any("contradict" in p for p in problems(Settings(public=True, host="127.0.0.1")))
-    assert any("drop --no-auth" in p for p in problems(Settings(public=True, no_auth=True, api_token_file=tokens)))
-    assert any("--max-body" in p for p in problems(Settings(max_body="5MiB", max_upload="10MiB")))
-    assert not problems(Settings(public=True, api_token_file=tokens))
+    assert any("contradict" in p for p in setting_errors(Settings(public=True, host="127.0.0.1")))
+    assert any(
+        "drop --no-auth" in p for p in setting_errors(Settings(public=True, no_auth=True, api_token_file=tokens))
+    )
+    assert any("--max-body" in p for p in setting_errors(Settings(max_body="5MiB", max_upload="10MiB")))
+    assert not setting_errors(Settings(public=True, api_token_file=tokens))
 
 
 @pytest.mark.parametrize("value", ["10", "10r/h", "0r/s", "r/s", "ten r/s", "10r/s;"])
 def test_a_rate_that_nginx_cannot_take_is_refused(value):
-    assert any("--rate-limit" in p and "10r/s" in p for p in problems(Settings(rate_limit=value)))
+    assert any("--rate-limit" in p and "10r/s" in p for p in setting_errors(Settings(rate_limit=value)))
 
 
 def test_secrets_files_must_be_private_and_present(tmp_path):
     loose = tmp_path / "tokens"
     loose.write_text(TOKEN + "\n")
     loose.chmod(0o644)
-    found = problems(Settings(api_token_file=str(loose)))
+    found = setting_errors(Settings(api_token_file=str(loose)))
     assert any("readable by others (mode 0644)" in p and f"chmod 600 {loose}" in p for p in found)
-    assert any("No such file" in p for p in problems(Settings(ui_auth=str(tmp_path / "none"))))
-    assert any("is not a file" in p for p in problems(Settings(api_token_file=str(tmp_path))))
+    assert any("No such file" in p for p in setting_errors(Settings(ui_auth=str(tmp_path / "none"))))
+    assert any("is not a file" in p for p in setting_errors(Settings(api_token_file=str(tmp_path))))
 
 
 def layout(tmp_path) -> Layout:

@@ -1,4 +1,4 @@
-"""`up --foreground` (lifecycle.foreground, lifecycle.StopSignals) with its collaborators
+"""`up --foreground` (foreground.foreground, foreground.StopSignals) with its collaborators
 faked: a scripted stop event and clock, a scripted supervisord liveness, a recording down."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cli import main
-from cosyvoice_lb.launcher.cluster import lifecycle
+from cosyvoice_lb.launcher.cluster import foreground
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.errors import ClusterError
 
@@ -69,8 +69,8 @@ class Harness:
     def reap(self) -> None:
         self.reaped += 1
 
-    def run(self) -> lifecycle.Stopped:
-        return lifecycle.foreground(
+    def run(self) -> foreground.Stopped:
+        return foreground.stay(
             self.layout,
             Settings(drain_timeout=30),
             self.stop,
@@ -87,7 +87,7 @@ class Harness:
 def test_it_waits_until_the_stop_then_drains_with_down_and_exits_0(tmp_path):
     h = Harness(tmp_path, lambda h: "answers", after=5)
     stopped = h.run()
-    assert stopped == lifecycle.Stopped(0, [11, 12, 13], "")
+    assert stopped == foreground.Stopped(0, [11, 12, 13], "")
     assert h.downs == [h.layout]  # down, once
     assert h.checks == 5 and h.reaped >= 5  # one check per poll while waiting
     assert h.said == [
@@ -145,10 +145,10 @@ def test_a_stop_during_a_check_wins_over_what_the_check_saw(tmp_path):
 
 def test_liveness_of_a_state_dir_without_supervisord_is_gone(tmp_path):
     layout = Layout(tmp_path)
-    assert lifecycle.supervisord_liveness(layout) == "gone"
+    assert foreground.supervisord_liveness(layout) == "gone"
     layout.run.mkdir(parents=True)
     layout.supervisord_pid.write_text(str(os.getpid()))  # a live pid, but not this cluster's supervisord
-    assert lifecycle.supervisord_liveness(layout) == "gone"
+    assert foreground.supervisord_liveness(layout) == "gone"
 
 
 # --- the signals ------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def test_liveness_of_a_state_dir_without_supervisord_is_gone(tmp_path):
 
 def test_a_signal_while_starting_interrupts_the_start():
     written: list[str] = []
-    signals = lifecycle.StopSignals(write=written.append)
+    signals = foreground.StopSignals(write=written.append)
     with pytest.raises(KeyboardInterrupt):
         signals(signal.SIGTERM)
     assert signals.event.is_set()
@@ -166,7 +166,7 @@ def test_a_signal_while_starting_interrupts_the_start():
 
 def test_once_serving_the_first_signal_stops_and_later_ones_are_only_logged():
     written: list[str] = []
-    signals = lifecycle.StopSignals(write=written.append)
+    signals = foreground.StopSignals(write=written.append)
     signals.starting = False
     signals(signal.SIGTERM)
     assert signals.event.is_set()
@@ -183,7 +183,7 @@ def test_installed_handlers_take_real_signals():
     before = {n: signal.getsignal(n) for n in (signal.SIGTERM, signal.SIGINT)}
     written: list[str] = []
     try:
-        signals = lifecycle.StopSignals(write=written.append).install()
+        signals = foreground.StopSignals(write=written.append).install()
         signals.starting = False
         os.kill(os.getpid(), signal.SIGTERM)
         assert signals.event.wait(5)
@@ -197,14 +197,14 @@ def test_installed_handlers_take_real_signals():
 
 def test_an_interrupted_start_stops_the_cluster_and_is_an_error(tmp_path, monkeypatch):
     downs: list[Layout] = []
-    monkeypatch.setattr(lifecycle, "down", lambda layout, timeout=None: downs.append(layout) or [])
+    monkeypatch.setattr(foreground, "down", lambda layout, timeout=None: downs.append(layout) or [])
     layout = Layout(tmp_path)
-    signals = lifecycle.StopSignals(write=lambda line: None)
+    signals = foreground.StopSignals(write=lambda line: None)
     with pytest.raises(ClusterError, match="interrupted while starting; the cluster was stopped"):
         with signals.while_starting(layout):
             signals(signal.SIGTERM)
     assert downs == [layout]
-    fine = lifecycle.StopSignals(write=lambda line: None)
+    fine = foreground.StopSignals(write=lambda line: None)
     with fine.while_starting(layout):
         pass
     assert fine.starting is False and downs == [layout]

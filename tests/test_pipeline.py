@@ -14,7 +14,8 @@ import soundfile
 from cosyvoice_lb.instance.audio.prompts import PromptError
 from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest
 from cosyvoice_lb.instance.speech.admission import Admission, Cancelled, NotReady, Overloaded, TimedOut
-from cosyvoice_lb.instance.speech.pipeline import ERRORS, Job, NoAudio, Pipeline, describe
+from cosyvoice_lb.instance.speech.failures import ERRORS, NoAudio, describe
+from cosyvoice_lb.instance.speech.pipeline import Job, Pipeline
 from cosyvoice_lb.instance.speech.validation import BadRequest
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from cosyvoice_lb.instance.engines import create_engine
 from cosyvoice_lb.instance.speech.admission import Admission
-from cosyvoice_lb.instance.speech.pipeline import Pipeline, describe
+from cosyvoice_lb.instance.speech.failures import describe
+from cosyvoice_lb.instance.speech.pipeline import Pipeline
 from cosyvoice_lb.instance.speech.poison import SPOKEN, Ledger, Poisoned, fingerprint
 
 

@@ -586,7 +586,7 @@ def test_a_prompt_that_cannot_be_written_is_a_507(loaded, small_disk):
     with pytest.raises(OSError) as caught:
         p.prepare_prompt(prompt.getvalue())
     assert "Read-only file system" in str(caught.value) and "disk" in str(caught.value)
-    from cosyvoice_lb.instance.speech.pipeline import describe
+    from cosyvoice_lb.instance.speech.failures import describe
 
     assert describe(caught.value).status == 507
 

@@ -7,22 +7,16 @@ import dataclasses
 
 import pytest
 
-from cosyvoice_lb.common.settings import (
-    Settings,
-    declarations,
-    flag,
-    instance_args,
-    instance_settings,
-    parse_instance_args,
-    problems,
-)
+from cosyvoice_lb.common.instance_argv import instance_args, instance_settings, parse_instance_args
+from cosyvoice_lb.common.setting_errors import setting_errors
+from cosyvoice_lb.common.settings import Settings, declarations, flag
 from cosyvoice_lb.common.timeouts import Timeouts
 
 INSTANCE_ONLY = {"port", "host", "starts_file"}
 
 
 def test_defaults_have_no_problems():
-    assert problems(Settings()) == []
+    assert setting_errors(Settings()) == []
 
 
 @pytest.mark.parametrize(
@@ -43,12 +37,12 @@ def test_defaults_have_no_problems():
     ],
 )
 def test_each_setting_is_checked_by_its_own_declaration(changes, words):
-    found = problems(Settings(**changes))
+    found = setting_errors(Settings(**changes))
     assert len(found) == 1 and words in found[0]
 
 
 def test_every_problem_is_reported_not_only_the_first():
-    assert len(problems(Settings(port=0, retries=0, max_chars=0))) == 3
+    assert len(setting_errors(Settings(port=0, retries=0, max_chars=0))) == 3
 
 
 @pytest.mark.parametrize(
@@ -131,7 +125,6 @@ def test_an_instance_started_with_an_earlier_version_s_flags_still_starts():
 @pytest.mark.parametrize("name", ["request_timeout", "drain_timeout", "probe_interval", "simulated_ms_per_char"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_infinite_or_nan_seconds_are_refused(name, value):
-    from cosyvoice_lb.common.settings import problems
 
-    found = problems(Settings(**{name: value}))
+    found = setting_errors(Settings(**{name: value}))
     assert any(f"--{name.replace('_', '-')} must be" in p for p in found), found

@@ -167,7 +167,7 @@ def test_a_dir_without_a_cluster_has_no_gpus(tmp_path):
 
 def render(current: ClusterStatus) -> str:
     """What the tables look like, as plain text."""
-    from cosyvoice_lb.launcher.cli import status_tables
+    from cosyvoice_lb.launcher.views import status_tables
 
     console = Console(file=io.StringIO(), width=200, color_system=None)
     for table in status_tables(current):
@@ -208,14 +208,14 @@ def test_without_gpus_the_status_table_has_no_gpu_columns():
     text = render(fake_status([]))
     assert "instance-0" in text and "nginx" in text
     assert "GPU" not in text and "—" not in text
-    from cosyvoice_lb.launcher.cli import status_tables
+    from cosyvoice_lb.launcher.views import status_tables
 
     assert len(status_tables(fake_status([]))) == 1 and len(status_tables(fake_status([H100]))) == 2
     assert status_tables(ClusterStatus(running=False)) == []
 
 
 def test_the_watch_view_is_the_tables_and_the_words(tmp_path):
-    from cosyvoice_lb.launcher.cli import status_view
+    from cosyvoice_lb.launcher.views import status_view
 
     console = Console(file=io.StringIO(), width=200, color_system=None)
     console.print(status_view(fake_status([H100]), tmp_path, "every 2s"))

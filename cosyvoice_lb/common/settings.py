@@ -1,149 +1,44 @@
 """Every setting declared once: field, default, help, flag and environment variable.
 
 The CLI options, the ``COSYVOICE_LB_*`` environment variables, ``cluster.json`` and the
-README's table all come from :class:`Settings`, so they cannot drift apart; so does every instance's command line (built by
-:func:`instance_args`, parsed back by :func:`instance_parser`), and each setting carries
-the check that refuses a value that cannot work.
+table in docs/settings.md all come from :class:`Settings`, so they cannot drift apart; so does every
+instance's command line (:mod:`cosyvoice_lb.common.instance_argv`), and each setting carries
+the check that refuses a value that cannot work (:mod:`cosyvoice_lb.common.checks`).
 
 No click here: the instance imports this module in the model's Python environment.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import math
-import os
-import re
-import stat
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from cosyvoice_lb.common.sizes import parse_size
+from cosyvoice_lb.common.checks import (
+    Check,
+    above_zero,
+    at_least,
+    not_negative,
+    percentage,
+    private_file,
+    prompt_seconds,
+    rate,
+    size,
+    tcp_port,
+    voice_map,
+)
 
 ENV_PREFIX = "COSYVOICE_LB_"
 
-# Default memory one instance needs, per engine: GPU memory on GPU boxes, host RAM on
-# CPU-only boxes. The espeak engine uses no GPU: on a GPU box it stands in for
-# CosyVoice3 and is planned with CosyVoice3's footprint, so its plan is the model's plan.
-# CosyVoice3 (plain, no TRT/vLLM): ~4.5 GB peak reported on an RTX 3060 (DESIGN.md §3),
-# rounded up for fragmentation and the warm-up peak.
-ENGINE_FOOTPRINTS: dict[str, dict[str, str]] = {
-    # espeak's host figure is measured: an instance's peak RSS (espeak-ng, Gradio UI), sampled
-    # every 50 ms, while 20,000-character texts go through `up --instances 2` (the script of
-    # tests/integration/test_long_text_memory.py, which holds the bound): ~200 MiB at rest,
-    # 425/488 MiB one text at a time, 433/471 MiB two at once; one instance alone (its own
-    # balancer) 422 MiB, two at once 585 MiB. 640 MiB covers them all.
-    "espeak": {"gpu": "5GiB", "host": "640MiB"},
-    # CosyVoice3 on CPU (no GPU): weights plus activations in host RAM.
-    "cosyvoice3": {"gpu": "5GiB", "host": "6GiB"},
-    # The benchmark load model stands in for CosyVoice3 on a GPU box, like espeak.
-    "simulated": {"gpu": "5GiB", "host": "256MiB"},
-}
-# Added per instance by CosyVoice's engine flags (DESIGN notes, upstream issues):
-# one TensorRT context of the flow decoder ~4.5 GB (v2 reports; trt_concurrent=1);
-# vLLM is started with gpu_memory_utilization=0.2 (upstream cli/model.py), i.e. it
-# reserves a fifth of the card per instance whatever the model needs.
-TRT_EXTRA = "4.5GiB"
-VLLM_CARD_FRACTION = 0.2
 ENGINES = ("auto", "espeak", "cosyvoice3", "simulated")
-
-
-# --- validators: each returns what is wrong with a value ("" when nothing) ------------------
-
-Check = Callable[[str, Any], str]
-
-
-def finite(flag: str, value: Any) -> str:
-    return "" if math.isfinite(value) else f"{flag} must be a finite number, got {value}"
-
-
-def above_zero(flag: str, value: Any) -> str:
-    return finite(flag, value) or ("" if value > 0 else f"{flag} must be above 0 seconds, got {value}")
-
-
-def not_negative(flag: str, value: Any) -> str:
-    return finite(flag, value) or ("" if value >= 0 else f"{flag} cannot be negative, got {value}")
-
-
-def at_least(least: int) -> Check:
-    def check(flag: str, value: Any) -> str:
-        return "" if value >= least else f"{flag} must be at least {least}, got {value}"
-
-    return check
-
-
-def tcp_port(flag: str, value: Any) -> str:
-    return "" if 1 <= value <= 65535 else f"{flag} {value} is not a TCP port (1-65535)"
-
-
-def size(flag: str, value: Any) -> str:
-    if value == "":
-        return ""
-    try:
-        parse_size(value)
-    except ValueError as exc:
-        return f"{flag}: {exc}"
-    return ""
-
-
-def rate(flag: str, value: Any) -> str:
-    if value == "" or re.fullmatch(r"[1-9][0-9]{0,6}r/[sm]", value):
-        return ""
-    return f"{flag} {value!r} is not a rate: write requests per second or minute, e.g. 10r/s or 120r/m"
-
-
-def private_file(flag: str, value: Any) -> str:
-    """A secrets file: there, and readable by its owner only (as ssh asks of a key)."""
-    if value == "":
-        return ""
-    try:
-        mode = os.stat(os.path.expanduser(value)).st_mode
-    except OSError as exc:
-        return f"{flag} {value}: {exc.strerror or exc}"
-    if not stat.S_ISREG(mode):
-        return f"{flag} {value} is not a file"
-    if mode & 0o077:
-        return f"{flag} {value} is readable by others (mode {stat.S_IMODE(mode):04o}): run chmod 600 {value}"
-    return ""
 
 
 # CosyVoice3 is made to clone from 3 s of speech; upstream checks no lower bound, and a
 # shorter prompt gives a voice that is not the speaker's. The one figure for the prompt
-# rules (validation.prompt_span), the UI, and the check below.
+# rules (validation.prompt_span), the UI, and the check of --max-prompt-seconds.
 MIN_PROMPT_SECONDS = 3.0
-
-
-def prompt_seconds(flag: str, value: Any) -> str:
-    if MIN_PROMPT_SECONDS <= value <= 30:
-        return ""
-    return (
-        f"{flag} must be at least {MIN_PROMPT_SECONDS:g} (shorter prompts are refused) and at most 30 "
-        f"(upstream refuses longer prompts), got {value}"
-    )
-
-
-def voice_map(flag: str, value: Any) -> str:
-    try:
-        parse_voice_map(value)
-    except ValueError as exc:
-        return f"{flag}: {exc}"
-    return ""
-
-
-def parse_voice_map(value: str) -> dict[str, str]:
-    """``alloy=narrator,nova=voice_...`` -> {"alloy": "narrator", "nova": "voice_..."}."""
-    mapping: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in value.split(","))):
-        name, sep, target = (x.strip() for x in item.partition("="))
-        if not sep or not name or not target:
-            raise ValueError(f"{item!r} is not NAME=VOICE (e.g. alloy=narrator)")
-        mapping[name] = target
-    return mapping
 
 
 def setting(
@@ -390,7 +285,7 @@ class Settings:
         15.0,
         "Longer prompt audio is trimmed to this many seconds (with a notice).",
         type=float,
-        check=prompt_seconds,
+        check=prompt_seconds(MIN_PROMPT_SECONDS),
         instance=True,
     )
     max_upload: str = setting("10MiB", "Largest prompt audio upload.", metavar="SIZE", check=size, instance=True)
@@ -434,7 +329,7 @@ class Settings:
         0,
         "With --mps: the share of a GPU's SMs one instance may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 0: all).",
         type=int,
-        check=lambda flag, value: "" if 0 <= value <= 100 else f"{flag} must be 0..100 (percent), got {value}",
+        check=percentage,
     )
     stagger: bool = setting(
         False,
@@ -561,24 +456,6 @@ class Settings:
         return cls(**{k: v for k, v in values.items() if k in names and v is not None})
 
 
-def absolute(settings: Settings) -> Settings:
-    """Paths made absolute now: supervisord runs everything from the state dir."""
-    paths: dict[str, Any] = {}
-    for name in (
-        "model_dir",
-        "cosyvoice_root",
-        "outputs_dir",
-        "voices_dir",
-        "api_token_file",
-        "ui_auth",
-        "admin_token_file",
-    ):
-        value = getattr(settings, name)
-        if value:
-            paths[name] = str(Path(value).expanduser().resolve())
-    return dataclasses.replace(settings, **paths)
-
-
 def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
@@ -595,133 +472,8 @@ def declarations() -> tuple[dataclasses.Field, ...]:
     return dataclasses.fields(Settings)
 
 
-def problems(settings: Settings) -> list[str]:
-    """What is wrong with these settings, each setting checked by its own declaration, then
-    what no single setting can say ([] when they can work)."""
-    found = [
-        message
-        for f in declarations()
-        if f.metadata["check"]
-        for message in [f.metadata["check"](flag(f.name), getattr(settings, f.name))]
-        if message
-    ]
-    if settings.resolved_engine == "cosyvoice3" and not settings.model_dir:
-        found.append("--engine cosyvoice3 needs --model-dir (a local CosyVoice model dir)")
-    if settings.public and settings.host and is_loopback(settings.host):
-        found.append(f"--public and --host {settings.host} contradict each other: drop one")
-    if settings.no_auth and (settings.api_token_file or settings.ui_auth):
-        found.append("--no-auth with --api-token-file or --ui-auth: drop --no-auth to require the credentials")
-    if settings.mps_thread_percentage and not settings.mps:
-        found.append("--mps-thread-percentage needs --mps: add --mps, or drop the percentage")
-    if settings.min_instances and settings.max_instances and settings.min_instances > settings.max_instances:
-        found.append(
-            f"--min-instances {settings.min_instances} is above --max-instances {settings.max_instances}: "
-            "lower one of them"
-        )
-    if settings.max_long_chars and settings.max_long_chars < settings.max_chars:
-        found.append(
-            f"--max-long-chars {settings.max_long_chars} is below --max-chars {settings.max_chars}: raise it, "
-            "or 0 for no long texts"
-        )
-    if not size(" ", settings.max_body) and not size(" ", settings.max_upload):
-        if parse_size(settings.max_upload) + 2**20 > parse_size(settings.max_body):
-            found.append(
-                f"--max-body {settings.max_body} cannot hold a --max-upload {settings.max_upload} prompt and the "
-                "form around it: raise --max-body (at least 1MiB above --max-upload)"
-            )
-    return found
-
-
-def instance_settings(engine: str) -> list[dataclasses.Field]:
-    """The settings an instance of ``engine`` takes on its command line."""
-    return [f for f in declarations() if f.metadata["instance"] in (True, engine)]
-
-
-def instance_args(settings: Settings, **resolved: Any) -> list[str]:
-    """The instance's share of ``settings`` as command-line flags (``resolved``: values the
-    launcher worked out, e.g. the engine ``auto`` stands for, or the default outputs dir)."""
-    values = {**dataclasses.asdict(settings), "engine": settings.resolved_engine, **resolved}
-    args: list[str] = []
-    for f in instance_settings(values["engine"]):
-        value = values[f.name]
-        if f.metadata["is_flag"]:
-            args += [flag(f.name)] if value else []
-        elif value != "":  # (empty: the instance's default, which is empty too)
-            args += [flag(f.name), str(value)]
-    return args
-
-
-def instance_parser(description: str) -> argparse.ArgumentParser:
-    """Parses what :func:`instance_args` writes: the same names, types and defaults (plus
-    what only an instance has: its port and address, and its starts file)."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--starts-file", default="", help="a line is appended here at every start (restart counting)")
-    parser.add_argument("--ledger-dir", default="", help="marks of running syntheses, shared by all instances")
-    parser.add_argument("--auth-file", default="", help="the access policy (tokens, users): all but /ping need them")
-    parser.add_argument("--balancer", default="", help="nginx's URL on this box: long texts' segments go there")
-    parser.add_argument("--peers", type=int, default=1, help="instances in the cluster: segments out at once")
-    parser.add_argument("--segment-key-file", default="", help="the key segments carry (nginx knows them by it)")
-    parser.add_argument("--board", default="", help="the routing board shared by the box's instances")
-    parser.add_argument("--slot", type=int, default=-1, help="this instance's row on the routing board")
-    for f in declarations():
-        if not f.metadata["instance"]:
-            continue
-        meta = f.metadata
-        if meta["is_flag"]:
-            parser.add_argument(flag(f.name), dest=f.name, action="store_true", help=meta["help"])
-        else:
-            parser.add_argument(
-                flag(f.name),
-                dest=f.name,
-                default=f.default,
-                type=meta["type"] or str,
-                choices=meta["choices"],
-                metavar=meta["metavar"],
-                help=meta["help"],
-            )
-    # Sizes in MiB, as instances of earlier versions were started with: an instance that
-    # supervisord restarts from such a config while `up` rolls out new code still starts.
-    for old, name in (("--max-upload-mib", "max_upload"), ("--outputs-max-mib", "outputs_max_size")):
-        parser.add_argument(old, dest=f"{name}_mib", type=float, default=None, help=argparse.SUPPRESS)
-    return parser
-
-
-def parse_instance_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
-    """An instance's settings from its command line, and the namespace (port, host, starts file)."""
-    args = instance_parser("One cosyvoice-lb instance (run by supervisord).").parse_args(argv)
-    for name in ("max_upload", "outputs_max_size"):
-        mib = getattr(args, f"{name}_mib")
-        if mib is not None:
-            setattr(args, name, f"{mib:g}MiB")
-    names = {f.name for f in declarations() if f.metadata["instance"]}
-    return Settings.from_mapping({k: v for k, v in vars(args).items() if k in names}), args
-
-
-PLAN_OPTIONS = (
-    "engine",
-    "model_dir",
-    "load_trt",
-    "load_vllm",
-    "fp16",
-    "instances",
-    "gpus",
-    "footprint",
-    "reserve",
-    "max_instances",
-    "min_instances",
-    "spares",
-    "surge",
-    "force",
-    "base_port",
-    "state_dir",
-)
-CLUSTER_OPTIONS = PLAN_OPTIONS + tuple(f.name for f in dataclasses.fields(Settings) if f.name not in PLAN_OPTIONS)
-
-
 def markdown_table() -> str:
-    """The README's settings table (``python -m cosyvoice_lb.common.settings`` prints it)."""
+    """The settings table of docs/settings.md (``python -m cosyvoice_lb.common.settings`` prints it)."""
     rows = ["| flag | environment | default | what |", "|---|---|---|---|"]
     for f in dataclasses.fields(Settings):
         default = "the launcher's Python" if f.name == "python" else (f.default if f.default != "" else "—")

@@ -35,8 +35,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from cosyvoice_lb import __version__
+from cosyvoice_lb.common.checks import parse_voice_map
+from cosyvoice_lb.common.instance_argv import parse_instance_args
 from cosyvoice_lb.common.problems import error_body, error_headers
-from cosyvoice_lb.common.settings import Settings, parse_instance_args, parse_voice_map
+from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.common.timeouts import GRACEFUL_SHUTDOWN
 from cosyvoice_lb.instance.access.auth import PolicyFile
@@ -51,8 +53,9 @@ from cosyvoice_lb.instance.metrics import MISSING, Metrics, RequestMetrics
 from cosyvoice_lb.instance.routing.board import Opener
 from cosyvoice_lb.instance.routing.router import Router
 from cosyvoice_lb.instance.speech.admission import Admission, Phase, Snapshot
+from cosyvoice_lb.instance.speech.failures import ERRORS, Declined, describe
 from cosyvoice_lb.instance.speech.fanout import SEGMENT_HEADER, Balancer, FanOut
-from cosyvoice_lb.instance.speech.pipeline import ERRORS, Declined, Pipeline, describe
+from cosyvoice_lb.instance.speech.pipeline import Pipeline
 from cosyvoice_lb.instance.speech.poison import Ledger
 from cosyvoice_lb.instance.speech.validation import (
     FIELDS,

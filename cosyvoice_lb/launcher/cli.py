@@ -18,30 +18,65 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console, Group
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
 from cosyvoice_lb import __version__
-from cosyvoice_lb.common.settings import CLUSTER_OPTIONS, PLAN_OPTIONS, Settings, absolute, envvar, flag
-from cosyvoice_lb.common.sizes import SizeError, format_size
+from cosyvoice_lb.common.settings import Settings, declarations, envvar, flag
+from cosyvoice_lb.common.sizes import SizeError
+from cosyvoice_lb.launcher import views
 from cosyvoice_lb.launcher.cluster import lifecycle
+from cosyvoice_lb.launcher.cluster.foreground import StopSignals, stay
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
-from cosyvoice_lb.launcher.cluster.status import SERVICES, ClusterStatus, pool_line, status
-from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, read_tail
+from cosyvoice_lb.launcher.cluster.status import ClusterStatus, status
+from cosyvoice_lb.launcher.cluster.supervision import SupervisionError
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan import calibration, footprint
 from cosyvoice_lb.launcher.plan.planner import PlanError
 from cosyvoice_lb.launcher.render.cluster import RenderError
 from cosyvoice_lb.launcher.render.cluster import warnings as render_warnings
-from cosyvoice_lb.launcher.render.credentials import access_of, admin_token_path, open_warning
+from cosyvoice_lb.launcher.render.credentials import access_of, open_warning
 from cosyvoice_lb.launcher.render.disk import render_only
 
-# Wide tables and unwrapped messages when piped (rich assumes 80 columns off a terminal).
-out = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, soft_wrap=True)
 USER_ERRORS = (PlanError, SizeError, RenderError, ClusterError, SupervisionError)
+
+
+# The options `plan` takes; `up`, `render`, `calibrate` and `k8s render` take them all.
+PLAN_OPTIONS = (
+    "engine",
+    "model_dir",
+    "load_trt",
+    "load_vllm",
+    "fp16",
+    "instances",
+    "gpus",
+    "footprint",
+    "reserve",
+    "max_instances",
+    "min_instances",
+    "spares",
+    "surge",
+    "force",
+    "base_port",
+    "state_dir",
+)
+CLUSTER_OPTIONS = PLAN_OPTIONS + tuple(f.name for f in declarations() if f.name not in PLAN_OPTIONS)
+
+
+def absolute(settings: Settings) -> Settings:
+    """Paths made absolute now: supervisord runs everything from the state dir."""
+    paths: dict[str, Any] = {}
+    for name in (
+        "model_dir",
+        "cosyvoice_root",
+        "outputs_dir",
+        "voices_dir",
+        "api_token_file",
+        "ui_auth",
+        "admin_token_file",
+    ):
+        value = getattr(settings, name)
+        if value:
+            paths[name] = str(Path(value).expanduser().resolve())
+    return dataclasses.replace(settings, **paths)
 
 
 def options(*names: str) -> Callable:
@@ -74,7 +109,7 @@ def options(*names: str) -> Callable:
 
 
 def fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    views.err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
     sys.exit(code)
 
 
@@ -111,35 +146,10 @@ def plan_command(as_json: bool, **kwargs: Any) -> None:
     """Show how many instances fit, on which device and port."""
     settings = settings_from(kwargs)
     report = footprint.plan_report(settings)
-    result = report.plan
     if as_json:
         click.echo(json.dumps(report.as_dict(settings.resolved_engine), indent=2))
         return
-    table = Table(title=f"cosyvoice-lb plan: {len(result.slots)} instance(s), engine {settings.resolved_engine}")
-    for column in ("instance", "device", "memory", "port", "role"):
-        table.add_column(column)
-    for slot, role in zip(result.slots, result.roles.at_up(len(result.slots))):
-        table.add_row(
-            slot.name, "cpu" if slot.gpu is None else f"gpu{slot.gpu}", format_size(slot.memory), str(slot.port), role
-        )
-    out.print(table)
-    fits = Table(title="what fits per device")
-    for column in ("device", "total", "free", "fits by total", "fits by free", "fits", "limited by"):
-        fits.add_column(column)
-    for fit in result.fits:
-        fits.add_row(
-            fit.device,
-            format_size(fit.total),
-            format_size(fit.free),
-            str(fit.by_total),
-            str(fit.by_free),
-            str(fit.fits),
-            fit.limit,
-        )
-    out.print(fits)
-    out.print(f"GPU inventory: {report.gpu_source}; footprint: {report.footprint_source}", highlight=False)
-    for note in result.notes:
-        out.print(f"note: {note}", highlight=False)
+    views.print_plan(report, settings.resolved_engine)
 
 
 @main.command("render")
@@ -171,10 +181,10 @@ def up_command(foreground: bool, **kwargs: Any) -> None:
         start_cluster(settings)
         return
     layout = layout_for(settings)
-    signals = lifecycle.StopSignals().install()
+    signals = StopSignals().install()
     with signals.while_starting(layout):
         start_cluster(settings, stop_on_failure=True)
-    stopped = lifecycle.foreground(layout, settings, signals.event, say=click.echo)
+    stopped = stay(layout, settings, signals.event, say=click.echo)
     if stopped.code:
         fail(stopped.reason, code=stopped.code)
 
@@ -182,52 +192,17 @@ def up_command(foreground: bool, **kwargs: Any) -> None:
 def start_cluster(settings: Settings, stop_on_failure: bool = False) -> None:
     """`up` itself: start (or update) the cluster, say where it serves. Instances that failed
     while others serve: exit 1, the rest left serving, or (``stop_on_failure``) stopped."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     for warning in render_warnings(settings):
-        err.print(f"[bold yellow]warning:[/] {warning}", markup=True, highlight=False)
+        views.warn(warning)
     started = time.monotonic()
-    if err.is_terminal:
-        with Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            TextColumn("{task.fields[detail]}"),
-            console=err,
-            transient=True,
-        ) as bar:
-            task = bar.add_task("instances ready", total=None, detail="starting")
-
-            def report(progress: lifecycle.Progress) -> None:
-                bar.update(task, total=progress.total, completed=progress.ready, detail=progress.detail[:80])
-
-            current = lifecycle.up(
-                settings, report, say=lambda line: bar.console.print(line, markup=False, highlight=False)
-            )
-    else:  # a log, not a screen
-        current = lifecycle.up(settings, line_reporter(started), say=lambda line: click.echo(line, err=True))
+    with views.up_progress(started) as (report, say):
+        current = lifecycle.up(settings, report, say=say)
     elapsed = time.monotonic() - started
     layout = layout_for(settings)
     failed = [i for i in current.instances if i.failed]
-    serving = len(current.instances) - len(failed)
-    click.echo(
-        f"cosyvoice-lb is up: {serving} instance(s) ready in {elapsed:.1f}s"
-        + (f", {len(failed)} failed" if failed else "")
-    )
-    click.echo(f"  UI and API: {current.url}/   (API: POST {current.url}/v1/tts, health: {current.url}/ping)")
-    click.echo(
-        f"  OpenAI-compatible: base_url {current.url}/v1   (POST /v1/audio/speech, saved voices: /v1/audio/voices)"
-    )
-    click.echo(f"  reachable: {reach(settings.listen_host, settings.port)}")
-    for line in access_lines(settings, layout, current.url):
+    access = access_lines(settings, layout, current.url)
+    for line in views.up_lines(current, elapsed, settings, layout, access, invoked_as()):
         click.echo(line)
-    click.echo(
-        f"  control panel: {current.url}/admin   (admin token in {admin_token_path(settings, layout)}; "
-        f"Prometheus: {layout.prometheus_yml})"
-    )
-    prog = invoked_as()
-    click.echo(f"  state: {layout.root}   stop with: {prog} down --state-dir {shlex.quote(str(layout.root))}")
     if failed:
         for line in current.report:
             click.echo(line, err=True)
@@ -277,39 +252,13 @@ def invoked_as() -> str:
     return f"{shlex.quote(sys.executable)} -m cosyvoice_lb.launcher.cli"
 
 
-def reach(host: str, port: int) -> str:
-    """Who can reach the service, from the address nginx listens on."""
-    if host in ("0.0.0.0", "::", "[::]", "*", ""):
-        return f"from other machines too: nginx listens on every address of this box, port {port}"
-    if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
-        return "from this box only (loopback)"
-    return f"on {host}:{port} only"
-
-
-def line_reporter(started: float) -> Callable[[lifecycle.Progress], None]:
-    """Progress as plain lines on stderr, one whenever something changes."""
-    last = [""]
-
-    def report(progress: lifecycle.Progress) -> None:
-        line = f"{progress.ready}/{progress.total} ready: {progress.detail}"
-        if line != last[0]:
-            click.echo(f"[{time.monotonic() - started:5.1f}s] {line}", err=True)
-            last[0] = line
-
-    return report
-
-
 @main.command("calibrate")
 @options(*CLUSTER_OPTIONS)
 def calibrate_command(**kwargs: Any) -> None:
     """Measure one instance's peak GPU memory (NVML) and keep it as the footprint to plan with."""
     settings = settings_from(kwargs)
-    entry = calibration.calibrate(settings, line_reporter(time.monotonic()))
-    click.echo(
-        f"peak GPU memory of one {footprint.flags_key(settings)} instance: {format_size(entry['peak_bytes'])}; "
-        f"planning with {format_size(entry['gpu_bytes'])} (+10 %) from now on "
-        f"({layout_for(settings).footprint_json})"
-    )
+    entry = calibration.calibrate(settings, views.line_reporter(time.monotonic()))
+    click.echo(views.calibrated_line(footprint.flags_key(settings), entry, layout_for(settings).footprint_json))
 
 
 def state_dir_option(command):
@@ -348,151 +297,22 @@ def status_command(state_dir: str, as_json: bool, watch: bool, interval: float) 
             "poll 'status --json' instead"
         )
     if watch:
-        watch_status(layout, interval)
+        views.watch_status(lambda: read_status(layout), layout.root, interval)
         return
     current = status(layout)
     if as_json:
         click.echo(json.dumps(current.as_dict(), indent=2))
         sys.exit(current.exit_code)
-    print_status(current, layout.root)
+    views.print_status(current, layout.root)
     sys.exit(current.exit_code)
 
 
-NONE = "—"  # a reading the card does not offer (or a CPU instance's GPU memory)
-
-
-def status_tables(current: ClusterStatus) -> list[Table]:
-    """The instance table, and the GPU table when there are GPUs; none when it is not running."""
-    if not current.running:
-        return []
-    with_gpus = bool(current.gpus)
-    table = Table(title=f"cosyvoice-lb at {current.url}")
-    columns = ["name", "port", "device", "pid", "state", "ready", "in rotation", "restarts", "uptime", "code"]
-    columns += ["GPU memory"] if with_gpus else []  # no empty GPU column on a box without one
-    for column in [*columns, "note"]:
-        table.add_column(column)
-    for i in current.instances:
-        row = [
-            i.name,
-            str(i.port),
-            "cpu" if i.gpu is None else f"gpu{i.gpu}",
-            str(i.pid),
-            i.state,
-            "yes" if i.ready else "no",
-            "yes" if i.in_rotation else "no",
-            str(i.restarts),
-            f"{i.uptime:.0f}s",
-            code_cell(i.code, current.code),
-        ]
-        row += [format_size(i.gpu_memory) if i.gpu_memory else NONE] if with_gpus else []
-        table.add_row(*row, i.reason)
-    services = [(name, getattr(current, name)) for name in SERVICES] + sorted(current.daemons.items())
-    for name, info in services:
-        row = [name, str(info.get("port", "")), name[4:] if name.startswith("mps-") else "", str(info["pid"])]
-        row.append(info["state"])
-        table.add_row(*row, *[""] * (len(columns) + 1 - len(row)))
-    if not with_gpus:
-        return [table]
-    return [table, gpu_table(current)]
-
-
-def code_cell(runs: str, staged: str) -> str:
-    """The code an instance runs: its digest, marked when it is not the one staged now."""
-    if not runs:  # (not answering: nothing to say)
-        return ""
-    return runs[:8] if runs == staged or not staged else f"{runs[:8]} (old)"
-
-
-def gpu_table(current: ClusterStatus) -> Table:
-    """One row per visible GPU: model, memory, utilisation, temperature, power, instances on it."""
-    table = Table(title="GPUs")
-    for column in ("device", "model", "memory used", "utilization", "temperature", "power", "instances"):
-        table.add_column(column)
-    for g in current.gpus:
-        share = f" ({g.memory_used / g.memory_total:.0%})" if g.memory_total else ""
-        table.add_row(
-            f"gpu{g.index}",
-            g.name,
-            f"{format_size(g.memory_used)} / {format_size(g.memory_total)}{share}",
-            NONE if g.utilization is None else f"{g.utilization:.0%}",
-            NONE if g.temperature is None else f"{g.temperature:.0f} °C",
-            NONE if g.power is None else f"{g.power:.0f} W",
-            str(sum(1 for i in current.instances if i.gpu == g.index)),
-        )
-    return table
-
-
-def status_lines(current: ClusterStatus, root: Path) -> list[str]:
-    """What ``status`` says in words: below the tables, or instead of them when it is not running."""
-    if current.unanswered:  # there, but not answering: say what was asked and how it failed
-        return list(current.problems)
-    if not current.running:
-        return [f"not running ({root})", *current.problems[1:]]
-    lines = []
-    if current.access:
-        access = current.access
-        who = "other machines too" if access["public"] else "this box only"
-        lines.append(
-            f"access: nginx on {access['listen']} ({who}); credentials "
-            + ("required" if access["credentials"] else "not required")
-        )
-        if current.code:
-            lines.append(f"instance code staged: {current.code}")
-        if access.get("admin"):
-            lines.append(
-                f"control panel: {access['admin']} (and the cluster's /metrics), admin token in "
-                f"{access['admin_token_file']}"
-            )
-    if pool_line(current.pool):
-        lines.append(pool_line(current.pool))
-    lines += current.warnings + current.report
-    lines.append("ok" if current.exit_code == 0 else "problems: " + "; ".join(current.problems))
-    return lines
-
-
-def print_status(current: ClusterStatus, root: Path) -> None:
-    """The status once: tables through rich, the words unwrapped (they land in logs and greps)."""
-    for table in status_tables(current):
-        out.print(table)
-    for line in status_lines(current, root):
-        click.echo(line)
-
-
-def status_view(current: ClusterStatus, root: Path, footer: str = "") -> Group:
-    """The whole status as one renderable, for :class:`rich.live.Live` to redraw."""
-    lines = status_lines(current, root) + ([footer] if footer else [])
-    return Group(*status_tables(current), *(Text(line) for line in lines))
-
-
-def watch_status(layout: Layout, interval: float) -> None:
-    """``status --watch``: re-read the status every ``interval`` seconds until Ctrl-C.
-
-    On a terminal the same region is redrawn; piped, one plain block per refresh, each
-    followed by a blank line. A cluster that is not running is said so, and watched on
-    (it may come up).
-    """
-
-    def read() -> ClusterStatus:
-        try:
-            return status(layout)
-        except USER_ERRORS as exc:  # one failed read (supervisord swapping, say) must not end the watch
-            return ClusterStatus(running=False, problems=[f"status failed: {exc}"], unanswered=True)
-
+def read_status(layout: Layout) -> ClusterStatus:
+    """The status for ``--watch``: one failed read (supervisord swapping, say) must not end the watch."""
     try:
-        if out.is_terminal:
-            footer = f"every {interval:g}s, Ctrl-C to stop; last read %H:%M:%S"
-            with Live(console=out, screen=False, auto_refresh=False) as live:
-                while True:
-                    live.update(status_view(read(), layout.root, time.strftime(footer)), refresh=True)
-                    time.sleep(interval)
-        else:
-            while True:
-                print_status(read(), layout.root)
-                click.echo("")
-                sys.stdout.flush()  # a pipe is block-buffered: let the reader see each block now
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        return  # Ctrl-C is how a watch ends: quietly, exit 0
+        return status(layout)
+    except USER_ERRORS as exc:
+        return ClusterStatus(running=False, problems=[f"status failed: {exc}"], unanswered=True)
 
 
 @main.command("down")
@@ -540,9 +360,8 @@ def restart_command(
         fail("name the instances to restart (e.g. instance-0) or pass --all, not both")
     if surge and not rolling:
         fail("--surge is for rolling restarts: drop --no-rolling or --surge")
-    for line in lifecycle.restart(
-        layout, None if restart_all else list(names), line_reporter(time.monotonic()), rolling=rolling, surge=surge
-    ):
+    report = views.line_reporter(time.monotonic())
+    for line in lifecycle.restart(layout, None if restart_all else list(names), report, rolling=rolling, surge=surge):
         click.echo(line)
 
 
@@ -589,36 +408,7 @@ def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
     if not path.exists():
         known = ", ".join(lifecycle.log_names(layout)) or "none yet"
         fail(f"no log named {name!r} in {layout.logs} (known: {known})")
-    click.echo("\n".join(read_tail(path, 200 * lines).splitlines()[-lines:]))
-    if not follow:
-        return
-    follow_file(path)
-
-
-def follow_file(path) -> None:
-    """Print lines as they are appended; reopen when supervisord rotates the log."""
-    handle = open(path, "rb")
-    handle.seek(0, 2)
-    try:
-        while True:
-            chunk = handle.readline()
-            if chunk:
-                click.echo(chunk.decode("utf-8", errors="replace"), nl=False)
-                continue
-            time.sleep(0.2)
-            try:
-                rotated = (
-                    os.stat(path).st_ino != os.fstat(handle.fileno()).st_ino or os.stat(path).st_size < handle.tell()
-                )
-            except FileNotFoundError:
-                continue  # between the rename and the new file
-            if rotated:
-                handle.close()
-                handle = open(path, "rb")
-    except KeyboardInterrupt:
-        return
-    finally:
-        handle.close()
+    views.show_log(path, lines, follow)
 
 
 @main.group("k8s")

@@ -15,8 +15,8 @@ import pytest
 import requests
 from conftest import cli, free_port_block, wait_for
 
-from cosyvoice_lb.common.settings import ENGINE_FOOTPRINTS
 from cosyvoice_lb.common.sizes import parse_size
+from cosyvoice_lb.launcher.plan.footprint import ENGINE_FOOTPRINTS
 
 pytestmark = pytest.mark.integration
 MiB = 2**20

@@ -32,9 +32,10 @@ from cosyvoice_lb.instance.audio.segments import Joiner, split_text
 from cosyvoice_lb.instance.audio.wav import WavBuilder
 from cosyvoice_lb.instance.metrics import outcome_of
 from cosyvoice_lb.instance.speech.admission import Cancelled
+from cosyvoice_lb.instance.speech.failures import NoAudio, StorageFailed, describe
 from cosyvoice_lb.instance.speech.fanout import SEGMENT_HEADER, FanOut, forwarded
 from cosyvoice_lb.instance.speech.memory import release
-from cosyvoice_lb.instance.speech.pipeline import Job, NoAudio, Pipeline, StorageFailed, describe
+from cosyvoice_lb.instance.speech.pipeline import Job, Pipeline
 from cosyvoice_lb.instance.speech.validation import WORD, BadRequest
 
 log = logging.getLogger("cosyvoice_lb.instance")

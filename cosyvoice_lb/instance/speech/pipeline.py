@@ -4,7 +4,8 @@ encode → keep.
 Every entry point (the HTTP API, the Gradio UI, and whatever comes next) is a small
 adapter onto :class:`Pipeline`: it decodes its own input into a payload, calls
 :meth:`Pipeline.prepare` and one of the synthesis methods, and turns the errors into its
-own answers through :func:`describe`, the one table from exceptions to HTTP statuses.
+own answers through :func:`~cosyvoice_lb.instance.speech.failures.describe`, the one table
+from exceptions to HTTP statuses.
 
 Instance side: standard library, numpy and what ``audio``/``engines`` use.
 """
@@ -28,23 +29,20 @@ import numpy as np
 
 from cosyvoice_lb.common.timeouts import WORKER_GRACE
 from cosyvoice_lb.instance.audio.outputs import Outputs
-from cosyvoice_lb.instance.audio.prompts import PromptError, read_prompt
+from cosyvoice_lb.instance.audio.prompts import read_prompt
 from cosyvoice_lb.instance.audio.wav import WavBuilder, wav_bytes, write_wav
-from cosyvoice_lb.instance.engines import Engine, EngineError, SynthesisRequest, Unspeakable, clones
+from cosyvoice_lb.instance.engines import Engine, EngineError, SynthesisRequest, clones
 from cosyvoice_lb.instance.metrics import Metrics
 from cosyvoice_lb.instance.routing.router import Router
 from cosyvoice_lb.instance.routing.rule import LAST_HEADER, TRY_HEADER, Rate
 from cosyvoice_lb.instance.speech.admission import (
     Admission,
-    Cancelled,
     Clock,
-    NotReady,
-    Overloaded,
     TimedOut,
     deadline_for,
 )
-from cosyvoice_lb.instance.speech.fanout import SegmentFailed
-from cosyvoice_lb.instance.speech.poison import Ledger, Poisoned, fingerprint
+from cosyvoice_lb.instance.speech.failures import Declined, NoAudio, StorageFailed
+from cosyvoice_lb.instance.speech.poison import Ledger, fingerprint
 from cosyvoice_lb.instance.speech.validation import (
     MAX_SPEED,
     MIN_SPEED,
@@ -55,75 +53,11 @@ from cosyvoice_lb.instance.speech.validation import (
     prompt_span,
     safe,
 )
-from cosyvoice_lb.instance.speech.voices import Registry, Voice, VoiceNotFound, check_consent
+from cosyvoice_lb.instance.speech.voices import Registry, Voice, check_consent
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
 CLONING = ("zero_shot", "cross_lingual", "instruct")
-
-
-class NoAudio(ValueError):
-    """The model said nothing for this text (e.g. punctuation only)."""
-
-
-class Declined(RuntimeError):
-    """Routing by work: another instance would start this request sooner. Answered 503 at
-    once, and nginx tries an instance it has not tried yet (see ``routing``)."""
-
-
-class StorageFailed(OSError):
-    """A file the request needs (its prompt, its result) could not be written."""
-
-    def __init__(self, what: str, directory: str, cause: OSError, setting: str = "--outputs-dir"):
-        reason = cause.strerror or str(cause)
-        super().__init__(
-            f"{what} could not be written to {directory} ({reason}): the instance is fine, its disk is not, and "
-            f"a retry fails the same way until the operator frees space there or points {setting} at a "
-            "writable disk ('cosyvoice-lb status' shows it)"
-        )
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What an entry point answers for an exception."""
-
-    status: int
-    message: str
-    headers: dict[str, str] = field(default_factory=dict)
-    level: int = logging.DEBUG  # how loudly the instance logs it
-    param: str | None = None  # the request field at fault, if one is
-
-
-# The one table from exceptions to answers; the first matching row wins.
-ERRORS: tuple[tuple[type[BaseException], Callable[[Any], Failure]], ...] = (
-    (BadRequest, lambda e: Failure(e.status, str(e), param=e.param)),
-    (PromptError, lambda e: Failure(400, str(e))),
-    (NotReady, lambda e: Failure(503, str(e), {"Retry-After": "2"})),
-    (Overloaded, lambda e: Failure(503, str(e), {"Retry-After": "1"})),
-    (Declined, lambda e: Failure(503, str(e), {"Retry-After": "1", "X-Cvlb-Declined": "1"})),
-    (TimedOut, lambda e: Failure(504, str(e), level=logging.WARNING)),
-    (NoAudio, lambda e: Failure(422, "the model produced no audio for this text: send words to speak")),
-    # upstream checks its input with assert
-    (AssertionError, lambda e: Failure(422, f"the model refused this input: {e}", level=logging.ERROR)),
-    # (the same text crashes it again: x-should-retry false, as for every 4xx)
-    (Unspeakable, lambda e: Failure(422, str(e), level=logging.WARNING)),
-    (EngineError, lambda e: Failure(500, f"synthesis failed: {e}", level=logging.ERROR)),
-    (StorageFailed, lambda e: Failure(507, str(e), level=logging.ERROR)),
-    (Cancelled, lambda e: Failure(499, "the client went away", level=logging.INFO)),
-    # (a retry cannot help: clients that honour x-should-retry stop here)
-    (Poisoned, lambda e: Failure(422, str(e), {"x-should-retry": "false"}, level=logging.WARNING)),
-    (VoiceNotFound, lambda e: Failure(404, str(e), param="voice")),
-    # a long text's segment: its answer is the whole request's
-    (SegmentFailed, lambda e: Failure(e.status, str(e), e.headers, level=logging.WARNING)),
-)
-
-
-def describe(exc: BaseException) -> Failure | None:
-    """The answer for ``exc``, or None for an exception the pipeline does not expect."""
-    for kind, make in ERRORS:
-        if isinstance(exc, kind):
-            return make(exc)
-    return None
 
 
 @dataclass

@@ -21,8 +21,9 @@ from cosyvoice_lb.common.problems import error_body, error_headers
 from cosyvoice_lb.instance.api.streams import audio_source
 from cosyvoice_lb.instance.engines import clones
 from cosyvoice_lb.instance.metrics import outcome_of
+from cosyvoice_lb.instance.speech.failures import describe
 from cosyvoice_lb.instance.speech.fanout import FanOut, blocking
-from cosyvoice_lb.instance.speech.pipeline import Pipeline, describe
+from cosyvoice_lb.instance.speech.pipeline import Pipeline
 from cosyvoice_lb.instance.speech.validation import MAX_SPEED, MIN_SPEED, BadRequest, prompt_span
 from cosyvoice_lb.instance.ui.uploads import GradioFiles
 

@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from cosyvoice_lb.common.atomic import write_atomic
-from cosyvoice_lb.common.settings import Settings, problems
+from cosyvoice_lb.common.setting_errors import setting_errors
+from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import SizeError, parse_size
 from cosyvoice_lb.common.timeouts import Timeouts
 from cosyvoice_lb.launcher.cluster.layout import layout_for
@@ -147,7 +148,7 @@ def manifests(settings: Settings, deployment: Deployment) -> dict[str, str]:
 def write_manifests(settings: Settings, deployment: Deployment, out_dir: str) -> list[Path]:
     """Write :func:`manifests` into ``out_dir`` (atomically; the Secret 0600). Token files
     given with --api-token-file / --admin-token-file fill the Secret; else tokens are made."""
-    found = [p for p in problems(settings) if "--api-token-file" not in p and "--admin-token-file" not in p]
+    found = [p for p in setting_errors(settings) if "--api-token-file" not in p and "--admin-token-file" not in p]
     if found:
         raise ClusterError(found[0])
     try:  # (the same reading, and refusals, as `up`'s)

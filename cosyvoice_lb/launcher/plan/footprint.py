@@ -8,11 +8,35 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from cosyvoice_lb.common.settings import ENGINE_FOOTPRINTS, TRT_EXTRA, VLLM_CARD_FRACTION, Settings
+from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.plan.gpu import inventory
 from cosyvoice_lb.launcher.plan.planner import Budget, Plan, PlanError, Slot, plan, startable, with_own_slots
+
+# Default memory one instance needs, per engine: GPU memory on GPU boxes, host RAM on
+# CPU-only boxes. The espeak engine uses no GPU: on a GPU box it stands in for
+# CosyVoice3 and is planned with CosyVoice3's footprint, so its plan is the model's plan.
+# CosyVoice3 (plain, no TRT/vLLM): ~4.5 GB peak reported on an RTX 3060 in upstream's issues,
+# rounded up for fragmentation and the warm-up peak.
+ENGINE_FOOTPRINTS: dict[str, dict[str, str]] = {
+    # espeak's host figure is measured: an instance's peak RSS (espeak-ng, Gradio UI), sampled
+    # every 50 ms, while 20,000-character texts go through `up --instances 2` (the script of
+    # tests/integration/test_long_text_memory.py, which holds the bound): ~200 MiB at rest,
+    # 425/488 MiB one text at a time, 433/471 MiB two at once; one instance alone (its own
+    # balancer) 422 MiB, two at once 585 MiB. 640 MiB covers them all.
+    "espeak": {"gpu": "5GiB", "host": "640MiB"},
+    # CosyVoice3 on CPU (no GPU): weights plus activations in host RAM.
+    "cosyvoice3": {"gpu": "5GiB", "host": "6GiB"},
+    # The benchmark load model stands in for CosyVoice3 on a GPU box, like espeak.
+    "simulated": {"gpu": "5GiB", "host": "256MiB"},
+}
+# Added per instance by CosyVoice's engine flags (upstream's issues and code):
+# one TensorRT context of the flow decoder ~4.5 GB (v2 reports; trt_concurrent=1);
+# vLLM is started with gpu_memory_utilization=0.2 (upstream cli/model.py), i.e. it
+# reserves a fifth of the card per instance whatever the model needs.
+TRT_EXTRA = "4.5GiB"
+VLLM_CARD_FRACTION = 0.2
 
 
 def parse_instances(value: str) -> int | None:

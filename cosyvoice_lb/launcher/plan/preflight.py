@@ -12,7 +12,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from cosyvoice_lb.common.settings import Settings, problems
+from cosyvoice_lb.common.setting_errors import setting_errors
+from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster import processes
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan.planner import Slot
@@ -158,7 +159,7 @@ def check_instance_env(settings: Settings) -> dict:
 
 def check_settings(settings: Settings) -> None:
     """Refuse settings that cannot work (each setting's own check, then combinations)."""
-    found = problems(settings)
+    found = setting_errors(settings)
     if found:
         raise ClusterError("; ".join(found))
 

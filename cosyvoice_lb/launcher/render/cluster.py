@@ -12,7 +12,9 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from cosyvoice_lb.common.settings import Settings, instance_args, problems
+from cosyvoice_lb.common.instance_argv import instance_args
+from cosyvoice_lb.common.setting_errors import setting_errors
+from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.common.timeouts import Timeouts
 from cosyvoice_lb.launcher.cluster.layout import Layout
@@ -149,7 +151,7 @@ def check(settings: Settings, layout: Layout) -> None:
             f"state dir path is too long for a unix socket ({socket_bytes} > "
             f"{MAX_SOCKET_PATH} bytes for {layout.socket}): use a shorter --state-dir"
         )
-    found = problems(settings)
+    found = setting_errors(settings)
     if found:
         raise RenderError(found[0])
 
