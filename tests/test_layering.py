@@ -158,7 +158,7 @@ def test_the_staged_tree_runs_without_the_launcher(tmp_path):
     """What staging copies is all an instance needs: its server imports from the staged tree
     alone (not this checkout), with the launcher's libraries made unimportable."""
     lib = tmp_path / "lib"
-    stage(lib)
+    digest, _ = stage(lib)
     probe = textwrap.dedent(
         f"""
         import importlib.abc, sys
@@ -170,8 +170,11 @@ def test_the_staged_tree_runs_without_the_launcher(tmp_path):
         sys.path.insert(0, {str(lib)!r})
         import cosyvoice_lb.instance.server, cosyvoice_lb.instance.engines.espeak
         print(cosyvoice_lb.instance.server.__file__)
+        print(cosyvoice_lb.instance.server.CODE)
         """
     )
     run = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert Path(run.stdout.strip()).resolve().is_relative_to(lib.resolve())
+    where, code = run.stdout.split()
+    assert Path(where).resolve().is_relative_to(lib.resolve())
+    assert code == digest  # what its /ping reports: the digest of the tree it runs

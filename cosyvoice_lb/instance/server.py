@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+import cosyvoice_lb
 from cosyvoice_lb import __version__
 from cosyvoice_lb.common.checks import parse_voice_map
 from cosyvoice_lb.common.instance_argv import parse_instance_args
@@ -75,11 +77,10 @@ from cosyvoice_lb.instance.ui.errors import UIErrors
 log = logging.getLogger("cosyvoice_lb.instance")
 
 
-# The staged tree's digest (resources.CODE_FILE beside the package; "" run from a checkout):
-# `status` compares it with what is staged now, so a half-done roll-out shows.
+# The staged tree's digest (staging.CODE_FILE beside the cosyvoice_lb package; "" run from a
+# checkout): `status` compares it with what is staged now, so a half-done roll-out shows.
 try:
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "CODE")) as _code:
-        CODE = _code.read().strip()
+    CODE = (Path(cosyvoice_lb.__file__).resolve().parent.parent / "CODE").read_text().strip()
 except OSError:
     CODE = ""
 
