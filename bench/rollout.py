@@ -52,6 +52,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from cosyvoice_lb.launcher.cluster.health_report import Track, read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -294,21 +295,15 @@ class Cluster:
         except OSError:
             return None
 
-    def tracks(self) -> dict[str, dict]:
-        try:
-            tracks = json.loads(self.layout.health_json.read_text()).get("instances", {})
-        except (OSError, ValueError):
-            return {}
-        return tracks if isinstance(tracks, dict) else {}
+    def tracks(self) -> dict[str, Track]:
+        return read_report(self.layout).tracks
 
     def settle(self, instances: int, loaded: int, within: float) -> None:
         """Until ``instances`` are in rotation and ``loaded`` (serving and spares) have been ready."""
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             names = self.in_rotation() or []
-            ready = [
-                n for n, t in self.tracks().items() if t.get("pid") and t.get("ever_ready") and not t.get("failed")
-            ]
+            ready = [n for n, t in self.tracks().items() if t.pid and t.ever_ready and not t.failed]
             if len(names) >= instances and len(ready) >= loaded:
                 return
             time.sleep(0.25)
@@ -349,7 +344,7 @@ class Sampler:
         while not self.stopping.is_set() and time.monotonic() < self.deadline:
             names = self.cluster.in_rotation()
             if names is not None:
-                health = sum(bool(t.get("in_rotation")) for t in self.cluster.tracks().values())
+                health = sum(t.in_rotation for t in self.cluster.tracks().values())
                 self.samples.append((time.monotonic(), names, health))
             due += SAMPLE_S
             self.stopping.wait(max(0.0, due - time.monotonic()))

@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster.context import Cluster, Say
 from cosyvoice_lb.launcher.cluster.diagnosis import ClusterStatus, Observation, diagnose
+from cosyvoice_lb.launcher.cluster.health_report import HealthReport, Track, read_report, write_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.protocol import (
     DrainAction,
     answer_drain,
     drained_by_hand,
     read_drain,
-    read_report,
-    write_report,
 )
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
@@ -156,20 +155,22 @@ class World:
                 answer_drain(self.layout, name)
             elif self.ready(name) and not drained_by_hand(self.layout, name) and not program.signalled:
                 self.rotation.add(name)
-        write_report(self.layout, self.tracks(), now=self.now, pool={"wanted": self.roles.serving})
+        write_report(
+            self.layout, HealthReport(updated=self.now, tracks=self.tracks(), pool={"wanted": self.roles.serving})
+        )
 
-    def tracks(self) -> dict[str, dict]:
+    def tracks(self) -> dict[str, Track]:
         tracks = {}
         for slot in self.slots:
             program = self.programs[slot.name]
             failed = "failed: supervisord gave up" if program.state == "FATAL" else ""
-            tracks[slot.name] = {
-                "in_rotation": slot.name in self.rotation,
-                "pid": program.pid,
-                "signalled_at": program.signalled,
-                "failed": failed,
-                "failed_at": self.now if failed else 0.0,
-            }
+            tracks[slot.name] = Track(
+                in_rotation=slot.name in self.rotation,
+                pid=program.pid,
+                signalled_at=program.signalled,
+                failed=failed,
+                failed_at=self.now if failed else 0.0,
+            )
         return tracks
 
     def ready(self, name: str) -> bool:

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cosyvoice_lb.launcher.cluster.health_report import HealthReport, Track
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus
 from cosyvoice_lb.launcher.health.rules import RESTART_REASONS
 from cosyvoice_lb.launcher.panel.metrics import ClusterView, NginxCounters, ViewCollector, parse_stub_status
@@ -40,11 +41,11 @@ def view(gpus=(), nginx: NginxCounters | None = None, drained: bool = False) -> 
         ),
         InstanceStatus("instance-1", 7861, 1 if gpus else None, 0, "BACKOFF", False, False, 0, 0.0, drained=drained),
     ]
-    report = {
-        "updated": 990.0,
-        "instances": {"instance-0": {"ordered": {"hang": 1}, "crashes": 1}, "instance-1": {"ordered": {}}},
-        "probe_seconds": {"instance-0": 0.004},
-    }
+    report = HealthReport(
+        updated=990.0,
+        tracks={"instance-0": Track(ordered={"hang": 1}, crashes=1), "instance-1": Track()},
+        probe_seconds={"instance-0": 0.004},
+    )
     return ClusterView(
         status=ClusterStatus(running=True, instances=instances, gpus=list(gpus)),
         planned=2,

@@ -7,8 +7,8 @@ import dataclasses
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster.diagnosis import Observation, diagnose
+from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
-from cosyvoice_lb.launcher.health.rotation import PARKED, SPARE
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 
 NOW = 10_000.0
@@ -23,13 +23,13 @@ def seen(**changes) -> Observation:
     """A healthy cluster of three serving instances, each fact overridable."""
     programs = {s.name: proc(s.name, 100 + s.index) for s in SLOTS}
     programs |= {name: proc(name, 50 + i) for i, name in enumerate(("nginx", "health", "admin"))}
-    tracks = {s.name: {"in_rotation": True, "pid": 100 + s.index} for s in SLOTS}
+    tracks = {s.name: Track(in_rotation=True, pid=100 + s.index) for s in SLOTS}
     base = Observation(
         settings=Settings(port=8080),
         slots=SLOTS,
         roles=Roles(serving=3),
         programs=programs,
-        health={"updated": NOW - 1, "instances": tracks, "pool": {"wanted": 3}},
+        health=HealthReport(updated=NOW - 1, tracks=tracks, pool={"wanted": 3}),
         pings={s.name: {"ready": True, "code": "abc"} for s in SLOTS},
         nginx_answer=200,
         listening=frozenset({("127.0.0.1", 8080)}),
@@ -39,9 +39,9 @@ def seen(**changes) -> Observation:
     return dataclasses.replace(base, **changes)
 
 
-def with_track(name: str, **track) -> dict:
+def with_track(name: str, **track) -> HealthReport:
     health = seen().health
-    return {**health, "instances": {**health["instances"], name: track}}
+    return dataclasses.replace(health, tracks={**health.tracks, name: Track(**track)})
 
 
 def test_a_healthy_cluster_has_nothing_to_say():
@@ -71,10 +71,11 @@ def test_a_failed_instance_says_how_to_bring_it_back():
 
 def test_parked_slots_and_spares_are_on_purpose_not_problems():
     programs = {**seen().programs, "instance-2": proc("instance-2", 0, "STOPPED")}
-    health = with_track("instance-1", in_rotation=False, pid=101, reason=SPARE)
-    health["pool"] = {"wanted": 1}
+    health = dataclasses.replace(
+        with_track("instance-1", in_rotation=False, pid=101, reason=OnPurpose.SPARE), pool={"wanted": 1}
+    )
     current = diagnose(seen(programs=programs, health=health, roles=Roles(serving=1, spares=1)))
-    assert current.instance("instance-2").parked and current.instance("instance-2").reason == PARKED
+    assert current.instance("instance-2").parked and current.instance("instance-2").reason == OnPurpose.PARKED
     assert current.instance("instance-1").spare
     assert current.problems == []
     assert (current.pool["parked"], current.pool["spares"]) == (1, 1)
@@ -124,6 +125,6 @@ def test_old_code_is_a_roll_out_not_finished():
 
 
 def test_a_silent_health_loop_is_a_problem():
-    current = diagnose(seen(health={**seen().health, "updated": NOW - 600}))
+    current = diagnose(seen(health=dataclasses.replace(seen().health, updated=NOW - 600)))
     assert "the health loop has not reported for 600s (hung?)" in current.problems
     assert current.health["updated_seconds_ago"] == 600.0

@@ -11,11 +11,11 @@ import dataclasses
 import pytest
 
 from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster.health_report import OnPurpose, Track
 from cosyvoice_lb.launcher.cluster.protocol import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.probe import Probe
-from cosyvoice_lb.launcher.health.rotation import PARKED
-from cosyvoice_lb.launcher.health.rules import Policy, Track, judge
+from cosyvoice_lb.launcher.health.rules import Policy, judge
 
 NOW = 1_700_000_000.0
 POLICY = Policy(fail_threshold=3, recover_threshold=2, hang_timeout=120.0, startup_timeout=300.0)
@@ -296,7 +296,9 @@ def test_a_process_that_is_not_running_is_out_of_rotation_without_a_restart(stat
     assert (verdict.track.fails, verdict.track.goods, verdict.track.pid, verdict.track.ever_ready) == (0, 0, 0, False)
     assert verdict.track.restarts == 4
     # (stopped on purpose, by the launcher or the elastic scaler: a parked slot)
-    assert verdict.track.reason == (PARKED if state == "STOPPED" else f"process {(state or 'missing').lower()}")
+    assert verdict.track.reason == (
+        OnPurpose.PARKED if state == "STOPPED" else f"process {(state or 'missing').lower()}"
+    )
 
 
 def test_running_without_a_pid_counts_as_not_running():

@@ -19,6 +19,7 @@ import pytest
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster.health_report import OnPurpose, Track, read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.protocol import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo, SupervisionError
@@ -145,8 +146,8 @@ class Rig:
     def track(self, name: str):
         return self.loop.tracks[name]
 
-    def report(self, name: str) -> dict:
-        return protocol.report_tracks(self.layout)[name]
+    def report(self, name: str) -> Track:
+        return read_report(self.layout).tracks[name]
 
     def down(self) -> set[str]:
         """The instances upstreams.conf marks down (in every upstream alike: API, UI, segments,
@@ -317,7 +318,7 @@ def test_restart_by_hand_starts_a_given_up_instance_afresh(make_rig, monkeypatch
     real_answer = protocol.answer_drain
 
     def answer(layout, name):
-        answered.append((name, protocol.report_tracks(layout)[name]))
+        answered.append((name, read_report(layout).tracks[name]))
         real_answer(layout, name)
 
     monkeypatch.setattr(protocol, "answer_drain", answer)
@@ -326,7 +327,7 @@ def test_restart_by_hand_starts_a_given_up_instance_afresh(make_rig, monkeypatch
     assert rig.sup.calls == [("start", A, False)]
     track = rig.track(A)
     assert (track.failed, track.reason, track.in_rotation) == ("", "restarted by hand", False)
-    assert [(name, saved["failed"], saved["reason"]) for name, saved in answered] == [(A, "", "restarted by hand")]
+    assert [(name, saved.failed, saved.reason) for name, saved in answered] == [(A, "", "restarted by hand")]
     assert not rig.layout.drain_request(A).exists()
 
     rig.restarted(A, 300, state="STARTING")  # the crash count starts afresh: loading, not given up
@@ -457,7 +458,7 @@ def test_restarts_are_counted_by_reason_across_the_new_process(make_rig):
 
 
 def test_every_reason_is_there_from_the_start():
-    assert restarts_by_reason({}) == {reason: 0 for reason in RESTART_REASONS}
+    assert restarts_by_reason(Track()) == {reason: 0 for reason in RESTART_REASONS}
 
 
 def test_the_crash_count_never_dips_while_an_ordered_restart_comes(make_rig):
@@ -499,7 +500,7 @@ def test_an_instance_drained_by_hand_stays_out_with_its_process_until_undrained(
     rig = make_rig()
     protocol.drain_by_hand(rig.layout, A)
     rig.step()
-    assert rig.down() == {A} and rig.track(A).reason == protocol.DRAINED
+    assert rig.down() == {A} and rig.track(A).reason is OnPurpose.DRAINED
     rig.step(5)  # still ready, still out: nothing signalled, nothing restarted
     assert rig.down() == {A} and rig.sup.calls == [HUP]
     assert rig.track(A).restarts == 0 and rig.track(B).in_rotation
@@ -519,7 +520,7 @@ def test_a_drained_instance_that_fails_is_restarted_like_any_other(make_rig):
 
 def test_the_report_has_each_probes_latency(make_rig):
     rig = make_rig()
-    seconds = protocol.read_report(rig.layout)["probe_seconds"]
+    seconds = read_report(rig.layout).probe_seconds
     assert set(seconds) == {A, B} and all(0 <= s < 1 for s in seconds.values())
 
 

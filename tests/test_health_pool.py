@@ -18,14 +18,14 @@ from test_health_loop import READY, Clock, FakeHost, FakeSupervisor
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster.health_report import OnPurpose, Track, read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.protocol import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.elastic import Seen, follow_load, hold_reason, running_slots
 from cosyvoice_lb.launcher.health.loop import HealthLoop
 from cosyvoice_lb.launcher.health.probe import Probe
-from cosyvoice_lb.launcher.health.rotation import PARKED, SPARE
-from cosyvoice_lb.launcher.health.rules import Track, pick_recycle
+from cosyvoice_lb.launcher.health.rules import pick_recycle
 from cosyvoice_lb.launcher.health.scaling import Bounds, Scale
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 
@@ -116,8 +116,8 @@ def test_a_warm_spare_takes_a_crashed_instances_place_in_the_same_step(tmp_path,
     rig = rigs(tmp_path, Roles(serving=2, spares=1), running=3)
     rig.step(2)
     assert rig.serving() == [I0, I1]
-    assert rig.reason(I2) == SPARE and rig.reason(I3) == PARKED
-    assert protocol.report_pool(rig.layout)["wanted"] == 2
+    assert rig.reason(I2) == OnPurpose.SPARE and rig.reason(I3) == OnPurpose.PARKED
+    assert read_report(rig.layout).pool["wanted"] == 2
 
     rig.sup.set(I0, "BACKOFF")  # it crashed; supervisord brings it back
     rig.step()
@@ -126,7 +126,7 @@ def test_a_warm_spare_takes_a_crashed_instances_place_in_the_same_step(tmp_path,
     rig.start(I0, 200)
     rig.step(2)  # loaded again and ready: it is the spare now
     assert rig.serving() == [I1, I2]
-    assert rig.reason(I0) == SPARE
+    assert rig.reason(I0) == OnPurpose.SPARE
     assert not rig.loop.tracks[I0].in_rotation
 
 
@@ -147,7 +147,7 @@ def test_a_surge_roll_out_lets_more_serve_and_its_end_gives_the_last_one_back(tm
     rig.start(I2, 300)  # the launcher starts the replacement on a parked slot
     rig.step(2)
     assert rig.serving() == [I0, I1, I2]
-    assert protocol.report_pool(rig.layout)["surge"] == 1
+    assert read_report(rig.layout).pool["surge"] == 1
     protocol.ask_drain(rig.layout, I0, DrainAction.HOLD)  # the old one goes
     rig.step()
     assert rig.serving() == [I1, I2]
@@ -169,7 +169,7 @@ def test_elastic_starts_a_parked_slot_after_a_busy_period_and_stops_one_when_idl
     assert ("start", I1, False) in rig.sup.calls and ("start", I2, False) not in rig.sup.calls
     assert rig.room_asked[-1] == ([I0], [I1, I2, I3])
     assert "elastic: scale out: all 1 instance(s) in rotation had a queue" in caplog.text
-    decisions = protocol.report_pool(rig.layout)["scale"]["decisions"]
+    decisions = read_report(rig.layout).pool["scale"]["decisions"]
     assert decisions[-1]["target"] == 2 and decisions[-1]["reason"].startswith("scale out")
 
     rig.start(I1, 301)  # loading: no second decision meanwhile, however busy
@@ -192,7 +192,7 @@ def test_elastic_starts_a_parked_slot_after_a_busy_period_and_stops_one_when_idl
     assert ("stop", I1, False) in rig.sup.calls
     rig.sup.set(I1, "STOPPED")
     rig.step()
-    assert rig.reason(I1) == PARKED and rig.loop.tracks[I1].ordered == {"scaled_in": 1}
+    assert rig.reason(I1) == OnPurpose.PARKED and rig.loop.tracks[I1].ordered == {"scaled_in": 1}
     assert rig.loop.tracks[I1].crashes == 0
 
 
@@ -223,7 +223,7 @@ def test_no_scaling_during_a_roll_out(tmp_path, rigs):
 
 
 def test_pick_recycle_counts_spares_and_parked_slots_aside():
-    tracks = {I0: Track(in_rotation=True), I1: Track(in_rotation=True), I2: Track(reason=SPARE), I3: Track()}
+    tracks = {I0: Track(in_rotation=True), I1: Track(in_rotation=True), I2: Track(reason=OnPurpose.SPARE), I3: Track()}
     due = {I0: "served 11 requests", I1: "", I2: "", I3: ""}
     assert pick_recycle(due, tracks, {}) is None  # without knowing, a spare looks like a missing instance
     assert pick_recycle(due, tracks, {}, standing_by=frozenset({I2, I3})) == (I0, "served 11 requests")
@@ -232,7 +232,7 @@ def test_pick_recycle_counts_spares_and_parked_slots_aside():
 def test_elastic_with_a_spare_judges_the_load_by_the_serving_ones_only(tmp_path, rigs):
     rig = rigs(tmp_path, Roles(serving=3, spares=1, min_serving=1), running=2, scale_up_after=3, idle_release=600)
     rig.step(2)
-    assert rig.serving() == [I0] and rig.reason(I1) == SPARE
+    assert rig.serving() == [I0] and rig.reason(I1) == OnPurpose.SPARE
     rig.prober.set(I0, BUSY)  # the spare is idle, as spares are: it does not make the load look light
     rig.step(4)
     assert rig.loop.scale.target == 2
@@ -249,7 +249,7 @@ def test_a_roll_out_marker_left_by_a_launcher_that_is_gone_is_dropped(tmp_path, 
     rig = rigs(tmp_path, Roles(serving=2, spares=1), running=3)
     rig.layout.rollout.write_text(json.dumps({"surge": 1, "since": 0, "pid": int(gone.stdout)}))
     rig.step(2)
-    assert rig.serving() == [I0, I1] and rig.reason(I2) == SPARE  # the spare stays a spare
+    assert rig.serving() == [I0, I1] and rig.reason(I2) == OnPurpose.SPARE  # the spare stays a spare
     assert not rig.layout.rollout.exists()
     protocol.start_rollout(rig.layout, 1)  # this process: alive
     rig.step()

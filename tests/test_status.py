@@ -5,11 +5,13 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 
 import pytest
 from rich.console import Console
 
 from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track, write_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.status import (
     NO_TELEMETRY,
@@ -21,7 +23,6 @@ from cosyvoice_lb.launcher.cluster.status import (
     status,
 )
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
-from cosyvoice_lb.launcher.health.rotation import PARKED
 from cosyvoice_lb.launcher.plan.gpu import GpuReading
 from cosyvoice_lb.launcher.plan.planner import Slot
 
@@ -238,16 +239,15 @@ class OneParked(FakeSupervisor):
 
 @pytest.mark.parametrize("wanted, short", [(1, False), (2, True)])
 def test_a_parked_slot_is_no_problem_unless_fewer_serve_than_wanted(monkeypatch, tmp_path, wanted, short):
-    from cosyvoice_lb.launcher.cluster import protocol
     from cosyvoice_lb.launcher.cluster import status as status_module
 
     layout = running_cluster(monkeypatch, tmp_path)
     monkeypatch.setattr(status_module, "Supervisor", OneParked)
-    tracks = {"instance-0": {"in_rotation": True, "pid": 4242}, "instance-1": {"reason": PARKED}}
-    protocol.write_report(layout, tracks, pool={"wanted": wanted, "surge": 0})
+    tracks = {"instance-0": Track(in_rotation=True, pid=4242), "instance-1": Track(reason=OnPurpose.PARKED)}
+    write_report(layout, HealthReport(updated=time.time(), tracks=tracks, pool={"wanted": wanted, "surge": 0}))
     current = status(layout, Answering(), NO_TELEMETRY)  # type: ignore[arg-type]
     parked = current.instance("instance-1")
-    assert parked is not None and parked.parked and parked.uptime == 0.0 and parked.reason == PARKED
+    assert parked is not None and parked.parked and parked.uptime == 0.0 and parked.reason == OnPurpose.PARKED
     assert current.pool["in_rotation"] == 1 and current.pool["parked"] == 1
     assert not any("instance-1" in p for p in current.problems)
     shortfall = [p for p in current.problems if "in rotation of" in p]

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import Timeouts
+from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track
 from cosyvoice_lb.launcher.cluster.listeners import Address, beyond_loopback, describe, wanted
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
-from cosyvoice_lb.launcher.health.rotation import OCCUPIED, PARKED, SPARE, is_parked
+from cosyvoice_lb.launcher.health.rotation import OCCUPIED, is_parked
 from cosyvoice_lb.launcher.plan.gpu import GpuReading
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 
@@ -111,7 +112,7 @@ class Observation:
     slots: tuple[Slot, ...]
     roles: Roles
     programs: dict[str, ProcessInfo]  # supervisord's, by program name
-    health: dict  # the health loop's last report (health.json), {} before its first
+    health: HealthReport  # the health loop's last report (health.json); updated 0 before its first
     pings: dict[str, dict]  # each running instance's /ping body ({} when it did not answer)
     nginx_answer: int  # nginx's /ping status (0: no answer)
     drained: frozenset[str] = frozenset()  # drained by hand
@@ -148,13 +149,12 @@ def diagnose(seen: Observation) -> ClusterStatus:
         "admin_token_file": seen.admin_token_file,
     }
     result.warnings = [seen.open_warning] if seen.open_warning else []
-    tracks = seen.health.get("instances", {})
     for slot in seen.slots:
-        item = instance_status(seen, slot, tracks.get(slot.name, {}))
+        item = instance_status(seen, slot, seen.health.track(slot.name))
         result.instances.append(item)
         instance_findings(result, item, seen.pings.get(slot.name, {}))
     service_findings(result, seen.programs)
-    result.pool = pool_summary(seen.roles, seen.health.get("pool", {}), result.instances)
+    result.pool = pool_summary(seen.roles, seen.health.pool, result.instances)
     coming = sum(1 for i in result.instances if not i.parked and not i.serving and not i.spare and not i.failed)
     if result.pool["in_rotation"] + coming < result.pool["wanted"]:  # e.g. an instance stopped by hand
         result.problems.append(
@@ -172,22 +172,20 @@ def diagnose(seen: Observation) -> ClusterStatus:
         )
     if result.nginx["state"] == "RUNNING" and seen.nginx_answer == 0:
         result.problems.append(f"nginx does not answer on {result.url}")
-    age = seen.now - float(seen.health.get("updated", 0))
-    result.health["updated_seconds_ago"] = round(age, 1) if seen.health else None
+    age = seen.now - seen.health.updated
+    result.health["updated_seconds_ago"] = round(age, 1) if seen.health.updated else None
     if result.health["state"] == "RUNNING" and age > Timeouts(settings).health_stale:
         result.problems.append(f"the health loop has not reported for {age:.0f}s (hung?)")
     return result
 
 
-def instance_status(seen: Observation, slot: Slot, track: dict) -> InstanceStatus:
+def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStatus:
     """One slot: what supervisord, its /ping and the health loop's track say of it."""
     proc = seen.programs.get(slot.name)
     body = seen.pings.get(slot.name, {})
     ready = bool(body.get("ready"))
-    in_rotation = bool(track.get("in_rotation")) and track.get("pid") == (proc.pid if proc else None)
-    failed = track.get("failed", "") or (
-        "failed: supervisord gave up starting it" if proc and proc.state == "FATAL" else ""
-    )
+    in_rotation = track.in_rotation and track.pid == (proc.pid if proc else None)
+    failed = track.failed or ("failed: supervisord gave up starting it" if proc and proc.state == "FATAL" else "")
     parked = proc is not None and is_parked(proc.state, bool(failed))
     return InstanceStatus(
         name=slot.name,
@@ -199,13 +197,13 @@ def instance_status(seen: Observation, slot: Slot, track: dict) -> InstanceStatu
         in_rotation=in_rotation,
         restarts=max(0, seen.starts.get(slot.name, 0) - 1),
         uptime=round(proc.uptime, 1) if proc and proc.state in OCCUPIED else 0.0,  # (a stopped one: its last run)
-        reason=PARKED if parked else "" if in_rotation else track.get("reason", ""),
+        reason=str(OnPurpose.PARKED if parked else "" if in_rotation else track.reason),
         inflight=int(body.get("inflight", 0)),
         waiting=int(body.get("waiting", 0)),
         failed=failed,
-        failed_at=float(track.get("failed_at", 0.0)) if track.get("failed") else 0.0,
+        failed_at=track.failed_at if track.failed else 0.0,
         drained=slot.name in seen.drained,
-        spare=ready and not in_rotation and track.get("reason") == SPARE,
+        spare=ready and not in_rotation and track.reason is OnPurpose.SPARE,
         parked=parked,
         code=str(body.get("code", "")),
     )

@@ -20,7 +20,6 @@ import enum
 import json
 import os
 import time
-from typing import Any
 
 from cosyvoice_lb.common import pids
 from cosyvoice_lb.common.atomic import write_atomic
@@ -74,58 +73,6 @@ def clear_drains(layout: Layout) -> None:
         stale.unlink(missing_ok=True)
 
 
-# --- the health report ----------------------------------------------------------------------
-
-
-def write_report(
-    layout: Layout,
-    tracks: dict[str, dict[str, Any]],
-    now: float | None = None,
-    probes: dict[str, float] | None = None,
-    pool: dict[str, Any] | None = None,
-) -> None:
-    """``probes``: seconds each instance's last probe took; ``pool``: how many are wanted in
-    rotation, the spares, a roll-out's surge, the elastic scale and its decisions."""
-    write_atomic(
-        layout.health_json,
-        json.dumps(
-            {
-                "updated": time.time() if now is None else now,
-                "instances": tracks,
-                "probe_seconds": probes or {},
-                "pool": pool or {},
-            },
-            indent=2,
-        )
-        + "\n",
-    )
-
-
-def read_report(layout: Layout) -> dict:
-    """What the health loop last wrote: ``updated`` and its ``instances`` tracks; {} when
-    there is none (yet)."""
-    try:
-        report = json.loads(layout.health_json.read_text())
-    except (OSError, ValueError):
-        return {}
-    return report if isinstance(report, dict) else {}
-
-
-def report_tracks(layout: Layout) -> dict[str, dict]:
-    tracks = read_report(layout).get("instances", {})
-    return tracks if isinstance(tracks, dict) else {}
-
-
-def out_of_rotation(layout: Layout) -> frozenset[str]:
-    """Instances the running health loop has taken out."""
-    return frozenset(name for name, track in report_tracks(layout).items() if not track.get("in_rotation"))
-
-
-def report_pool(layout: Layout) -> dict[str, Any]:
-    pool = read_report(layout).get("pool", {})
-    return pool if isinstance(pool, dict) else {}
-
-
 # --- surge roll-outs ------------------------------------------------------------------------
 
 
@@ -154,8 +101,6 @@ def end_rollout(layout: Layout) -> None:
 
 
 # --- drained by hand -----------------------------------------------------------------------
-
-DRAINED = "drained by hand (undrain to return it)"
 
 
 def drain_by_hand(layout: Layout, name: str) -> None:

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Supervision
+from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.protocol import (
     DrainAction,
     drained_by_hand,
     end_rollout,
-    report_tracks,
     start_rollout,
 )
 from cosyvoice_lb.launcher.cluster.waits import drain, loop_reported, serving_or_fail
@@ -40,11 +40,11 @@ class Slots:
     @classmethod
     def read(cls, layout: Layout, supervisor: Supervision, slots: tuple[Slot, ...]) -> Slots:
         procs = supervisor.processes()
-        tracks = report_tracks(layout)
+        report = read_report(layout)
         state = {s.name: procs[s.name].state if s.name in procs else "MISSING" for s in slots}
         return cls(
             running=tuple(s for s in slots if state[s.name] in OCCUPIED),
-            parked=tuple(s for s in slots if is_parked(state[s.name], bool(tracks.get(s.name, {}).get("failed")))),
+            parked=tuple(s for s in slots if is_parked(state[s.name], bool(report.track(s.name).failed))),
         )
 
 

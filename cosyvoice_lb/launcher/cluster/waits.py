@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from cosyvoice_lb.common.timeouts import SUPERVISOR_SILENT
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Report
 from cosyvoice_lb.launcher.cluster.diagnosis import ESSENTIAL, ClusterStatus, InstanceStatus
+from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.protocol import (
     DrainAction,
     answer_drain,
     ask_drain,
     drain_pending,
-    read_report,
-    report_tracks,
 )
 from cosyvoice_lb.launcher.cluster.status import failure_report, last_lines
 from cosyvoice_lb.launcher.errors import ClusterError
@@ -38,7 +37,7 @@ __all__ = [
 def loop_reported(c: Cluster, since: float) -> None:
     """Wait (bounded) until the health loop has written a report after ``since``: it has
     then published the rotation for the slots it read at its start."""
-    c.wait_until(lambda: float(read_report(c.layout).get("updated", 0)) > since, c.timeouts.loop_answer)
+    c.wait_until(lambda: read_report(c.layout).updated > since, c.timeouts.loop_answer)
 
 
 def others_serving(c: Cluster, name: str) -> None:
@@ -83,9 +82,9 @@ def drain(c: Cluster, names: list[str], action: DrainAction) -> dict[str, int]:
         lambda: not any(drain_pending(c.layout, n) for n in names), c.timeouts.loop_answer if health_up else 0.0
     )
     ignored = [n for n in names if drain_pending(c.layout, n)]
-    tracks = report_tracks(c.layout)
+    report = read_report(c.layout)
     for name in ignored:
-        if not tracks.get(name, {}).get("failed"):  # (kept for one given up on: the health loop clears it)
+        if not report.track(name).failed:  # (kept for one given up on: the health loop clears it)
             answer_drain(c.layout, name)
         c.progress(Progress(0, len(names), f"the health loop did not take the request: stopping {name} directly"))
         if name in running:
@@ -94,9 +93,7 @@ def drain(c: Cluster, names: list[str], action: DrainAction) -> dict[str, int]:
                 c.supervisor.start(name)
     held = [n for n in running if n not in ignored]
     if action is DrainAction.HOLD and held:
-        c.wait_until(
-            lambda: all(report_tracks(c.layout).get(n, {}).get("signalled_at") for n in held), c.timeouts.hold_done
-        )
+        c.wait_until(lambda: all(read_report(c.layout).track(n).signalled_at for n in held), c.timeouts.hold_done)
     return running
 
 

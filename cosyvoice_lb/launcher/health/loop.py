@@ -30,17 +30,17 @@ from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL, Timeouts
 from cosyvoice_lb.instance.routing.board import Board
 from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track, read_report, write_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.protocol import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo, SupervisionError, Supervisor
 from cosyvoice_lb.launcher.health.adapters import Host, Probing, Supervision
 from cosyvoice_lb.launcher.health.elastic import Room, Seen, follow_load
 from cosyvoice_lb.launcher.health.probe import Probe, Prober
-from cosyvoice_lb.launcher.health.rotation import SPARE, is_parked, rotation, spares_of
+from cosyvoice_lb.launcher.health.rotation import is_parked, rotation, spares_of
 from cosyvoice_lb.launcher.health.rules import (
     ALIVE,
     Policy,
-    Track,
     count_crashes,
     count_restart,
     drain_done,
@@ -48,8 +48,6 @@ from cosyvoice_lb.launcher.health.rules import (
     pick_recycle,
     recycle_due,
     start_drain,
-    track_from_dict,
-    track_to_dict,
 )
 from cosyvoice_lb.launcher.health.scaling import Bounds, Scale
 from cosyvoice_lb.launcher.plan.footprint import room_to_start
@@ -82,7 +80,7 @@ class HealthLoop:
         self.supervisor, self.prober, self.host = supervisor, prober, host or Host()
         self.clock, self.rng = clock, rng or random.Random()
         self.tracks = self._load_tracks()
-        saved_pool = protocol.report_pool(layout)
+        saved_pool = read_report(layout).pool
         self.scale = Scale.from_dict(saved_pool.get("scale"), self.bounds) if self.bounds else None
         self.wanted = self.roles.serving
         self.surge = 0
@@ -126,11 +124,8 @@ class HealthLoop:
 
     def _load_tracks(self) -> dict[str, Track]:
         """Pick up where a previous loop left off (the loop itself may be restarted)."""
-        saved = protocol.report_tracks(self.layout)
-        return {
-            slot.name: track_from_dict(saved[slot.name]) if isinstance(saved.get(slot.name), dict) else Track()
-            for slot in self.slots
-        }
+        saved = read_report(self.layout)
+        return {slot.name: saved.track(slot.name) for slot in self.slots}
 
     def step(self) -> None:
         processes = self.supervisor.processes()
@@ -164,7 +159,7 @@ class HealthLoop:
             track = count_crashes(verdict.track, starts)
             # Drained by hand (the panel, `drain`): kept out while it would serve, process and all.
             if track.in_rotation and protocol.drained_by_hand(self.layout, name):
-                track = dataclasses.replace(track, in_rotation=False, reason=protocol.DRAINED)
+                track = dataclasses.replace(track, in_rotation=False, reason=OnPurpose.DRAINED)
             if verdict.give_up:
                 if not before.failed:
                     log.error(
@@ -250,7 +245,7 @@ class HealthLoop:
         standing_by = frozenset(
             name
             for name, t in self.tracks.items()
-            if t.reason == SPARE or (name in processes and is_parked(processes[name].state, bool(t.failed)))
+            if t.reason is OnPurpose.SPARE or (name in processes and is_parked(processes[name].state, bool(t.failed)))
         )
         picked = pick_recycle(candidates, self.tracks, uptimes, drained, standing_by)
         if picked:
@@ -284,7 +279,7 @@ class HealthLoop:
         before = [name for name in eligible if name in self.serving_before]
         chosen = rotation(eligible, before, self.wanted + self.surge)
         for name in spares_of(eligible, chosen):
-            self.tracks[name] = dataclasses.replace(self.tracks[name], in_rotation=False, reason=SPARE)
+            self.tracks[name] = dataclasses.replace(self.tracks[name], in_rotation=False, reason=OnPurpose.SPARE)
         self.serving_before = frozenset(chosen)
 
     def log_rotation(self, before: dict[str, Track]) -> None:
@@ -383,11 +378,10 @@ class HealthLoop:
         log.info("rotation: %s", ", ".join(s.name for s in self.slots if s.name not in out) or "none")
 
     def save(self, now: float) -> None:
-        protocol.write_report(
-            self.layout,
-            {name: track_to_dict(t) for name, t in self.tracks.items()},
-            now,
-            probes={name: round(seconds, 6) for name, seconds in self.probe_seconds.items()},
+        report = HealthReport(
+            updated=now,
+            tracks=dict(self.tracks),
+            probe_seconds={name: round(seconds, 6) for name, seconds in self.probe_seconds.items()},
             pool={
                 "wanted": self.wanted,
                 **self.roles.as_dict(),
@@ -395,6 +389,7 @@ class HealthLoop:
                 **({"scale": self.scale.as_dict()} if self.scale is not None else {}),
             },
         )
+        write_report(self.layout, report)
 
     def timed_probe(self, slot: Slot) -> tuple[Probe, float]:
         """A probe of one instance and the seconds it took (the metrics' probe latency)."""

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-SPARE = "warm spare: ready, enters rotation when an instance is taken out"
-PARKED = "parked: not started (a slot for surges, or scaled in)"
 # supervisord states in which a slot is taken: a process runs, or is being brought back
 OCCUPIED = ("RUNNING", "STARTING", "BACKOFF")
 

@@ -9,14 +9,14 @@ instances and acts on the verdicts.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import parse_size
+from cosyvoice_lb.launcher.cluster.health_report import OnPurpose, Track
 from cosyvoice_lb.launcher.cluster.protocol import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.probe import Probe
-from cosyvoice_lb.launcher.health.rotation import PARKED
 
 ALIVE = ("RUNNING", "STARTING")
 # Why an instance was restarted, as the metrics count it: the loop orders all but "crash"
@@ -24,30 +24,6 @@ ALIVE = ("RUNNING", "STARTING")
 # "replaced": new settings or a surge roll-out; "scaled_in": stopped by the elastic scaler
 # (either start that follows is explained by it, not a crash).
 RESTART_REASONS = ("crash", "hang", "probe_failures", "not_ready", "recycle", "requested", "replaced", "scaled_in")
-
-
-@dataclass(frozen=True)
-class Track:
-    """What the loop remembers about one instance between probes."""
-
-    in_rotation: bool = False
-    fails: int = 0
-    goods: int = 0
-    pid: int = 0
-    ever_ready: bool = False  # this pid has answered ready at least once
-    reason: str = ""  # why it is out of rotation, or why it was last restarted
-    restarts: int = 0  # restarts the loop ordered
-    recycle_at: int = 0  # requests after which this process is recycled (0: not set yet)
-    # A planned stop: out of rotation since (epoch s; 0: none), then this action once the
-    # requests in flight are done (see DrainAction), taken at signalled_at.
-    draining_since: float = 0.0
-    drain_signal: DrainAction | None = None
-    signalled_at: float = 0.0
-    ready_starts: int = 0  # the starts count when it was last ready: crash loops count from here
-    failed: str = ""  # given up on (crash loop): why; it stays stopped until restarted by hand
-    failed_at: float = 0.0  # when (epoch s)
-    ordered: dict[str, int] = field(default_factory=dict)  # restarts the loop ordered, by reason (RESTART_REASONS)
-    crashes: int = 0  # starts no order explains (see count_crashes): only ever grows
 
 
 @dataclass(frozen=True)
@@ -125,7 +101,9 @@ def judge(
                 )
             return _give_up(track, why, now)
         # (STOPPED: never started, or stopped on purpose: a parked slot)
-        return Verdict(dataclasses.replace(track, reason=PARKED if state == "STOPPED" else f"process {state.lower()}"))
+        return Verdict(
+            dataclasses.replace(track, reason=OnPurpose.PARKED if state == "STOPPED" else f"process {state.lower()}")
+        )
     if track.failed:  # given up on, yet running (supervisord restarted it meanwhile): stop it again
         return Verdict(dataclasses.replace(track, in_rotation=False, pid=process.pid), give_up=track.failed)
     if process.pid != track.pid:  # a new process: earns its place like any newcomer
@@ -279,12 +257,10 @@ def count_crashes(track: Track, starts: int) -> Track:
     return dataclasses.replace(track, crashes=max(track.crashes, starts - explained))
 
 
-def restarts_by_reason(track: dict) -> dict[str, int]:
+def restarts_by_reason(track: Track) -> dict[str, int]:
     """Every restart of an instance by reason, from its track in health.json."""
-    ordered = track.get("ordered")
-    ordered = ordered if isinstance(ordered, dict) else {}
-    counts = {kind: int(ordered.get(kind, 0)) for kind in RESTART_REASONS}
-    counts["crash"] = int(track.get("crashes", 0) or 0)
+    counts = {kind: int(track.ordered.get(kind, 0)) for kind in RESTART_REASONS}
+    counts["crash"] = int(track.crashes or 0)
     return counts
 
 
@@ -305,18 +281,3 @@ def _give_up(track: Track, why: str, now: float) -> Verdict:
         ),
         give_up=reason,
     )
-
-
-def track_from_dict(saved: dict) -> Track:
-    """A track back from health.json (unknown keys from another version ignored)."""
-    fields = {f.name for f in dataclasses.fields(Track)}
-    values = {k: v for k, v in saved.items() if k in fields}
-    signal = values.get("drain_signal")
-    values["drain_signal"] = DrainAction(signal) if signal in tuple(a.value for a in DrainAction) else None
-    return Track(**values)
-
-
-def track_to_dict(track: Track) -> dict:
-    values = dataclasses.asdict(track)
-    values["drain_signal"] = track.drain_signal.value if track.drain_signal else ""
-    return values

@@ -17,7 +17,8 @@ from typing import Any
 
 import psutil
 
-from cosyvoice_lb.launcher.cluster import lifecycle, protocol
+from cosyvoice_lb.launcher.cluster import lifecycle
+from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.status import NO_TELEMETRY, ClusterStatus, status
 from cosyvoice_lb.launcher.cluster.supervision import SupervisionError
@@ -57,7 +58,7 @@ def gather(layout: Layout, read_status: Callable[[Layout], ClusterStatus] = stat
     return ClusterView(
         status=current,
         planned=len(record[1]) if record else len(names),
-        report=protocol.read_report(layout),
+        report=read_report(layout),
         memory=rss({i.name: i.pid for i in current.instances if i.pid}),
         nginx=nginx_counters(balancer_url(record[0])) if record else None,
         now=time.time(),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cosyvoice_lb.launcher.cluster.health_report import HealthReport
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus
 from cosyvoice_lb.launcher.health.rules import restarts_by_reason
 
@@ -53,7 +54,7 @@ class ClusterView:
 
     status: ClusterStatus
     planned: int = 0  # instances in the plan
-    report: dict = field(default_factory=dict)  # health.json
+    report: HealthReport = field(default_factory=HealthReport)  # health.json
     memory: dict[str, int] = field(default_factory=dict)  # per instance, RSS bytes
     nginx: NginxCounters | None = None
     now: float = 0.0
@@ -66,8 +67,6 @@ def _gauge(name: str, what: str, labels: list[str] | None = None) -> GaugeMetric
 def families(view: ClusterView) -> list[Family]:
     """The cluster's metric families for one view."""
     current, report = view.status, view.report
-    tracks = report.get("instances", {}) if isinstance(report.get("instances"), dict) else {}
-    probe_seconds = report.get("probe_seconds", {}) if isinstance(report.get("probe_seconds"), dict) else {}
     out: list[Family] = []
 
     planned = _gauge("cosyvoice_lb_instances", "Instances in the plan.")
@@ -119,11 +118,10 @@ def families(view: ClusterView) -> list[Family]:
         inflight.add_metric(name, item.inflight)
         queue.add_metric(name, item.waiting)
         memory.add_metric(name, float(view.memory.get(item.name, 0)))
-        track = tracks.get(item.name, {})
-        for reason, count in restarts_by_reason(track if isinstance(track, dict) else {}).items():
+        for reason, count in restarts_by_reason(report.track(item.name)).items():
             restarts.add_metric([item.name, reason], count)
-        if isinstance(probe_seconds.get(item.name), (int, float)):
-            probe.add_metric(name, float(probe_seconds[item.name]))
+        if item.name in report.probe_seconds:
+            probe.add_metric(name, report.probe_seconds[item.name])
         if item.gpu is not None and current.gpus:
             gpu_memory.add_metric([item.name, str(item.gpu)], float(item.gpu_memory))
     out += [up, ready, rotation, drained, uptime, inflight, queue, memory, restarts, probe]
@@ -132,8 +130,8 @@ def families(view: ClusterView) -> list[Family]:
         out += gpu_families(current)
 
     age = _gauge("cosyvoice_lb_health_report_age_seconds", "Seconds since the health loop last reported.")
-    if report.get("updated"):
-        age.add_metric([], max(0.0, view.now - float(report["updated"])))
+    if report.updated:
+        age.add_metric([], max(0.0, view.now - report.updated))
         out.append(age)
 
     out += nginx_families(view.nginx)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
-from cosyvoice_lb.launcher.cluster.protocol import out_of_rotation
 from cosyvoice_lb.launcher.cluster.supervision import Supervisor
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan.footprint import make_plan
@@ -80,7 +80,7 @@ def render_to_disk(
     result = planned or make_plan(settings, own)[0]
     layout = layout_for(settings)
     programs = programs_for(settings)
-    out = out_of_rotation(layout)
+    out = read_report(layout).out_of_rotation
     files = render(settings, result, layout, programs, out)
     if live:
         files.pop(layout.relative(layout.upstreams_conf))

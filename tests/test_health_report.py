@@ -1,0 +1,55 @@
+"""health.json (cosyvoice_lb/launcher/cluster/health_report.py): one writer, one typed reader,
+a format version, and the files 0.1 wrote still read."""
+
+from __future__ import annotations
+
+import json
+
+from cosyvoice_lb.launcher.cluster.health_report import (
+    VERSION,
+    HealthReport,
+    OnPurpose,
+    Track,
+    read_report,
+    write_report,
+)
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+
+
+def test_a_report_reads_back_as_it_was_written(tmp_path):
+    layout = Layout(tmp_path)
+    layout.run.mkdir()
+    tracks = {
+        "instance-0": Track(in_rotation=True, pid=42, ordered={"hang": 1}),
+        "instance-1": Track(reason=OnPurpose.SPARE, drain_signal=DrainAction.HOLD, signalled_at=5.0),
+    }
+    written = HealthReport(updated=100.0, tracks=tracks, probe_seconds={"instance-0": 0.01}, pool={"wanted": 1})
+    write_report(layout, written)
+    assert json.loads(layout.health_json.read_text())["version"] == VERSION
+    assert read_report(layout) == written
+    assert read_report(layout).track("instance-1").reason is OnPurpose.SPARE  # a state, not words to compare
+    assert read_report(layout).out_of_rotation == {"instance-1"}
+
+
+def test_a_report_of_0_1_reads_as_version_0_with_its_fields(tmp_path):
+    layout = Layout(tmp_path)
+    layout.run.mkdir()
+    old = {
+        "updated": 50.0,
+        "instances": {"instance-0": {"in_rotation": False, "pid": 7, "reason": OnPurpose.PARKED.value, "gone": 1}},
+        "probe_seconds": {},
+        "pool": {"wanted": 2},
+    }
+    layout.health_json.write_text(json.dumps(old))
+    report = read_report(layout)
+    assert report.version == 0 and report.updated == 50.0 and report.pool == {"wanted": 2}
+    assert report.track("instance-0") == Track(pid=7, reason=OnPurpose.PARKED)  # (an unknown key ignored)
+
+
+def test_no_report_or_a_broken_one_is_an_empty_report(tmp_path):
+    layout = Layout(tmp_path)
+    assert read_report(layout) == HealthReport(version=VERSION)
+    layout.run.mkdir()
+    layout.health_json.write_text("{not json")
+    assert read_report(layout).updated == 0.0 and read_report(layout).track("x") == Track()
