@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster import protocol, record
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus
 from cosyvoice_lb.launcher.errors import ClusterError
@@ -20,7 +20,6 @@ from cosyvoice_lb.launcher.panel.control import Actions
 from cosyvoice_lb.launcher.panel.metrics import ClusterView
 from cosyvoice_lb.launcher.panel.server import COOKIE, build_app
 from cosyvoice_lb.launcher.plan.planner import Budget, Inventory, plan
-from cosyvoice_lb.launcher.render.cluster import cluster_json
 from cosyvoice_lb.launcher.render.credentials import write_admin_access
 
 GiB = 2**30
@@ -58,7 +57,7 @@ def panel(tmp_path):
     settings = Settings(state_dir=str(tmp_path))
     inventory = Inventory(gpus=(), cpu_cores=4, ram_total=16 * GiB, ram_available=16 * GiB, source="none")
     layout.run.mkdir(parents=True)
-    layout.cluster_json.write_text(cluster_json(settings, plan(inventory, Budget(GiB, GiB), instances=2)))
+    layout.cluster_json.write_text(record.dump(settings, plan(inventory, Budget(GiB, GiB), instances=2)))
     write_admin_access(settings, layout)
     layout.logs.mkdir()
     layout.log("instance-0").write_text("".join(f"line {i}\n" for i in range(500)))

@@ -224,7 +224,7 @@ def test_a_hung_instance_goes_out_then_is_killed_with_its_children_and_comes_bac
     assert rig.sup.calls == [HUP, ("signal", A, "KILL")]
     assert rig.host.children_asked == [100]
     assert rig.host.killed == [([FakeProcess(300)], signal.SIGKILL)]
-    assert rig.track(A).signalled_at == rig.clock.now == rig.report(A)["signalled_at"]
+    assert rig.track(A).signalled_at == rig.clock.now == rig.report(A).signalled_at
 
     rig.restarted(A, pid=200)
     rig.prober.set(A, READY)
@@ -234,7 +234,7 @@ def test_a_hung_instance_goes_out_then_is_killed_with_its_children_and_comes_bac
     assert rig.down() == set()
     track = rig.track(A)
     assert (track.in_rotation, track.restarts, track.draining_since, track.signalled_at) == (True, 1, 0.0, 0.0)
-    assert rig.report(A)["in_rotation"] and rig.report(A)["restarts"] == 1
+    assert rig.report(A).in_rotation and rig.report(A).restarts == 1
     assert rig.sup.calls == [HUP, ("signal", A, "KILL"), HUP]
     assert rig.track(B).in_rotation
 
@@ -253,7 +253,7 @@ def test_a_crash_loop_is_given_up_and_stays_stopped_while_the_other_serves(make_
         rig.step()
     track = rig.track(A)
     assert track.failed == "failed: it exited 3 times in a row without getting ready (--start-retries 2)"
-    assert track.failed_at == rig.clock.now and rig.report(A)["failed"] == track.failed
+    assert track.failed_at == rig.clock.now and rig.report(A).failed == track.failed
     assert rig.sup.calls == [HUP, ("tail", A, 2000), ("stop", A, False)]
 
     rig.sup.set(A, "STOPPED")
@@ -349,14 +349,14 @@ def test_hold_takes_an_instance_out_and_marks_it_idle_without_signalling_it(make
     assert not rig.layout.drain_request(A).exists()  # answered in the step that took it
     track = rig.track(A)
     assert (track.in_rotation, track.drain_signal, track.draining_since) == (False, DrainAction.HOLD, rig.clock.now)
-    assert rig.report(A)["drain_signal"] == "HOLD" and rig.report(A)["signalled_at"] == 0.0
+    assert rig.report(A).drain_signal is DrainAction.HOLD and rig.report(A).signalled_at == 0.0
     assert rig.down() == {A}
 
     rig.step()  # its request is still running
     assert rig.track(A).signalled_at == 0.0
     rig.prober.set(A, READY)
     rig.step()
-    assert rig.track(A).signalled_at == rig.clock.now == rig.report(A)["signalled_at"]  # the launcher's cue
+    assert rig.track(A).signalled_at == rig.clock.now == rig.report(A).signalled_at  # the launcher's cue
     assert rig.sup.calls == [HUP]  # no signal to it: the launcher replaces it
     assert rig.host.children_asked == [] and rig.host.killed == []
     assert rig.down() == {A} and rig.track(B).in_rotation
@@ -371,7 +371,7 @@ def test_a_refused_supervisord_call_does_not_stop_the_step(make_rig):
     track = rig.track(A)
     assert track.reason == "2 probes failed in a row: /ping: ConnectionError"
     assert (track.in_rotation, track.restarts) == (False, 1)
-    assert rig.report(A)["restarts"] == 1 and not rig.report(A)["in_rotation"]
+    assert rig.report(A).restarts == 1 and not rig.report(A).in_rotation
     assert rig.down() == {A}
 
 

@@ -24,15 +24,14 @@ from supervisor.options import ServerOptions
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import GiB, MiB
+from cosyvoice_lb.launcher.cluster import record
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, plan
+from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, Roles, plan
 from cosyvoice_lb.launcher.render.cluster import (
     MAX_SOCKET_PATH,
     Programs,
     RenderError,
     check,
-    read_cluster_json,
-    read_pool,
     render,
     render_upstreams,
 )
@@ -560,13 +559,14 @@ def test_cluster_json_round_trips_settings_and_slots(kind):
         python="/venv/bin/python",
     )
     text = rendered(settings=settings, the_plan=the_plan)["run/cluster.json"]
-    assert read_cluster_json(text) == (settings, the_plan.slots)
+    found = record.parse(text)
+    assert (found.settings, found.slots, found.version) == (settings, the_plan.slots, record.VERSION)
     data = json.loads(text)
     assert data["plan"]["mode"] == the_plan.mode
     assert [s["port"] for s in data["plan"]["slots"]] == [s.port for s in the_plan.slots]
     # nothing that changes between two renders of the same cluster (free memory, notes)
     assert set(data["plan"]) == {"mode", "slots", "pool"}
-    assert read_pool(text) == the_plan.roles
+    assert found.roles == the_plan.roles
     assert data["settings"]["port"] == 9000
 
 
@@ -574,8 +574,17 @@ def test_read_cluster_json_ignores_unknown_settings():
     text = rendered()["run/cluster.json"]
     data = json.loads(text)
     data["settings"]["from_a_newer_version"] = 1
-    settings, slots = read_cluster_json(json.dumps(data))
-    assert settings == Settings() and slots == gpu_plan().slots
+    found = record.parse(json.dumps(data))
+    assert found.settings == Settings() and found.slots == gpu_plan().slots
+
+
+def test_a_record_of_0_1_reads_as_version_0_and_one_before_pools_serves_every_slot():
+    data = json.loads(rendered()["run/cluster.json"])
+    del data["version"]
+    old = record.parse(json.dumps(data))
+    assert old.version == 0 and old.roles == gpu_plan().roles
+    del data["plan"]["pool"]
+    assert record.parse(json.dumps(data)).roles == Roles(serving=len(gpu_plan().slots))
 
 
 # --- the real nginx accepts what we render --------------------------------------------------
@@ -828,7 +837,7 @@ def test_parked_slots_are_programs_too_and_instances_count_their_peers_without_t
     for slot in the_plan.slots:
         argv = shlex.split(conf[f"program:{slot.name}"]["command"])
         assert argv[argv.index("--peers") + 1] == "2"  # long texts spread over those that serve
-    assert read_pool(files["run/cluster.json"]).started == 3
+    assert record.parse(files["run/cluster.json"]).roles.started == 3
     assert files["nginx/upstreams.conf"].count("# instance-3") == 4  # api, ui, segments, last resort
 
 

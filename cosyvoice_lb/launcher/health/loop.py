@@ -29,7 +29,7 @@ from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL, Timeouts
 from cosyvoice_lb.instance.routing.board import Board
-from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster import protocol, record
 from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track, read_report, write_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.protocol import DrainAction
@@ -52,7 +52,7 @@ from cosyvoice_lb.launcher.health.rules import (
 from cosyvoice_lb.launcher.health.scaling import Bounds, Scale
 from cosyvoice_lb.launcher.plan.footprint import room_to_start
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
-from cosyvoice_lb.launcher.render.cluster import overflow_of, read_cluster_json, read_pool, render_upstreams
+from cosyvoice_lb.launcher.render.cluster import overflow_of, render_upstreams
 
 log = logging.getLogger("cosyvoice_lb.health")
 
@@ -424,11 +424,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s health %(levelname)s %(message)s")
     layout = Layout(Path(args.state_dir).resolve())
-    text = layout.cluster_json.read_text()
-    settings, slots = read_cluster_json(text)
-    HealthLoop(
-        layout, settings, slots, Supervisor(layout, timeout=SUPERVISOR_POLL), Prober(len(slots)), pool=read_pool(text)
-    ).run()
+    found = record.parse(layout.cluster_json.read_text())
+    supervisor = Supervisor(layout, timeout=SUPERVISOR_POLL)
+    HealthLoop(layout, found.settings, found.slots, supervisor, Prober(len(found.slots)), pool=found.roles).run()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ writes the files (atomically). Templates live in the project's ``templates/`` fo
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import shlex
 from dataclasses import dataclass
@@ -17,9 +16,10 @@ from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.common.timeouts import Timeouts
+from cosyvoice_lb.launcher.cluster import record
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.mps import client_env
-from cosyvoice_lb.launcher.plan.planner import Plan, Roles, Slot
+from cosyvoice_lb.launcher.plan.planner import Plan, Slot
 from cosyvoice_lb.launcher.render.addresses import balancer_url, listen_address
 from cosyvoice_lb.launcher.render.monitoring import monitoring_files
 from cosyvoice_lb.launcher.render.templates import template_environment
@@ -265,43 +265,6 @@ def render(
         layout.relative(layout.supervisord_conf): env.get_template("supervisord.conf.j2").render(**context),
         layout.relative(layout.nginx_conf): env.get_template("nginx.conf.j2").render(**context),
         layout.relative(layout.upstreams_conf): render_upstreams(plan.slots, out_of_rotation, overflow),
-        layout.relative(layout.cluster_json): cluster_json(settings, plan),
+        layout.relative(layout.cluster_json): record.dump(settings, plan),
         **monitoring_files(settings, layout, plan.slots),
     }
-
-
-def cluster_json(settings: Settings, plan: Plan) -> str:
-    """What the health loop and status read back: the settings and the slots (nothing that
-    changes between two renders of the same cluster, such as free memory)."""
-    slots = [
-        {k: v for k, v in slot.items() if k in ("name", "index", "port", "gpu", "memory")}
-        for slot in plan.as_dict()["slots"]
-    ]
-    return (
-        json.dumps(
-            {
-                "settings": json.loads(settings.to_json()),
-                "plan": {"mode": plan.mode, "slots": slots, "pool": plan.roles.as_dict()},
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-
-
-def read_pool(text: str) -> Roles:
-    """How the slots of ``cluster.json`` are used (a cluster rendered before pools: all serve)."""
-    data = json.loads(text)["plan"]
-    pool = data.get("pool")
-    if not isinstance(pool, dict):
-        return Roles(serving=len(data["slots"]))
-    return Roles(serving=int(pool["serving"]), spares=int(pool["spares"]), min_serving=int(pool["min_serving"]))
-
-
-def read_cluster_json(text: str) -> tuple[Settings, tuple[Slot, ...]]:
-    """Settings and slots back from ``cluster.json`` (what the health loop and status read)."""
-    data = json.loads(text)
-    slots = tuple(
-        Slot(index=s["index"], port=s["port"], gpu=s["gpu"], memory=s["memory"]) for s in data["plan"]["slots"]
-    )
-    return Settings.from_mapping(data["settings"]), slots

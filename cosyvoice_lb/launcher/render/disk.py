@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.cluster import record
 from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.cluster.supervision import Supervisor
@@ -21,25 +22,21 @@ from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan.footprint import make_plan
 from cosyvoice_lb.launcher.plan.planner import Plan, Roles, Slot
 from cosyvoice_lb.launcher.plan.preflight import check_model, check_settings, check_state_dir, find_nginx
-from cosyvoice_lb.launcher.render.cluster import Programs, read_cluster_json, read_pool, render
+from cosyvoice_lb.launcher.render.cluster import Programs, render
 from cosyvoice_lb.launcher.render.credentials import write_admin_access, write_policy, write_segment_key
 from cosyvoice_lb.launcher.render.staging import CODE_FILE, stage
 
 
 def recorded(layout: Layout) -> tuple[Settings, tuple[Slot, ...]] | None:
     """The settings and slots the cluster in ``layout`` was last rendered with."""
-    try:
-        return read_cluster_json(layout.cluster_json.read_text())
-    except (OSError, ValueError, KeyError):
-        return None
+    found = record.read(layout)
+    return (found.settings, found.slots) if found else None
 
 
 def recorded_pool(layout: Layout, slots: tuple[Slot, ...]) -> Roles:
     """How the recorded slots are used (all serve when cluster.json does not say)."""
-    try:
-        return read_pool(layout.cluster_json.read_text())
-    except (OSError, ValueError, KeyError, TypeError):
-        return Roles(serving=len(slots))
+    found = record.read(layout)
+    return found.roles if found else Roles(serving=len(slots))
 
 
 def programs_for(settings: Settings) -> Programs:
