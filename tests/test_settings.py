@@ -128,3 +128,16 @@ def test_infinite_or_nan_seconds_are_refused(name, value):
 
     found = setting_errors(Settings(**{name: value}))
     assert any(f"--{name.replace('_', '-')} must be" in p for p in found), found
+
+
+def test_the_instances_command_line_carries_its_format_and_a_newer_one_is_refused(capsys):
+    from cosyvoice_lb.common.instance_argv import ARGV_VERSION, instance_args, parse_instance_args
+
+    argv = instance_args(Settings(engine="espeak"))
+    assert argv[:2] == ["--argv-version", str(ARGV_VERSION)]
+    settings, args = parse_instance_args(["--port", "7860", *argv])
+    assert settings.engine == "espeak" and args.argv_version == ARGV_VERSION
+    assert parse_instance_args(["--port", "7860", "--engine", "espeak"])[1].argv_version == 0  # 0.1's, no version
+    with pytest.raises(SystemExit):
+        parse_instance_args(["--port", "7860", "--argv-version", str(ARGV_VERSION + 1)])
+    assert "'cosyvoice-lb restart --all' stages the launcher's code" in capsys.readouterr().err

@@ -15,6 +15,11 @@ from typing import Any
 
 from cosyvoice_lb.common.settings import Settings, declarations, flag
 
+# The format of the command line. An instance refuses one newer than it reads (its staged
+# code is older than the launcher that rendered supervisord.conf); 0: written by 0.1, which
+# had no version (launcher.compat).
+ARGV_VERSION = 1
+
 
 def instance_settings(engine: str) -> list[dataclasses.Field]:
     """The settings an instance of ``engine`` takes on its command line."""
@@ -25,7 +30,7 @@ def instance_args(settings: Settings, **resolved: Any) -> list[str]:
     """The instance's share of ``settings`` as command-line flags (``resolved``: values the
     launcher worked out, e.g. the engine ``auto`` stands for, or the default outputs dir)."""
     values = {**dataclasses.asdict(settings), "engine": settings.resolved_engine, **resolved}
-    args: list[str] = []
+    args: list[str] = ["--argv-version", str(ARGV_VERSION)]
     for f in instance_settings(values["engine"]):
         value = values[f.name]
         if f.metadata["is_flag"]:
@@ -39,6 +44,7 @@ def instance_parser(description: str) -> argparse.ArgumentParser:
     """Parses what :func:`instance_args` writes: the same names, types and defaults (plus
     what only an instance has: its port and address, and its starts file)."""
     parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--argv-version", type=int, default=0, help="the format of this command line")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--starts-file", default="", help="a line is appended here at every start (restart counting)")
@@ -74,7 +80,14 @@ def instance_parser(description: str) -> argparse.ArgumentParser:
 
 def parse_instance_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     """An instance's settings from its command line, and the namespace (port, host, starts file)."""
-    args = instance_parser("One cosyvoice-lb instance (run by supervisord).").parse_args(argv)
+    parser = instance_parser("One cosyvoice-lb instance (run by supervisord).")
+    args = parser.parse_args(argv)
+    if args.argv_version > ARGV_VERSION:
+        parser.error(
+            f"this command line is format {args.argv_version}, and this instance's code reads up to "
+            f"{ARGV_VERSION}: the launcher is newer than the staged instance code; 'cosyvoice-lb restart --all' "
+            "stages the launcher's code"
+        )
     for name in ("max_upload", "outputs_max_size"):
         mib = getattr(args, f"{name}_mib")
         if mib is not None:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Shim:
-    old: str  # what an older cluster names
+    old: str  # what an older cluster names or wrote
     new: str  # what it means now
     until: str  # the last release that keeps the shim
-    why: str
+    where: str  # where the old form comes from, or the code that reads it
 
 
 # Module paths of 0.1, which its supervisord.conf and console script name: each old module is
@@ -32,8 +32,22 @@ MODULES = (
     Shim("cosyvoice_lb.cli", "cosyvoice_lb.launcher.cli", "0.2", "an installed console script, `-m cosyvoice_lb.cli`"),
 )
 
+# Files in the state dir as older versions wrote them, still read (each format's current
+# version is its module's VERSION; the routing board's is in its magic, CVLBRT01, and a board
+# of another format is made again by the health loop).
+STATE = (
+    Shim("health.json without a version", "version 0: 0.1's fields", "0.2", "cluster/health_report.parse_report"),
+    Shim("cluster.json without a version", "version 0: 0.1's fields", "0.2", "cluster/record.parse"),
+    Shim("cluster.json without roles (pool)", "every slot serves", "0.2", "cluster/record.parse"),
+    Shim("a drain request as a bare action", "that action", "0.2", "cluster/protocol.read_drain"),
+    Shim("an instance argv without --argv-version", "format 0: 0.1's flags", "0.2", "common/instance_argv"),
+    Shim("--max-upload-mib, --outputs-max-mib", "--max-upload, --outputs-max-size in MiB", "0.2", "instance_argv"),
+    Shim("run/lib as a plain directory", "renamed lib-unversioned, a tree staged", "0.2", "render/staging.stage"),
+    Shim("a poison mark PRINT.PID.RANDOM", "a first run of its own", "0.2", "instance/speech/poison._parse"),
+)
+
 # Every shim, for the docs and for the tests that keep each one working until it goes.
-SHIMS = MODULES
+SHIMS = MODULES + STATE
 
 
 def moved(old: str) -> Shim:

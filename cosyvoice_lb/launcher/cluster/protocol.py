@@ -38,8 +38,12 @@ class DrainAction(str, enum.Enum):
 # --- drain requests -------------------------------------------------------------------------
 
 
+# The format of the files below; 0.1 wrote a drain request as the bare action (launcher.compat).
+VERSION = 1
+
+
 def ask_drain(layout: Layout, name: str, action: DrainAction) -> None:
-    write_atomic(layout.drain_request(name), action.value + "\n")
+    write_atomic(layout.drain_request(name), json.dumps({"version": VERSION, "action": action.value}) + "\n")
 
 
 def drain_pending(layout: Layout, name: str) -> bool:
@@ -58,8 +62,9 @@ def read_drain(layout: Layout, name: str) -> DrainAction | None:
     except OSError:
         return DrainAction.TERM
     try:
-        return DrainAction(text or "TERM")
-    except ValueError:
+        asked = json.loads(text)["action"] if text.startswith("{") else text  # (a bare word: 0.1's)
+        return DrainAction(asked or "TERM")
+    except (ValueError, KeyError, TypeError):
         return DrainAction.TERM
 
 
@@ -79,7 +84,7 @@ def clear_drains(layout: Layout) -> None:
 def start_rollout(layout: Layout, surge: int) -> None:
     """A surge roll-out begins: ``surge`` more instances may serve until it ends (or the
     launcher process running it is gone)."""
-    write_atomic(layout.rollout, json.dumps({"surge": surge, "since": time.time(), "pid": os.getpid()}) + "\n")
+    write_atomic(layout.rollout, json.dumps({"version": VERSION, "surge": surge, "since": time.time(), "pid": os.getpid()}) + "\n")
 
 
 def rollout_surge(layout: Layout) -> int:
@@ -106,7 +111,7 @@ def end_rollout(layout: Layout) -> None:
 def drain_by_hand(layout: Layout, name: str) -> None:
     """Out of rotation until :func:`undrain`: requests in flight finish, the process stays
     (to look at it, or to keep it warm). The health loop honours it at its next step."""
-    write_atomic(layout.drained(name), f"{time.time():.3f}\n")
+    write_atomic(layout.drained(name), json.dumps({"version": VERSION, "since": round(time.time(), 3)}) + "\n")
 
 
 def undrain(layout: Layout, name: str) -> bool:
