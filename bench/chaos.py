@@ -30,7 +30,7 @@ Scenarios, in this order, each on its own:
 Traffic: ``varied`` clients cycle through a dozen different sentences; ``common`` clients
 all send one sentence, as real traffic often does (an IVR prompt, a greeting, a UI's
 default text), so most faults strike with that text in flight on the instance hit: the
-poison rule must never refuse it (see cosyvoice_lb/ledger.py). ``both`` (the default) makes
+poison rule must never refuse it (see cosyvoice_lb/instance/speech/poison.py). ``both`` (the default) makes
 two whole runs, each on a fresh cluster, and one table with a row per scenario and traffic.
 
 Per scenario: wait until the cluster is fully serving (what ``cosyvoice-lb status`` exits 0

@@ -1,4 +1,4 @@
-"""The control panel's HTTP edge (cosyvoice_lb/admin.py) in-process, with its real access
+"""The control panel's HTTP edge (cosyvoice_lb/launcher/panel/server.py) in-process, with its real access
 files: never open, the scrape token reads /metrics only, the login cookie changes nothing
 without the panel's header, actions on instances, log tails."""
 

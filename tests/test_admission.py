@@ -1,4 +1,4 @@
-"""Admission to the engine (cosyvoice_lb/admission.py): phase, slots, queue bound, deadlines,
+"""Admission to the engine (cosyvoice_lb/instance/speech/admission.py): phase, slots, queue bound, deadlines,
 the stall clock and the counters, with a scripted clock (no sleeping but where a thread
 must really wait for a slot)."""
 

@@ -1,4 +1,4 @@
-"""The routing board (cosyvoice_lb/board.py): a real shared file, written and read by
+"""The routing board (cosyvoice_lb/instance/routing/board.py): a real shared file, written and read by
 separate processes as the instances and the health loop do."""
 
 from __future__ import annotations

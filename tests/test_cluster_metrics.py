@@ -1,4 +1,4 @@
-"""The cluster's metrics (cosyvoice_lb/cluster_metrics.py): families from a view of the
+"""The cluster's metrics (cosyvoice_lb/launcher/panel/metrics.py): families from a view of the
 cluster, GPUs present only with a GPU, nginx's stub_status read, names passing promtool."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Response formats (cosyvoice_lb/formats.py): every format decodes back to the audio that went
+"""Response formats (cosyvoice_lb/instance/audio/formats.py): every format decodes back to the audio that went
 in, at 24 kHz, whether encoded whole or streamed in chunks; streams give bytes before the end;
 the linear resampler does not depend on how its input is cut."""
 

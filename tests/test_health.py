@@ -1,4 +1,4 @@
-"""The health loop's rules (cosyvoice_lb/health.py): the pure ``judge`` and a real ``probe``.
+"""The health loop's rules (cosyvoice_lb/launcher/health/rules.py): the pure ``judge`` and a real ``probe``.
 
 ``judge`` is fed ProcessInfo records built here (uptime = now - start); ``probe`` talks to a
 tiny HTTP server on 127.0.0.1.

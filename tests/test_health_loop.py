@@ -1,4 +1,4 @@
-"""The health loop (cosyvoice_lb/health_loop.py) driven step by step against scripted fakes.
+"""The health loop (cosyvoice_lb/launcher/health/loop.py) driven step by step against scripted fakes.
 
 supervisord, the probes, the host's process facts and the clock are fakes that the test
 changes between steps; the state dir is real, since its files are the protocol (drain

@@ -1,4 +1,4 @@
-"""The instance's metrics (cosyvoice_lb/metrics.py): each synthesis observed once, by route,
+"""The instance's metrics (cosyvoice_lb/instance/metrics.py): each synthesis observed once, by route,
 never the warm-up; each speech request counted once by route and outcome; /metrics in
 Prometheus's format, and refused when it came through nginx."""
 

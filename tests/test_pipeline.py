@@ -1,4 +1,4 @@
-"""The instance's one pipeline (cosyvoice_lb/pipeline.py): the error table every entry point
+"""The instance's one pipeline (cosyvoice_lb/instance/speech/pipeline.py): the error table every entry point
 answers from, and the steps between validation and the kept result."""
 
 from __future__ import annotations

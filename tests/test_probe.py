@@ -1,4 +1,4 @@
-"""The prober (cosyvoice_lb/probe.py) against real HTTP servers on 127.0.0.1."""
+"""The prober (cosyvoice_lb/launcher/health/probe.py) against real HTTP servers on 127.0.0.1."""
 
 from __future__ import annotations
 

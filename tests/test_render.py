@@ -1,4 +1,4 @@
-"""Config rendering (cosyvoice_lb/render.py): supervisord.conf, nginx.conf, upstreams.conf, cluster.json.
+"""Config rendering (cosyvoice_lb/launcher/render/cluster.py): supervisord.conf, nginx.conf, upstreams.conf, cluster.json.
 
 Pure tests render on a short made-up state dir (nothing is written); the tests that load the
 files into supervisor's own parser or ``nginx -t`` write them into a short dir under /tmp

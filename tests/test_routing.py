@@ -1,4 +1,4 @@
-"""Routing by work (cosyvoice_lb/routing.py, router.py): what an instance's backlog makes a
+"""Routing by work (cosyvoice_lb/instance/routing/rule.py, router.py): what an instance's backlog makes a
 request wait, when it declines, the measured seconds per character, and the router's glue
 on a real board file."""
 

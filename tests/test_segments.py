@@ -1,4 +1,4 @@
-"""Long-text segments (cosyvoice_lb/segments.py): sentence splitting and the crossfaded join."""
+"""Long-text segments (cosyvoice_lb/instance/audio/segments.py): sentence splitting and the crossfaded join."""
 
 from __future__ import annotations
 

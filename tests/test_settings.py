@@ -1,4 +1,4 @@
-"""One declaration per setting (cosyvoice_lb/settings.py): the checks each carries, and the
+"""One declaration per setting (cosyvoice_lb/common/settings.py): the checks each carries, and the
 instance's command line written and parsed by the same declarations."""
 
 from __future__ import annotations

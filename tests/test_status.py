@@ -1,4 +1,4 @@
-"""`status` (cosyvoice_lb/status.py): what it asks of the instances and nginx, and how."""
+"""`status` (cosyvoice_lb/launcher/cluster/status.py): what it asks of the instances and nginx, and how."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The supervisord adapter (cosyvoice_lb/supervision.py) against a small XML-RPC server on a
+"""The supervisord adapter (cosyvoice_lb/launcher/cluster/supervision.py) against a small XML-RPC server on a
 real unix socket: its errors come out as SupervisionError, and its calls time out."""
 
 from __future__ import annotations

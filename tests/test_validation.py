@@ -1,4 +1,4 @@
-"""Request validation (cosyvoice_lb/validation.py): pure, every refusal says what to change."""
+"""Request validation (cosyvoice_lb/instance/speech/validation.py): pure, every refusal says what to change."""
 
 from __future__ import annotations
 

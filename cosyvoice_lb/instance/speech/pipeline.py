@@ -68,7 +68,7 @@ class Job:
     request: SynthesisRequest
     notices: list[str] = field(default_factory=list)
     prompt_path: str = ""
-    fingerprint: str = ""  # the same request on any instance (see ``ledger``)
+    fingerprint: str = ""  # the same request on any instance (see ``poison``)
     attempt: str = ""  # nginx's id of the client request, the same on each of its tries
     route: str = "api"  # where it came in (see ``metrics.ROUTES``)
     arrived: float = 0.0  # on the admission clock: its first package is timed from here
@@ -99,7 +99,7 @@ class Pipeline:
         self.scratch = scratch or tempfile.gettempdir()
         self.request_timeout = request_timeout  # seconds per API request, retries included; 0: none
         self.wall = wall
-        self.ledger = ledger  # poison requests: see ``ledger``
+        self.ledger = ledger  # poison requests: see ``poison``
         self.registry = registry  # saved voices: see ``voices``
         self.metrics = metrics or Metrics(engine.name)
         self.rate = Rate()  # this engine's seconds per character, measured
@@ -393,7 +393,7 @@ class Pipeline:
                 ticket.release(outcome if count else None)
                 if mark and ledger is not None:
                     # it ended, and this process lives: no evidence; spoken to the end, it
-                    # clears the deaths its request was present at (see ``ledger``)
+                    # clears the deaths its request was present at (see ``poison``)
                     ledger.leave(mark, spoken=outcome is True)
 
     def synthesize(

@@ -99,7 +99,7 @@ class Layout:
 
     @property
     def ledger(self) -> Path:
-        """Marks of the syntheses running in every instance (poison requests, see ``ledger``)."""
+        """Marks of the syntheses running in every instance (poison requests, see ``poison``)."""
         return self.run / "ledger"
 
     @property

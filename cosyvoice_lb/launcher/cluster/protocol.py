@@ -84,7 +84,10 @@ def clear_drains(layout: Layout) -> None:
 def start_rollout(layout: Layout, surge: int) -> None:
     """A surge roll-out begins: ``surge`` more instances may serve until it ends (or the
     launcher process running it is gone)."""
-    write_atomic(layout.rollout, json.dumps({"version": VERSION, "surge": surge, "since": time.time(), "pid": os.getpid()}) + "\n")
+    write_atomic(
+        layout.rollout,
+        json.dumps({"version": VERSION, "surge": surge, "since": time.time(), "pid": os.getpid()}) + "\n",
+    )
 
 
 def rollout_surge(layout: Layout) -> int:

@@ -2,7 +2,7 @@
 clock in; its next memory and what to do out.
 
 Pure (no clock, no randomness, no I/O: ``now`` and the recycle jitter are passed in), so
-every rule is tested without sleeping. ``health_loop`` runs them against the real
+every rule is tested without sleeping. ``loop`` runs them against the real
 instances and acts on the verdicts.
 """
 
