@@ -17,7 +17,7 @@ from cosyvoice_lb.launcher.cluster.context import Cluster, Say
 from cosyvoice_lb.launcher.cluster.diagnosis import ClusterStatus, Observation, diagnose
 from cosyvoice_lb.launcher.cluster.health_report import HealthReport, Track, read_report, write_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.protocol import (
+from cosyvoice_lb.launcher.cluster.markers import (
     DrainAction,
     answer_drain,
     drained_by_hand,

@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster import protocol, record
+from cosyvoice_lb.launcher.cluster import markers, record
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus
 from cosyvoice_lb.launcher.errors import ClusterError
@@ -125,9 +125,9 @@ def test_the_admin_token_drains_and_returns_an_instance(panel):
     admin = bearer(token(layout))
     answer = client.post("/admin/api/instances/instance-1/drain", headers=admin)
     assert answer.status_code == 200 and answer.json()["state"] == "done"
-    assert protocol.drained_by_hand(layout, "instance-1")
+    assert markers.drained_by_hand(layout, "instance-1")
     assert client.post("/admin/api/instances/instance-1/undrain", headers=admin).status_code == 200
-    assert not protocol.drained_by_hand(layout, "instance-1")
+    assert not markers.drained_by_hand(layout, "instance-1")
     status = client.get("/admin/api/status", headers=admin).json()
     assert [i["name"] for i in status["instances"]] == ["instance-0", "instance-1"]
     assert status["instances"][1]["action"]["action"] == "undrain"
@@ -195,7 +195,7 @@ def test_the_login_sets_a_strict_cookie_that_changes_nothing_without_the_panels_
     assert f"{COOKIE}=" in cookie and "Path=/admin" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie
     assert client.get("/admin").status_code == 200 and "Instances" in client.get("/admin").text
     refused = client.post("/admin/api/instances/instance-0/drain")  # a form on another site could do this much
-    assert refused.status_code == 403 and not protocol.drained_by_hand(layout, "instance-0")
+    assert refused.status_code == 403 and not markers.drained_by_hand(layout, "instance-0")
     assert client.post("/admin/api/instances/instance-0/drain", headers={"X-Cvlb-Admin": "1"}).status_code == 200
     assert client.get("/metrics").status_code == 401  # (the cookie is the panel's: Path=/admin)
     client.post("/admin/logout")
@@ -246,7 +246,7 @@ def test_the_panel_never_takes_the_last_instance_serving(panel, tmp_path):
         with pytest.raises(RuntimeError, match="only instance serving: a .* now would leave none"):
             actions.start("instance-0", action)
     assert actions.start("instance-1", "drain").state == "done"  # it serves nothing: free to go
-    assert restart.asked == [] and not protocol.drained_by_hand(layout, "instance-0")
+    assert restart.asked == [] and not markers.drained_by_hand(layout, "instance-0")
 
 
 def test_one_restart_at_a_time(panel):

@@ -12,7 +12,7 @@ import pytest
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster.health_report import OnPurpose, Track
-from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.markers import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.probe import Probe
 from cosyvoice_lb.launcher.health.rules import Policy, judge

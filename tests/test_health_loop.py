@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import pytest
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster import markers
 from cosyvoice_lb.launcher.cluster.health_report import OnPurpose, Track, read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.markers import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo, SupervisionError
 from cosyvoice_lb.launcher.health.loop import HealthLoop, Host
 from cosyvoice_lb.launcher.health.probe import Probe
@@ -315,14 +315,14 @@ def test_restart_by_hand_starts_a_given_up_instance_afresh(make_rig, monkeypatch
     rig.sup.calls.clear()
 
     answered = []  # what health.json said when the request was answered
-    real_answer = protocol.answer_drain
+    real_answer = markers.answer_drain
 
     def answer(layout, name):
         answered.append((name, read_report(layout).tracks[name]))
         real_answer(layout, name)
 
-    monkeypatch.setattr(protocol, "answer_drain", answer)
-    protocol.ask_drain(rig.layout, A, DrainAction.TERM)  # what `cosyvoice-lb restart instance-0` writes
+    monkeypatch.setattr(markers, "answer_drain", answer)
+    markers.ask_drain(rig.layout, A, DrainAction.TERM)  # what `cosyvoice-lb restart instance-0` writes
     rig.step()  # supervisord still says FATAL
     assert rig.sup.calls == [("start", A, False)]
     track = rig.track(A)
@@ -344,7 +344,7 @@ def test_restart_by_hand_starts_a_given_up_instance_afresh(make_rig, monkeypatch
 def test_hold_takes_an_instance_out_and_marks_it_idle_without_signalling_it(make_rig):
     rig = make_rig()
     rig.prober.set(A, Probe("ready", inflight=1))
-    protocol.ask_drain(rig.layout, A, DrainAction.HOLD)  # the launcher is about to replace it
+    markers.ask_drain(rig.layout, A, DrainAction.HOLD)  # the launcher is about to replace it
     rig.step()
     assert not rig.layout.drain_request(A).exists()  # answered in the step that took it
     track = rig.track(A)
@@ -387,7 +387,7 @@ def test_orphaned_nginx_workers_get_a_graceful_quit_while_nginx_is_down(make_rig
 
 def test_a_restarted_loop_picks_up_its_tracks_from_health_json(make_rig):
     rig = make_rig(max_requests=5)
-    protocol.ask_drain(rig.layout, A, DrainAction.TERM)
+    markers.ask_drain(rig.layout, A, DrainAction.TERM)
     rig.step()
     again = HealthLoop(rig.layout, rig.loop.settings, SLOTS, rig.sup, rig.prober, rig.host, clock=rig.clock)
     try:
@@ -416,11 +416,11 @@ def test_a_drain_asked_in_the_step_that_restarts_it_anyway_counts_one_restart(ma
     rig = make_rig()
     rig.prober.set(A, REFUSED)
     rig.step()  # one failed probe
-    protocol.ask_drain(rig.layout, A, DrainAction.TERM)  # `cosyvoice-lb restart instance-0`
+    markers.ask_drain(rig.layout, A, DrainAction.TERM)  # `cosyvoice-lb restart instance-0`
     rig.step()  # the second: restarted now
     assert rig.track(A).restarts == 1
     assert [c for c in rig.sup.calls if c[0] == "signal" and c[1] == A] == [("signal", A, "KILL")]
-    assert not protocol.drain_pending(rig.layout, A)  # answered: it is being restarted
+    assert not markers.drain_pending(rig.layout, A)  # answered: it is being restarted
 
 
 def restarts(rig: Rig, name: str) -> dict[str, int]:
@@ -443,7 +443,7 @@ def test_restarts_are_counted_by_reason_across_the_new_process(make_rig):
     rig.prober.set(A, READY)
     rig.step(2)
     assert restarts(rig, A) == {"hang": 1, "crash": 1}
-    protocol.ask_drain(rig.layout, A, DrainAction.TERM)  # `cosyvoice-lb restart` / the panel
+    markers.ask_drain(rig.layout, A, DrainAction.TERM)  # `cosyvoice-lb restart` / the panel
     rig.step(3)
     rig.restarted(A, pid=202)
     rig.step(2)
@@ -486,7 +486,7 @@ def test_the_crash_count_never_dips_while_an_ordered_restart_comes(make_rig):
 
 def test_a_drained_instance_does_not_hold_up_recycling_unless_nothing_else_would_serve(make_rig):
     rig = make_rig(max_requests=5)
-    protocol.drain_by_hand(rig.layout, B)
+    markers.drain_by_hand(rig.layout, B)
     rig.step()
     rig.prober.set(A, Probe("ready", served=5))
     rig.step()  # A due, but B is drained: recycling A would leave nothing serving
@@ -498,20 +498,20 @@ def test_a_drained_instance_does_not_hold_up_recycling_unless_nothing_else_would
 
 def test_an_instance_drained_by_hand_stays_out_with_its_process_until_undrained(make_rig):
     rig = make_rig()
-    protocol.drain_by_hand(rig.layout, A)
+    markers.drain_by_hand(rig.layout, A)
     rig.step()
     assert rig.down() == {A} and rig.track(A).reason is OnPurpose.DRAINED
     rig.step(5)  # still ready, still out: nothing signalled, nothing restarted
     assert rig.down() == {A} and rig.sup.calls == [HUP]
     assert rig.track(A).restarts == 0 and rig.track(B).in_rotation
-    assert protocol.undrain(rig.layout, A) and not protocol.undrain(rig.layout, A)
+    assert markers.undrain(rig.layout, A) and not markers.undrain(rig.layout, A)
     rig.step()
     assert rig.down() == set() and rig.track(A).in_rotation and rig.track(A).reason == ""
 
 
 def test_a_drained_instance_that_fails_is_restarted_like_any_other(make_rig):
     rig = make_rig()
-    protocol.drain_by_hand(rig.layout, A)
+    markers.drain_by_hand(rig.layout, A)
     rig.step()
     rig.prober.set(A, REFUSED)
     rig.step(2)

@@ -17,10 +17,10 @@ import pytest
 from test_health_loop import READY, Clock, FakeHost, FakeSupervisor
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster import markers
 from cosyvoice_lb.launcher.cluster.health_report import OnPurpose, Track, read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.markers import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.elastic import Seen, follow_load, hold_reason, running_slots
 from cosyvoice_lb.launcher.health.loop import HealthLoop
@@ -143,15 +143,15 @@ def test_a_spare_is_not_recycled_away_nor_holds_up_recycling(tmp_path, rigs):
 def test_a_surge_roll_out_lets_more_serve_and_its_end_gives_the_last_one_back(tmp_path, rigs):
     rig = rigs(tmp_path, Roles(serving=2), running=2)
     rig.step(2)
-    protocol.start_rollout(rig.layout, 1)
+    markers.start_rollout(rig.layout, 1)
     rig.start(I2, 300)  # the launcher starts the replacement on a parked slot
     rig.step(2)
     assert rig.serving() == [I0, I1, I2]
     assert read_report(rig.layout).pool["surge"] == 1
-    protocol.ask_drain(rig.layout, I0, DrainAction.HOLD)  # the old one goes
+    markers.ask_drain(rig.layout, I0, DrainAction.HOLD)  # the old one goes
     rig.step()
     assert rig.serving() == [I1, I2]
-    protocol.end_rollout(rig.layout)
+    markers.end_rollout(rig.layout)
     rig.step()
     assert rig.serving() == [I1, I2]
 
@@ -216,7 +216,7 @@ def test_elastic_without_memory_for_a_parked_slot_says_so_once(tmp_path, rigs, c
 def test_no_scaling_during_a_roll_out(tmp_path, rigs):
     rig = rigs(tmp_path, Roles(serving=3, min_serving=1), running=1, scale_up_after=2)
     rig.step(2)
-    protocol.start_rollout(rig.layout, 1)
+    markers.start_rollout(rig.layout, 1)
     rig.prober.set(I0, BUSY)
     rig.step(6)
     assert rig.loop.scale.target == 1 and not [c for c in rig.sup.calls if c[0] == "start"]
@@ -251,9 +251,9 @@ def test_a_roll_out_marker_left_by_a_launcher_that_is_gone_is_dropped(tmp_path, 
     rig.step(2)
     assert rig.serving() == [I0, I1] and rig.reason(I2) == OnPurpose.SPARE  # the spare stays a spare
     assert not rig.layout.rollout.exists()
-    protocol.start_rollout(rig.layout, 1)  # this process: alive
+    markers.start_rollout(rig.layout, 1)  # this process: alive
     rig.step()
-    assert rig.serving() == [I0, I1, I2] and protocol.rollout_surge(rig.layout) == 1
+    assert rig.serving() == [I0, I1, I2] and markers.rollout_surge(rig.layout) == 1
 
 
 # --- the elastic job on its own: what a step saw in, what to keep out ---------------------------

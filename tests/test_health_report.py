@@ -14,7 +14,7 @@ from cosyvoice_lb.launcher.cluster.health_report import (
     write_report,
 )
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.markers import DrainAction
 
 
 def test_a_report_reads_back_as_it_was_written(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from cluster_sim import world
 
 from cosyvoice_lb.launcher.cluster import lifecycle
-from cosyvoice_lb.launcher.cluster.protocol import drain_by_hand
+from cosyvoice_lb.launcher.cluster.markers import drain_by_hand
 from cosyvoice_lb.launcher.cluster.rollout import Slots, surge_rollout
 from cosyvoice_lb.launcher.cluster.waits import others_serving, wait_serving
 from cosyvoice_lb.launcher.errors import ClusterError

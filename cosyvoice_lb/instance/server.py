@@ -38,8 +38,8 @@ from starlette.routing import Match
 import cosyvoice_lb
 from cosyvoice_lb import __version__
 from cosyvoice_lb.common.checks import parse_voice_map
+from cosyvoice_lb.common.error_body import error_body, error_headers
 from cosyvoice_lb.common.instance_argv import parse_instance_args
-from cosyvoice_lb.common.problems import error_body, error_headers
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.common.timeouts import GRACEFUL_SHUTDOWN

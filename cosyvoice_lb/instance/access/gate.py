@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, quote
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cosyvoice_lb.common.problems import error_body, error_headers
+from cosyvoice_lb.common.error_body import error_body, error_headers
 from cosyvoice_lb.instance.access.auth import SESSION_COOKIE, SESSION_SECONDS, PolicyFile
 
 # (/metrics: the instance's own, on loopback; it refuses what came through nginx)

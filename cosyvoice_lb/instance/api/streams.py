@@ -27,7 +27,7 @@ import numpy as np
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from cosyvoice_lb.common.problems import error_body
+from cosyvoice_lb.common.error_body import error_body
 from cosyvoice_lb.instance.audio.segments import Joiner, split_text
 from cosyvoice_lb.instance.audio.wav import WavBuilder
 from cosyvoice_lb.instance.metrics import outcome_of

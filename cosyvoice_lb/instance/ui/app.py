@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_lb.common.problems import error_body, error_headers
+from cosyvoice_lb.common.error_body import error_body, error_headers
 from cosyvoice_lb.instance.api.streams import audio_source
 from cosyvoice_lb.instance.engines import clones
 from cosyvoice_lb.instance.metrics import outcome_of

@@ -17,7 +17,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cosyvoice_lb.common.problems import refusal
+from cosyvoice_lb.common.error_body import refusal
 
 log = logging.getLogger("cosyvoice_lb.instance")
 

@@ -24,7 +24,7 @@ from urllib.parse import unquote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cosyvoice_lb.common.problems import refusal
+from cosyvoice_lb.common.error_body import refusal
 from cosyvoice_lb.instance.access.gate import cookie
 
 API = "/gradio_api"

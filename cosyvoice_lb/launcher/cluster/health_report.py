@@ -16,7 +16,7 @@ from typing import Any
 
 from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.markers import DrainAction
 
 VERSION = 1
 

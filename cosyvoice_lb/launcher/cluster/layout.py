@@ -173,7 +173,7 @@ class Layout:
 
     def drain_request(self, name: str) -> Path:
         """The launcher asks the health loop for a drained stop of an instance with this file
-        (see ``protocol``)."""
+        (see ``markers``)."""
         return self.run / f"{name}.restart"
 
     @property

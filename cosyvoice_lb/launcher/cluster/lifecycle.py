@@ -1,7 +1,7 @@
 """The cluster's lifecycle: up (start, or update a running one), restart, drain, down.
 
 Everything that changes what runs goes through here. Planned stops of instances are
-drained: the launcher asks the health loop (``protocol``), which takes the instance out
+drained: the launcher asks the health loop (``markers``), which takes the instance out
 of rotation and stops it once its requests are done.
 """
 
@@ -17,7 +17,7 @@ from cosyvoice_lb.launcher.cluster import processes
 from cosyvoice_lb.launcher.cluster.changes import described, guard_step
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Report, Say
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
-from cosyvoice_lb.launcher.cluster.protocol import (
+from cosyvoice_lb.launcher.cluster.markers import (
     DrainAction,
     clear_drained,
     clear_drains,

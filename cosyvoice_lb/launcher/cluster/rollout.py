@@ -3,7 +3,7 @@ old instances are drained and stopped, so the number in rotation never drops bel
 it was. Used by `restart --rolling` and by `up` with changed settings when the cluster has
 ``--surge``; where no parked slot has memory, the caller drains first instead.
 
-The health loop is told (``protocol.start_rollout``) to let ``surge`` more instances into
+The health loop is told (``markers.start_rollout``) to let ``surge`` more instances into
 rotation while it lasts, and to scale nothing meanwhile.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Supervision
 from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.protocol import (
+from cosyvoice_lb.launcher.cluster.markers import (
     DrainAction,
     drained_by_hand,
     end_rollout,

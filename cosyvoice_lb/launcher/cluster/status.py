@@ -27,7 +27,7 @@ from cosyvoice_lb.launcher.cluster.diagnosis import (
 from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.listeners import config_behind, nginx_listening, nginx_processes
-from cosyvoice_lb.launcher.cluster.protocol import drained_by_hand, starts_count
+from cosyvoice_lb.launcher.cluster.markers import drained_by_hand, starts_count
 from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, Supervisor, read_tail
 from cosyvoice_lb.launcher.health.probe import Prober
 from cosyvoice_lb.launcher.plan.gpu import GpuReading, gpu_readings, process_gpu_memory

@@ -3,7 +3,7 @@ serve before one is stopped, until the health loop took a drain request or repor
 
 Used by ``lifecycle`` (up, restart) and ``rollout`` (surge roll-outs). Everything goes through
 the :class:`~cosyvoice_lb.launcher.cluster.context.Cluster` passed in: its status reader, its
-supervisord, its clock; the health loop is reached through the state dir (``protocol``).
+supervisord, its clock; the health loop is reached through the state dir (``markers``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from cosyvoice_lb.common.timeouts import SUPERVISOR_SILENT
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Report
 from cosyvoice_lb.launcher.cluster.diagnosis import ESSENTIAL, ClusterStatus, InstanceStatus
 from cosyvoice_lb.launcher.cluster.health_report import read_report
-from cosyvoice_lb.launcher.cluster.protocol import (
+from cosyvoice_lb.launcher.cluster.markers import (
     DrainAction,
     answer_drain,
     ask_drain,

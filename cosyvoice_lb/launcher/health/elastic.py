@@ -15,9 +15,9 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster import markers
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.markers import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.probe import Probe
 from cosyvoice_lb.launcher.health.rotation import OCCUPIED, is_parked
@@ -133,7 +133,7 @@ def _scale_out(
         for s in seen.slots
         if s.name in seen.processes
         and is_parked(seen.processes[s.name].state, bool(seen.tracks[s.name].failed))
-        and not protocol.drained_by_hand(layout, s.name)
+        and not markers.drained_by_hand(layout, s.name)
     )
     startable = room(tuple(running), parked)[: desired - len(running)]
     for slot in startable:

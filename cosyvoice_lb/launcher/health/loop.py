@@ -1,7 +1,7 @@
 """The health loop: probe every instance, judge it (``health.judge``), act on the verdict.
 
 A supervisord program of the cluster. Each step probes ``/ping`` of all instances at once,
-takes the launcher's drain requests (``protocol``), rewrites nginx's rotation when it
+takes the launcher's drain requests (``markers``), rewrites nginx's rotation when it
 changed (it is the only writer of ``upstreams.conf`` while the cluster runs) and reloads
 nginx gracefully, and restarts an instance by signal through supervisord
 (``autorestart`` brings it back): a hung process may ignore SIGTERM, and KILL is the
@@ -29,10 +29,10 @@ from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL, Timeouts
 from cosyvoice_lb.instance.routing.board import Board
-from cosyvoice_lb.launcher.cluster import protocol, record
+from cosyvoice_lb.launcher.cluster import markers, record
 from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track, read_report, write_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.markers import DrainAction
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo, SupervisionError, Supervisor
 from cosyvoice_lb.launcher.health.adapters import Host, Probing, Supervision
 from cosyvoice_lb.launcher.health.elastic import Room, Seen, follow_load
@@ -140,8 +140,8 @@ class HealthLoop:
         before_step = dict(self.tracks)
         for slot in self.slots:
             name, before = slot.name, self.tracks[slot.name]
-            starts = protocol.starts_count(self.layout, name)
-            if before.failed and protocol.drain_pending(self.layout, name):  # `restart NAME` after a crash loop
+            starts = markers.starts_count(self.layout, name)
+            if before.failed and markers.drain_pending(self.layout, name):  # `restart NAME` after a crash loop
                 # Start it here: the snapshot above still says FATAL or STOPPED, and judging
                 # that would give it up again. Its crash count starts afresh.
                 log.info("%s: restarted by hand after it was given up on", name)
@@ -158,7 +158,7 @@ class HealthLoop:
             verdict = judge(before, processes.get(name), probes[name], self.policy, starts, now)
             track = count_crashes(verdict.track, starts)
             # Drained by hand (the panel, `drain`): kept out while it would serve, process and all.
-            if track.in_rotation and protocol.drained_by_hand(self.layout, name):
+            if track.in_rotation and markers.drained_by_hand(self.layout, name):
                 track = dataclasses.replace(track, in_rotation=False, reason=OnPurpose.DRAINED)
             if verdict.give_up:
                 if not before.failed:
@@ -198,7 +198,7 @@ class HealthLoop:
         self.finish_draining(probes, now)
         self.save(now)
         for name in self.taken:  # the launcher waits for these to go: only after health.json says so
-            protocol.answer_drain(self.layout, name)
+            markers.answer_drain(self.layout, name)
 
     def take_requests(self, processes: dict[str, ProcessInfo], now: float, killing: Sequence[str] = ()) -> None:
         """The launcher asks for drained stops with a file per instance (one restarted in this
@@ -207,10 +207,10 @@ class HealthLoop:
             if slot.name in self.taken:
                 continue
             if slot.name in killing:
-                if protocol.drain_pending(self.layout, slot.name):
+                if markers.drain_pending(self.layout, slot.name):
                     self.taken.append(slot.name)
                 continue
-            action = protocol.read_drain(self.layout, slot.name)
+            action = markers.read_drain(self.layout, slot.name)
             if action is None:
                 continue
             track, process = self.tracks[slot.name], processes.get(slot.name)
@@ -241,7 +241,7 @@ class HealthLoop:
                 track = self.tracks[slot.name] = dataclasses.replace(track, recycle_at=policy.max_requests + jitter)
             candidates[slot.name] = recycle_due(track, probes[slot.name], memory.get(slot.name, 0), policy)
         uptimes = {name: p.uptime for name, p in processes.items()}
-        drained = frozenset(s.name for s in self.slots if protocol.drained_by_hand(self.layout, s.name))
+        drained = frozenset(s.name for s in self.slots if markers.drained_by_hand(self.layout, s.name))
         standing_by = frozenset(
             name
             for name, t in self.tracks.items()
@@ -256,7 +256,7 @@ class HealthLoop:
     def balance(self, processes: dict[str, ProcessInfo], probes: dict[str, Probe], now: float) -> None:
         """How many serve: the plan's number (elastic: the scaler's), plus a surge roll-out's
         extra ones; the other ready instances wait out of rotation as warm spares."""
-        self.surge = protocol.rollout_surge(self.layout)
+        self.surge = markers.rollout_surge(self.layout)
         if self.bounds is not None and self.scale is not None:
             seen = Seen(self.slots, processes, probes, self.tracks, self.serving_before, self.surge, self.roles.spares)
             followed = follow_load(

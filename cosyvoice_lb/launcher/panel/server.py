@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from cosyvoice_lb.common.problems import error_body, error_headers
+from cosyvoice_lb.common.error_body import error_body, error_headers
 from cosyvoice_lb.instance.access.auth import PolicyFile, digest
 from cosyvoice_lb.instance.access.gate import form_page
 from cosyvoice_lb.launcher.cluster import lifecycle

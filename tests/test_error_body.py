@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cosyvoice_lb.common.problems import error_body, error_headers
+from cosyvoice_lb.common.error_body import error_body, error_headers
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """The state dir's small files between the launcher and the health loop
-(cosyvoice_lb/launcher/cluster/protocol.py): versioned, and 0.1's still read."""
+(cosyvoice_lb/launcher/cluster/markers.py): versioned, and 0.1's still read."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from cosyvoice_lb.launcher.cluster import protocol
+from cosyvoice_lb.launcher.cluster import markers
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.protocol import DrainAction
+from cosyvoice_lb.launcher.cluster.markers import DrainAction
 
 
 @pytest.fixture
@@ -21,11 +21,11 @@ def layout(tmp_path) -> Layout:
 
 @pytest.mark.parametrize("action", list(DrainAction))
 def test_a_drain_request_reads_back_and_carries_its_version(layout, action):
-    protocol.ask_drain(layout, "instance-0", action)
+    markers.ask_drain(layout, "instance-0", action)
     assert json.loads(layout.drain_request("instance-0").read_text()) == {"version": 1, "action": action.value}
-    assert protocol.read_drain(layout, "instance-0") is action
-    protocol.answer_drain(layout, "instance-0")
-    assert protocol.read_drain(layout, "instance-0") is None
+    assert markers.read_drain(layout, "instance-0") is action
+    markers.answer_drain(layout, "instance-0")
+    assert markers.read_drain(layout, "instance-0") is None
 
 
 @pytest.mark.parametrize(
@@ -33,12 +33,12 @@ def test_a_drain_request_reads_back_and_carries_its_version(layout, action):
 )
 def test_a_drain_request_of_0_1_or_a_broken_one(layout, text, action):
     layout.drain_request("instance-0").write_text(text)  # (0.1 wrote the bare action)
-    assert protocol.read_drain(layout, "instance-0") is action
+    assert markers.read_drain(layout, "instance-0") is action
 
 
 def test_a_roll_out_marker_and_a_drain_by_hand_carry_their_version(layout):
-    protocol.start_rollout(layout, 2)
-    assert json.loads(layout.rollout.read_text())["version"] == 1 and protocol.rollout_surge(layout) == 2
-    protocol.drain_by_hand(layout, "instance-1")
+    markers.start_rollout(layout, 2)
+    assert json.loads(layout.rollout.read_text())["version"] == 1 and markers.rollout_surge(layout) == 2
+    markers.drain_by_hand(layout, "instance-1")
     assert json.loads(layout.drained("instance-1").read_text())["version"] == 1
-    assert protocol.drained_by_hand(layout, "instance-1")
+    assert markers.drained_by_hand(layout, "instance-1")

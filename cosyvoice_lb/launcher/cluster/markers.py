@@ -1,11 +1,12 @@
-"""What the launcher, the health loop and the instances tell each other through the state dir.
+"""The small files through which the launcher, the health loop and the instances tell each
+other things in the state dir (the health report has its own module, ``health_report``).
 
 - **Drain requests** (launcher → loop): ``run/NAME.restart`` holds a :class:`DrainAction`.
   The loop takes the instance out of rotation, waits until its requests are done, then
   acts; it answers by removing the file, only after ``health.json`` records the drain
   (so a launcher that sees the file gone can read the outcome there).
-- **The health report** (loop → launcher): ``run/health.json``, the loop's track of every
-  instance (in rotation, why out, restarts, drains, given up), rewritten each step.
+- **A surge roll-out under way** (launcher → loop): ``run/rollout.json``, its surge and the
+  launcher's pid (a marker whose launcher is gone is removed).
 - **Drained by hand** (launcher or panel → loop): ``run/NAME.drained`` keeps the instance
   out of rotation, its process running, until the file goes.
 - **Starts** (instance → both): each instance appends a line to ``run/NAME.starts`` at
