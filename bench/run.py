@@ -460,7 +460,12 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def plots(report: Report, out: Path) -> list[Path]:
-    import matplotlib
+    """The PNG plots (the bench extra's matplotlib; without it the tables and CSVs still come)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("\nplots left out: matplotlib is not installed (pip install -e '.[bench]')")
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
