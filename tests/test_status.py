@@ -13,6 +13,7 @@ from rich.console import Console
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track, write_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.record import ClusterRecord
 from cosyvoice_lb.launcher.cluster.status import (
     NO_TELEMETRY,
     ClusterStatus,
@@ -24,7 +25,7 @@ from cosyvoice_lb.launcher.cluster.status import (
 )
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.plan.gpu import GpuReading
-from cosyvoice_lb.launcher.plan.planner import Slot
+from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 
 
 class Gathering:
@@ -113,7 +114,11 @@ def running_cluster(monkeypatch, tmp_path) -> Layout:
     layout.socket.parent.mkdir(parents=True)
     layout.socket.touch()
     slots = (Slot(index=0, port=7860, gpu=0, memory=1), Slot(index=1, port=7861, gpu=1, memory=1))
-    monkeypatch.setattr(status_module, "recorded", lambda layout: (Settings(port=8080), slots))
+    monkeypatch.setattr(
+        status_module,
+        "read_record",
+        lambda layout: ClusterRecord(Settings(port=8080), slots, Roles(serving=len(slots))),
+    )
     monkeypatch.setattr(status_module, "Supervisor", FakeSupervisor)
     return layout
 

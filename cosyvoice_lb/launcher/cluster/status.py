@@ -28,12 +28,12 @@ from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.listeners import config_behind, nginx_listening, nginx_processes
 from cosyvoice_lb.launcher.cluster.markers import drained_by_hand, starts_count
+from cosyvoice_lb.launcher.cluster.record import read as read_record
 from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, Supervisor, read_tail
 from cosyvoice_lb.launcher.health.probe import Prober
 from cosyvoice_lb.launcher.plan.gpu import GpuReading, gpu_readings, process_gpu_memory
 from cosyvoice_lb.launcher.plan.planner import Slot
 from cosyvoice_lb.launcher.render.credentials import admin_token_path, open_warning
-from cosyvoice_lb.launcher.render.disk import recorded, recorded_pool
 from cosyvoice_lb.launcher.render.staging import staged_digest
 
 
@@ -70,8 +70,8 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
     makes a status with ``running`` False and that said in ``problems``. A running
     cluster's status has its GPUs and each instance's GPU memory, from ``telemetry``."""
     supervisor = Supervisor(layout, timeout=SUPERVISOR_POLL)
-    record = recorded(layout)
-    if record is not None and layout.socket.exists():
+    found = read_record(layout)  # (once: status is polled while the cluster changes)
+    if found is not None and layout.socket.exists():
         try:
             programs = supervisor.processes()
         except SupervisionError as exc:
@@ -80,9 +80,9 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
             programs = {}  # a socket nobody listens on: not running
     else:
         programs = {}
-    if not programs or record is None:
-        return not_running(layout, record[0].port if record else None)
-    settings, slots = record
+    if not programs or found is None:
+        return not_running(layout, found.settings.port if found else None)
+    settings, slots = found.settings, found.slots
     url = public_url(settings)
     running = [s for s in slots if s.name in programs and programs[s.name].state == "RUNNING"]
     pings, answer = ask_all(prober or Prober(len(slots) + 1), running, settings.probe_timeout, url)
@@ -92,7 +92,7 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
         Observation(
             settings=settings,
             slots=slots,
-            roles=recorded_pool(layout, slots),
+            roles=found.roles,
             programs=programs,
             health=read_report(layout),
             pings=pings,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cosyvoice_lb.common.timeouts import SUPERVISOR_SILENT
-from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Report
+from cosyvoice_lb.launcher.cluster.context import Cluster, Progress
 from cosyvoice_lb.launcher.cluster.diagnosis import ESSENTIAL, ClusterStatus, InstanceStatus
 from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.markers import (
@@ -22,16 +22,6 @@ from cosyvoice_lb.launcher.cluster.markers import (
 )
 from cosyvoice_lb.launcher.cluster.status import failure_report, last_lines
 from cosyvoice_lb.launcher.errors import ClusterError
-
-__all__ = [
-    "Progress",
-    "Report",
-    "drain",
-    "loop_reported",
-    "others_serving",
-    "serving_or_fail",
-    "wait_serving",
-]
 
 
 def loop_reported(c: Cluster, since: float) -> None:

@@ -79,9 +79,9 @@ class HealthLoop:
         self.timeouts = Timeouts(settings)
         self.supervisor, self.prober, self.host = supervisor, prober, host or Host()
         self.clock, self.rng = clock, rng or random.Random()
-        self.tracks = self._load_tracks()
-        saved_pool = read_report(layout).pool
-        self.scale = Scale.from_dict(saved_pool.get("scale"), self.bounds) if self.bounds else None
+        saved = read_report(layout)  # pick up where a previous loop left off (the loop may be restarted)
+        self.tracks = {slot.name: saved.track(slot.name) for slot in self.slots}
+        self.scale = Scale.from_dict(saved.pool.get("scale"), self.bounds) if self.bounds else None
         self.wanted = self.roles.serving
         self.surge = 0
         self.short_of_room = False  # a scale-out found no memory (said once, until one starts)
@@ -121,11 +121,6 @@ class HealthLoop:
         self.board.set_rotation(self._serving(self.published))
         self.board.configure(self.settings.routing == "work", self.settings.route_slack)
         self.board_current = True
-
-    def _load_tracks(self) -> dict[str, Track]:
-        """Pick up where a previous loop left off (the loop itself may be restarted)."""
-        saved = read_report(self.layout)
-        return {slot.name: saved.track(slot.name) for slot in self.slots}
 
     def step(self) -> None:
         processes = self.supervisor.processes()

@@ -20,7 +20,7 @@ from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.cluster.supervision import Supervisor
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan.footprint import make_plan
-from cosyvoice_lb.launcher.plan.planner import Plan, Roles, Slot
+from cosyvoice_lb.launcher.plan.planner import Plan, Slot
 from cosyvoice_lb.launcher.plan.preflight import check_model, check_settings, check_state_dir, find_nginx
 from cosyvoice_lb.launcher.render.cluster import Programs, render
 from cosyvoice_lb.launcher.render.credentials import write_admin_access, write_policy, write_segment_key
@@ -31,12 +31,6 @@ def recorded(layout: Layout) -> tuple[Settings, tuple[Slot, ...]] | None:
     """The settings and slots the cluster in ``layout`` was last rendered with."""
     found = record.read(layout)
     return (found.settings, found.slots) if found else None
-
-
-def recorded_pool(layout: Layout, slots: tuple[Slot, ...]) -> Roles:
-    """How the recorded slots are used (all serve when cluster.json does not say)."""
-    found = record.read(layout)
-    return found.roles if found else Roles(serving=len(slots))
 
 
 def programs_for(settings: Settings) -> Programs:
