@@ -1,26 +1,29 @@
-"""The CLI contract that needs no running cluster: plan, render, env vars, errors."""
+"""The CLI contract that needs no running cluster: plan, render, env vars, errors.
+
+Most calls run the command in this process (`cli_here`); the entry point itself, `--help` and
+`render` with nginx -t, and the tests that need signals or a follower run it as a process."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 
-from conftest import ROOT, clean_env, cli
+from conftest import ROOT, clean_env, cli, cli_here
 
 
 def test_plan_without_gpu_plans_cpu_slots_and_says_so():
-    done = cli("plan", "--json")
+    done = cli_here("plan", "--json")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert plan["mode"] == "cpu" and plan["slots"]
     assert all(s["gpu"] is None and s["device"] == "cpu" for s in plan["slots"])
     assert any("no GPU found" in note for note in plan["notes"])
-    table = cli("plan")
+    table = cli_here("plan")
     assert "no GPU found" in table.stdout and "instance-0" in table.stdout
 
 
 def test_plan_for_a_hypothetical_box():
-    done = cli(
+    done = cli_here(
         "plan", "--gpus", "24GiB,24GiB", "--footprint", "5GiB", "--reserve", "1GiB", "--base-port", "9000", "--json"
     )
     plan = json.loads(done.stdout)
@@ -35,33 +38,33 @@ def test_plan_for_a_hypothetical_box():
         (1, 9007),
     ]
     capped = json.loads(
-        cli("plan", "--gpus", "24GiB,24GiB", "--footprint", "5GiB", "--max-instances", "3", "--json").stdout
+        cli_here("plan", "--gpus", "24GiB,24GiB", "--footprint", "5GiB", "--max-instances", "3", "--json").stdout
     )
     assert [s["gpu"] for s in capped["slots"]] == [0, 1, 0]
 
 
 def test_every_option_can_come_from_the_environment():
     env = clean_env(COSYVOICE_LB_GPUS="12GiB", COSYVOICE_LB_FOOTPRINT="5GiB", COSYVOICE_LB_BASE_PORT="9100")
-    plan = json.loads(cli("plan", "--json", env=env).stdout)
+    plan = json.loads(cli_here("plan", "--json", env=env).stdout)
     assert [(s["gpu"], s["port"]) for s in plan["slots"]] == [(0, 9100), (0, 9101)]
     # a flag beats its variable
-    plan = json.loads(cli("plan", "--json", "--base-port", "9200", env=env).stdout)
+    plan = json.loads(cli_here("plan", "--json", "--base-port", "9200", env=env).stdout)
     assert plan["slots"][0]["port"] == 9200
 
 
 def test_sizes_and_counts_are_checked_with_a_clear_message():
-    bad_size = cli("plan", "--footprint", "lots")
+    bad_size = cli_here("plan", "--footprint", "lots")
     assert bad_size.returncode != 0 and "cannot read size 'lots'" in bad_size.stderr
-    too_many = cli("plan", "--gpus", "12GiB", "--footprint", "5GiB", "--instances", "5")
+    too_many = cli_here("plan", "--gpus", "12GiB", "--footprint", "5GiB", "--instances", "5")
     assert too_many.returncode != 0
     assert "5 instances requested but only 2 fit" in too_many.stderr and "--force" in too_many.stderr
-    forced = cli("plan", "--gpus", "12GiB", "--footprint", "5GiB", "--instances", "5", "--force", "--json")
+    forced = cli_here("plan", "--gpus", "12GiB", "--footprint", "5GiB", "--instances", "5", "--force", "--json")
     assert forced.returncode == 0 and len(json.loads(forced.stdout)["slots"]) == 5
-    bad_count = cli("plan", "--instances", "many")
+    bad_count = cli_here("plan", "--instances", "many")
     assert bad_count.returncode != 0 and "'auto'" in bad_count.stderr
-    nothing_fits = cli("plan", "--gpus", "4GiB", "--footprint", "5GiB")
+    nothing_fits = cli_here("plan", "--gpus", "4GiB", "--footprint", "5GiB")
     assert nothing_fits.returncode != 0 and "no instance fits" in nothing_fits.stderr
-    engine = cli("plan", "--engine", "nope")
+    engine = cli_here("plan", "--engine", "nope")
     assert engine.returncode != 0 and "nope" in engine.stderr
 
 
@@ -93,14 +96,14 @@ def test_render_writes_every_config_and_nginx_accepts_it(state_dir):
 
 
 def test_commands_on_a_dir_without_a_cluster(state_dir):
-    status = cli("status", "--state-dir", str(state_dir))
+    status = cli_here("status", "--state-dir", str(state_dir))
     assert status.returncode == 3 and "not running" in status.stdout
-    assert json.loads(cli("status", "--json", "--state-dir", str(state_dir)).stdout)["running"] is False
-    down = cli("down", "--state-dir", str(state_dir))
+    assert json.loads(cli_here("status", "--json", "--state-dir", str(state_dir)).stdout)["running"] is False
+    down = cli_here("down", "--state-dir", str(state_dir))
     assert down.returncode == 0 and "not running" in down.stdout
-    restart = cli("restart", "--all", "--state-dir", str(state_dir))
+    restart = cli_here("restart", "--all", "--state-dir", str(state_dir))
     assert restart.returncode != 0 and "no cluster runs" in restart.stderr
-    neither = cli("restart", "--state-dir", str(state_dir))
+    neither = cli_here("restart", "--state-dir", str(state_dir))
     assert neither.returncode != 0 and "--all" in neither.stderr
 
 
@@ -182,7 +185,7 @@ def test_logs_follow_keeps_going_across_a_rotation(state_dir):
 
 
 def test_status_and_plan_json_can_come_from_the_environment(state_dir):
-    done = cli("status", "--state-dir", str(state_dir), env=clean_env(COSYVOICE_LB_JSON="1"))
+    done = cli_here("status", "--state-dir", str(state_dir), env=clean_env(COSYVOICE_LB_JSON="1"))
     assert json.loads(done.stdout)["running"] is False
 
 
@@ -193,11 +196,11 @@ def test_plan_uses_a_calibrated_footprint_and_says_so(state_dir):
         json.dumps({"cosyvoice3": {"gpu_bytes": 3 * 2**30, "peak_bytes": 2**30, "when": "2026-11-29 20:00"}})
     )
     plan = json.loads(
-        cli("plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--state-dir", str(state_dir)).stdout
+        cli_here("plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--state-dir", str(state_dir)).stdout
     )
     assert plan["footprint_source"].startswith("calibrated") and len(plan["slots"]) == 7  # 23 GiB // 3 GiB
     flagged = json.loads(
-        cli(
+        cli_here(
             "plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--load-trt", "--state-dir", str(state_dir)
         ).stdout
     )
@@ -277,25 +280,25 @@ def test_status_watch_refreshes_until_ctrl_c(state_dir):
 
 
 def test_status_watch_and_json_do_not_go_together(state_dir):
-    done = cli("status", "--watch", "--json", "--state-dir", str(state_dir), timeout=60)
+    done = cli_here("status", "--watch", "--json", "--state-dir", str(state_dir))
     assert done.returncode == 2 and "--watch" in done.stderr and "--json" in done.stderr
-    from_env = cli("status", "-w", "--state-dir", str(state_dir), env=clean_env(COSYVOICE_LB_JSON="1"), timeout=60)
+    from_env = cli_here("status", "-w", "--state-dir", str(state_dir), env=clean_env(COSYVOICE_LB_JSON="1"))
     assert from_env.returncode == 2 and "cannot be combined" in from_env.stderr
-    watch_env = cli(
-        "status", "--json", "--state-dir", str(state_dir), env=clean_env(COSYVOICE_LB_WATCH="1"), timeout=60
-    )
+    watch_env = cli_here("status", "--json", "--state-dir", str(state_dir), env=clean_env(COSYVOICE_LB_WATCH="1"))
     assert watch_env.returncode == 2 and "cannot be combined" in watch_env.stderr
-    interval = cli("status", "--watch", "--interval", "0", "--state-dir", str(state_dir), timeout=60)
+    interval = cli_here("status", "--watch", "--interval", "0", "--state-dir", str(state_dir))
     assert interval.returncode == 2 and "--interval" in interval.stderr
 
 
 def test_status_help_names_the_watch_variables():
-    text = cli("status", "--help").stdout
+    text = cli_here("status", "--help").stdout
     assert "COSYVOICE_LB_WATCH" in text and "COSYVOICE_LB_INTERVAL" in text
 
 
 def test_plan_shows_each_slots_role_at_up():
-    done = cli("plan", "--gpus", "24GiB", "--instances", "2", "--min-instances", "1", "--spares", "1", "--surge", "2")
+    done = cli_here(
+        "plan", "--gpus", "24GiB", "--instances", "2", "--min-instances", "1", "--spares", "1", "--surge", "2"
+    )
     assert done.returncode == 0, done.stderr
     roles = [line.split("│")[5].strip() for line in done.stdout.splitlines() if "instance-" in line]
     # one 24 GiB card holds 4: the surge gets 1 of the 2 asked for, and the plan says so
@@ -304,20 +307,20 @@ def test_plan_shows_each_slots_role_at_up():
 
 
 def test_pool_settings_that_contradict_are_refused_with_the_fix(state_dir):
-    done = cli("plan", "--gpus", "24GiB", "--instances", "4", "--spares", "1")
+    done = cli_here("plan", "--gpus", "24GiB", "--instances", "4", "--spares", "1")
     assert done.returncode != 0 and "4 instances and 1 spare requested but only 4 fit" in done.stderr
-    done = cli("plan", "--gpus", "24GiB", "--instances", "2", "--min-instances", "3")
+    done = cli_here("plan", "--gpus", "24GiB", "--instances", "2", "--min-instances", "3")
     assert done.returncode != 0 and "--min-instances 3 is above the 2 instances planned to serve" in done.stderr
-    done = cli("render", "--state-dir", str(state_dir), "--min-instances", "3", "--max-instances", "2")
+    done = cli_here("render", "--state-dir", str(state_dir), "--min-instances", "3", "--max-instances", "2")
     assert done.returncode != 0 and "--min-instances 3 is above --max-instances 2" in done.stderr
-    done = cli("render", "--state-dir", str(state_dir), "--mps-thread-percentage", "50")
+    done = cli_here("render", "--state-dir", str(state_dir), "--mps-thread-percentage", "50")
     assert done.returncode != 0 and "--mps-thread-percentage needs --mps" in done.stderr
-    done = cli("render", "--state-dir", str(state_dir), "--mps")
+    done = cli_here("render", "--state-dir", str(state_dir), "--mps")
     assert done.returncode != 0 and "--mps shares NVIDIA GPUs between instances, and this plan has none" in done.stderr
 
 
 def test_up_with_mps_on_a_box_without_the_nvidia_driver_is_refused_before_anything_starts(state_dir):
-    done = cli("up", "--state-dir", str(state_dir), "--mps", "--gpus", "24GiB", "--port", "1")
+    done = cli_here("up", "--state-dir", str(state_dir), "--mps", "--gpus", "24GiB", "--port", "1")
     assert done.returncode != 0
     assert "--mps needs the NVIDIA driver: /proc/driver/nvidia/version is missing" in done.stderr
     assert not (state_dir / "run" / "supervisord.conf").exists()
