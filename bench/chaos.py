@@ -19,10 +19,11 @@ Scenarios, in this order, each on its own:
   kill-nginx        SIGKILL the nginx master (its orphaned workers keep the port)
   kill-health       SIGKILL the health loop
   rolling-restart   ``cosyvoice-lb restart --all --rolling``
-  poison-request    one request that hangs whichever instance runs it (its Chinese text is
-                    the only one spoken by ``cmn-latn-pinyin``: every such espeak-ng child is
-                    SIGSTOPped): it must cost at most one retry -- exactly two restarts --
-                    then its client gets a 422 that says why; sent again, a 422 with no restart
+  poison-request    one request that hangs whichever instance runs it (the cluster's PATH
+                    starts with an espeak-ng wrapper that stops itself on that request's
+                    voice and rate and execs the real one otherwise): it must cost at most
+                    one retry -- exactly two restarts -- then its client gets a 422 that says
+                    why; sent again, a 422 with no restart
   recycling         ``cosyvoice-lb up`` again with --max-requests 40 --max-requests-jitter 10,
                     until two recycling restarts were seen (D/run/instance-N.starts); last,
                     since the cluster keeps recycling afterwards
@@ -79,6 +80,7 @@ import numpy as np
 import psutil
 import requests
 
+from cosyvoice_lb.instance.engines.espeak import BASE_WPM
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.cluster.processes import orphan_nginx, stray_processes
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus, status
@@ -156,10 +158,22 @@ class Run:
     def command(self, *args: str) -> list[str]:
         return [*self.cli, *args]
 
+    @property
+    def hung_pids(self) -> Path:
+        """Where the espeak-ng wrapper notes the pid of each poison run it hung."""
+        return self.state_dir / "hung-espeak.pids"
+
+    def env(self) -> dict[str, str]:
+        """The cluster's environment: the espeak-ng wrapper first on PATH."""
+        env = clean_env()
+        env["PATH"] = f"{self.state_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        env["CVLB_CHAOS_HUNG_PIDS"] = str(self.hung_pids)
+        return env
+
     def spawn(self, *args: str) -> subprocess.Popen:
         """A CLI command in the background; its output is kept for the notes."""
         proc = subprocess.Popen(
-            self.command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env()
+            self.command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env()
         )
         self.children.append(proc)
         return proc
@@ -181,6 +195,7 @@ def prepare(instances: int, clients: int, texts: tuple[str, ...] = SENTENCES) ->
         port=base,
         base_port=base + 1,
     )
+    install_espeak_wrapper(state_dir / "bin")
     # --request-timeout bounds each request's total wait (all retries included), so a
     # client never waits on a stuck instance longer than that.
     run.up_args = [
@@ -205,9 +220,45 @@ def prepare(instances: int, clients: int, texts: tuple[str, ...] = SENTENCES) ->
     return run
 
 
+def install_espeak_wrapper(bin_dir: Path) -> None:
+    """An ``espeak-ng`` first on the cluster's PATH: the poison request's run (its voice and
+    rate, see POISON_WPM) stops itself, a synthesis that hangs on that input wherever it runs,
+    caught every time; every other call is the real espeak-ng, exec'd (the same pid)."""
+    real = shutil.which("espeak-ng")
+    if real is None:
+        raise RuntimeError("espeak-ng not found: install it (apt-get install espeak-ng)")
+    bin_dir.mkdir()
+    wrapper = bin_dir / "espeak-ng"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'case " $* " in *" -v cmn-latn-pinyin -s {POISON_WPM} "*)\n'
+        '    echo $$ >> "$CVLB_CHAOS_HUNG_PIDS"; kill -STOP $$ ;;\n'
+        "esac\n"
+        f'exec {shlex.quote(real)} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+
+
+def hung_poison_runs(run: Run) -> list[psutil.Process]:
+    """The poison runs the wrapper stopped, still there (the pid checked against its command)."""
+    try:
+        pids = [int(line) for line in run.hung_pids.read_text().split()]
+    except (OSError, ValueError):
+        return []
+    hung = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if POISON_WPM in proc.cmdline():
+                hung.append(proc)
+        except psutil.Error:
+            continue
+    return hung
+
+
 def start_cluster(run: Run) -> None:
     done = subprocess.run(
-        run.command(*run.up_args), capture_output=True, text=True, timeout=UP_TIMEOUT_S, env=clean_env(), check=False
+        run.command(*run.up_args), capture_output=True, text=True, timeout=UP_TIMEOUT_S, env=run.env(), check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"cosyvoice-lb up exited {done.returncode}:\n{tail(done.stdout + done.stderr, 20)}")
@@ -221,7 +272,7 @@ def teardown(run: Run, keep_logs: str | None) -> None:
 
 
 def _teardown(run: Run, keep_logs: str | None) -> None:
-    for proc in run.stopped:  # SIGSTOPped by us: KILL works on a stopped process
+    for proc in [*run.stopped, *hung_poison_runs(run)]:  # stopped: KILL works on a stopped process
         kill(proc)
     for child in run.children:
         if child.poll() is None:
@@ -574,29 +625,21 @@ def kill_health(run: Run, before: ClusterStatus) -> Fault:
     return service_fault("health", old, lambda status, pid: True)
 
 
-# Only this request speaks Chinese, so its espeak-ng is recognisable; long, so it runs long
-# enough (a second or so) to be caught.
+# Only this request speaks Chinese at this rate, so the espeak-ng wrapper knows its command
+# line (-v cmn-latn-pinyin -s POISON_WPM); an instance's warm-up speaks Chinese too, at the
+# base rate, and must not hang.
 POISON_TEXT = "这句话每次都会卡住，无论哪个实例来合成它，都会一直等下去。" * 6
+POISON_SPEED = 0.85
+POISON_WPM = str(round(BASE_WPM * POISON_SPEED))
 
 
 def poison_request(run: Run, before: ClusterStatus) -> Fault:
-    """A request that hangs whichever instance runs it, sent once (then once more) while the
-    load runs; a watcher SIGSTOPs every espeak-ng speaking it, on any instance."""
+    """A request that hangs whichever instance runs it (the espeak-ng wrapper stops its run),
+    sent once, then once more, while the load runs."""
     names = [i.name for i in before.instances]
     starts_before = {n: count_lines(run.state_dir / "run" / f"{n}.starts") for n in names}
     answers: list[requests.Response | Exception] = []
     done = threading.Event()
-
-    def stop_poison_children() -> None:
-        while not done.is_set():
-            for proc in psutil.process_iter(["name", "cmdline"]):
-                try:
-                    if proc.info["name"] == "espeak-ng" and "cmn-latn-pinyin" in (proc.info["cmdline"] or []):
-                        if proc.status() != psutil.STATUS_STOPPED:
-                            run.suspend(proc)
-                except psutil.Error:
-                    continue
-            time.sleep(0.005)
 
     def send() -> None:
         with requests.Session() as session:
@@ -604,13 +647,16 @@ def poison_request(run: Run, before: ClusterStatus) -> Fault:
             for _ in range(2):  # as a client that retries what failed
                 try:
                     answers.append(
-                        session.post(run.url + "/v1/tts", json={"text": POISON_TEXT}, timeout=CLIENT_TIMEOUT_S + 10)
+                        session.post(
+                            run.url + "/v1/tts",
+                            json={"text": POISON_TEXT, "speed": POISON_SPEED},
+                            timeout=CLIENT_TIMEOUT_S + 10,
+                        )
                     )
                 except requests.RequestException as exc:
                     answers.append(exc)
         done.set()
 
-    threading.Thread(target=stop_poison_children, daemon=True).start()
     threading.Thread(target=send, daemon=True).start()
 
     def restarts() -> int:
