@@ -195,19 +195,28 @@ def test_installed_handlers_take_real_signals():
     assert written[-1] == "SIGINT again: still draining (the drain is not interrupted)"
 
 
-def test_an_interrupted_start_stops_the_cluster_and_is_an_error(tmp_path, monkeypatch):
+def test_a_signal_while_starting_stops_the_cluster_as_asked_and_a_failure_still_raises(tmp_path, monkeypatch):
     downs: list[Layout] = []
     monkeypatch.setattr(foreground, "down", lambda layout, timeout=None: downs.append(layout) or [])
     layout = Layout(tmp_path)
     signals = foreground.StopSignals(write=lambda line: None)
-    with pytest.raises(ClusterError, match="interrupted while starting; the cluster was stopped"):
-        with signals.while_starting(layout):
-            signals(signal.SIGTERM)
-    assert downs == [layout]
+    with signals.while_starting(layout):  # a pod deleted while it loads: not an error
+        signals(signal.SIGTERM)
+    assert signals.stopped_starting and downs == [layout]
+    signals = foreground.StopSignals(write=lambda line: None)
+    with signals.while_starting(layout):  # what `up` raises once the signal interrupted it
+        signals.event.set()
+        raise ClusterError("interrupted\nThe cluster was stopped")
+    assert signals.stopped_starting and downs == [layout, layout]
+    failed = foreground.StopSignals(write=lambda line: None)
+    with pytest.raises(ClusterError, match="instance-0 failed"):
+        with failed.while_starting(layout):  # no signal: a start that fails is an error
+            raise ClusterError("instance-0 failed to start")
+    assert not failed.stopped_starting and downs == [layout, layout]
     fine = foreground.StopSignals(write=lambda line: None)
     with fine.while_starting(layout):
         pass
-    assert fine.starting is False and downs == [layout]
+    assert fine.starting is False and not fine.stopped_starting
 
 
 def test_up_help_offers_foreground_and_its_variable():

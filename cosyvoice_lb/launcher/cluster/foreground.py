@@ -151,6 +151,7 @@ class StopSignals:
     def __init__(self, write: Callable[[str], None] | None = None):
         self.event = threading.Event()
         self.starting = True
+        self.stopped_starting = False  # a signal came while starting: the cluster was stopped
         self.write = write or _write_stderr
 
     def install(self) -> StopSignals:
@@ -170,14 +171,16 @@ class StopSignals:
 
     @contextmanager
     def while_starting(self, layout: Layout) -> Iterator[None]:
-        """Around `up`: a signal during the start stops the cluster and is an error (``up``
-        stops a first start itself; this covers an update, and a signal just after it)."""
+        """Around `up`: a signal during the start stops the cluster, as a stop asked for (a
+        pod deleted while it loads): :attr:`stopped_starting` is then set and nothing is
+        raised. A start that fails without a signal raises as it did."""
         try:
             yield
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, ClusterError):
             self.starting = False
-            down(layout)
-            raise ClusterError(
-                f"interrupted while starting; the cluster was stopped; logs are in {layout.logs}"
-            ) from None
+            if not self.event.is_set():
+                raise
+            down(layout)  # (`up` stops a first start itself; this covers an update)
+            self.stopped_starting = True
+            return
         self.starting = False
