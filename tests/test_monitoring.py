@@ -26,7 +26,15 @@ from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, Slot, pla
 from cosyvoice_lb.launcher.render.addresses import balancer_url
 from cosyvoice_lb.launcher.render.grafana import DATASOURCE, dashboard_exprs, grafana_dashboard
 from cosyvoice_lb.launcher.render.monitoring import monitoring_files
-from cosyvoice_lb.launcher.render.prometheus import alert_rules, balancer_target, prometheus_config, scrape_targets
+from cosyvoice_lb.launcher.render.prometheus import (
+    BOX,
+    RuleScope,
+    alert_groups,
+    alert_rules,
+    balancer_target,
+    prometheus_config,
+    scrape_targets,
+)
 
 HERE = Path(__file__).resolve().parent
 ALERTS_TEST = HERE / "monitoring" / "alerts_test.yml"
@@ -457,4 +465,57 @@ def test_promtool_parses_every_dashboard_query(promtool, tmp_path):
 def test_the_stale_health_loop_alert_follows_slow_probes():
     assert "cosyvoice_lb_health_report_age_seconds > 30\n" in alert_rules(Settings())
     slow = alert_rules(Settings(probe_interval=30.0, probe_timeout=5.0))  # status allows 5 x 30 + 2 x 5 s
-    assert "cosyvoice_lb_health_report_age_seconds > 160\n" in slow and "over 160 s" in slow
+    assert "cosyvoice_lb_health_report_age_seconds > 160\n" in slow
+    stale = rules(slow)["CosyVoiceHealthLoopStale"]
+    assert stale["expr"] == "cosyvoice_lb_health_report_age_seconds > 160"
+    assert "over 160 s" in stale["annotations"]["description"]
+
+
+# --- one source: alert_groups() --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("settings", [None, Settings(probe_interval=30.0, probe_timeout=5.0)])
+def test_alerts_yml_is_the_groups_of_the_one_source_exactly(settings):
+    # alerts.yml is written by hand-laid YAML (comments, folded descriptions): it must load
+    # back to exactly the data a PrometheusRule carries.
+    assert yaml.safe_load(alert_rules(settings)) == {"groups": alert_groups(settings)}
+    assert alert_groups(settings) == alert_groups(settings, BOX) == alert_groups(settings, RuleScope())
+
+
+def test_alerts_yml_says_why_each_rule_is_as_it_is():
+    text = alert_rules()
+    comments = " ".join(line.strip().lstrip("# ") for line in text.splitlines() if line.lstrip().startswith("#"))
+    assert "An instance drained by hand is out on purpose: never alert on it." in comments
+    assert "No traffic gives no quantile (NaN), which never fires." in comments
+    assert "promtool check rules alerts.yml" in comments
+    # each reason sits right above its rule
+    lines = text.splitlines()
+    at = lines.index("      - alert: CosyVoiceRestartStorm")
+    assert lines[at - 1].strip().startswith("#") and "15-minute window" in " ".join(lines[at - 3 : at])
+
+
+def test_a_scope_changes_only_which_series_the_rules_read_and_what_they_say():
+    scoped = RuleScope(
+        select='namespace="ns"',
+        instance_targets='kind="instance"',
+        cluster_target='kind="cluster"',
+        instance=("pod", "name"),
+        cluster=("namespace",),
+        run_here="ssh box -- ",
+    )
+    box, other = ({r["alert"]: r for r in alert_groups(scope=scope)[0]["rules"]} for scope in (BOX, scoped))
+    assert list(box) == list(other)
+    for name in box:
+        assert {k: v for k, v in box[name].items() if k not in ("expr", "annotations")} == {
+            k: v for k, v in other[name].items() if k not in ("expr", "annotations")
+        }, name
+    assert other["CosyVoiceInstanceScrapeFailing"]["expr"] == 'up{namespace="ns",kind="instance"} == 0'
+    assert other["CosyVoiceClusterMetricsDown"]["expr"] == 'up{namespace="ns",kind="cluster"} == 0'
+    assert " unless on (pod, name) " in other["CosyVoiceInstanceDown"]["expr"]
+    assert other["CosyVoiceNoInstanceInRotation"]["expr"] == (
+        'sum by (namespace) (cosyvoice_lb_instance_in_rotation{namespace="ns"}) == 0'
+    )
+    assert (
+        "`ssh box -- cosyvoice-lb logs {{ $labels.name }}`"
+        in other["CosyVoiceInstanceDown"]["annotations"]["description"]
+    )

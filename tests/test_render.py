@@ -15,10 +15,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
+import requests
+from conftest import free_port_block, http_server, port_free
 from supervisor.datatypes import RestartUnconditionally, dict_of_key_value_pairs
 from supervisor.options import ServerOptions
 
@@ -910,3 +915,106 @@ def test_least_connections_renders_no_last_resort_and_plain_retries():
     assert len(http.all("server")) == 1
     assert "backup" not in files["nginx/upstreams.conf"]
     assert public_server(http).one("location", "/v1/").values("proxy_next_upstream_tries") == [["2"]]
+
+
+# --- the client's address behind a proxy (--trusted-proxies) ----------------------------------
+
+
+def test_without_trusted_proxies_nginx_believes_no_forwarded_address():
+    http, server = nginx_server(Settings(public=True))
+    for directive in ("set_real_ip_from", "real_ip_header", "real_ip_recursive"):
+        assert not http.values(directive) and not server.values(directive), directive
+    assert ["X-Forwarded-For", "$proxy_add_x_forwarded_for"] in server.values("proxy_set_header")
+    assert "realip" not in rendered(settings=Settings(public=True))["nginx/nginx.conf"]
+
+
+def test_trusted_proxies_name_the_client_in_remote_addr():
+    http, server = nginx_server(Settings(public=True, trusted_proxies="10.0.0.0/8, 192.168.1.7,10.0.0.0/8,::1"))
+    # each network once, in its normal form; the rightmost untrusted address is the client
+    assert http.values("set_real_ip_from") == [["10.0.0.0/8"], ["192.168.1.7/32"], ["::1/128"]]
+    assert http.values("real_ip_header") == [["X-Forwarded-For"]] and http.values("real_ip_recursive") == [["on"]]
+    # what reaches the instance adds the hop nginx got the request from (the proxy), not the client again
+    forwarded = http.one("map", "$http_x_forwarded_for", "$cvlb_forwarded_for")
+    assert forwarded.values("default") == [["$http_x_forwarded_for, $realip_remote_addr"]]
+    assert ["X-Forwarded-For", "$cvlb_forwarded_for"] in server.values("proxy_set_header")
+    # what keys on the address now keys on the client's: the details of /ping, the logins' throttle
+    assert http.one("map", "$remote_addr", "$cvlb_ping_uri")
+    assert ["$binary_remote_addr", "zone=cvlb_login:1m", "rate=10r/m"] in http.values("limit_req_zone")
+
+
+@pytest.mark.parametrize("given, bad", [("10.0.0.0/8,proxy.example", "proxy.example"), ("10.0.0.0/33", "10.0.0.0/33")])
+def test_a_trusted_proxy_that_is_no_network_is_refused_naming_it(given, bad):
+    with pytest.raises(RenderError, match=rf"--trusted-proxies: '{re.escape(bad)}' is not an address or a network"):
+        rendered(settings=Settings(trusted_proxies=given))
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed")
+def test_nginx_accepts_the_trusted_proxies(state_dir):
+    files = rendered(state_dir, settings=Settings(public=True, rate_limit="10r/s", trusted_proxies="10.0.0.0/8,::1"))
+    write(state_dir, files)
+    write_segment_key(Layout(state_dir))
+    done = nginx_test(state_dir)
+    assert done.returncode == 0, done.stderr
+
+
+class Echo(BaseHTTPRequestHandler):
+    """An instance that answers with the path it was asked and the addresses nginx sent it."""
+
+    def do_GET(self):
+        body = json.dumps(
+            {"path": self.path, "real_ip": self.headers.get("X-Real-IP"), "xff": self.headers.get("X-Forwarded-For")}
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextmanager
+def running_nginx(root: Path, settings: Settings, instance_port: int):
+    """nginx from the rendered config, in front of one instance at ``instance_port``."""
+    write(root, rendered(root, settings=settings, the_plan=gpu_plan(instances=1, base_port=instance_port)))
+    write_segment_key(Layout(root))
+    layout = Layout(root)
+    nginx = subprocess.Popen(
+        [NGINX, "-p", str(layout.nginx_dir), "-c", str(layout.nginx_conf), "-e", str(layout.log("nginx-error"))],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while port_free(settings.port) and time.monotonic() < deadline and nginx.poll() is None:
+            time.sleep(0.05)
+        assert nginx.poll() is None, nginx.stderr.read() if nginx.stderr else ""
+        yield f"http://127.0.0.1:{settings.port}"
+    finally:
+        nginx.terminate()
+        nginx.wait(10)
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed")
+def test_behind_a_trusted_proxy_the_client_is_the_forwarded_address_over_real_http(state_dir):
+    session = requests.Session()
+    session.trust_env = False
+    with http_server(Echo) as instance:
+        trusted = Settings(port=free_port_block(1), trusted_proxies="127.0.0.1")
+        with running_nginx(state_dir, trusted, instance) as url:
+            # a request relayed by the proxy on this box: the client is the address it forwards
+            relayed = session.get(url + "/ping", headers={"X-Forwarded-For": "203.0.113.9"}, timeout=10).json()
+            assert relayed["path"] == "/ping/brief"  # not this box: the brief answer
+            assert relayed["real_ip"] == "203.0.113.9" and relayed["xff"] == "203.0.113.9, 127.0.0.1"
+            # a client that wrote an address itself, the proxy appending the real one: not believed
+            lied = {"X-Forwarded-For": "127.0.0.1, 203.0.113.9"}
+            assert session.get(url + "/ping", headers=lied, timeout=10).json()["real_ip"] == "203.0.113.9"
+            # a request from this box without a proxy: this box, with the details
+            local = session.get(url + "/ping", timeout=10).json()
+            assert local["path"] == "/ping" and local["real_ip"] == "127.0.0.1"
+        untrusted = Settings(port=free_port_block(1))
+        with running_nginx(state_dir, untrusted, instance) as url:
+            # no trusted proxies: a forwarded address is never the client
+            claimed = session.get(url + "/ping", headers={"X-Forwarded-For": "203.0.113.9"}, timeout=10).json()
+            assert claimed["path"] == "/ping" and claimed["real_ip"] == "127.0.0.1"

@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from cosyvoice_lb.common.checks import (
-    Check,
     above_zero,
     at_least,
     not_negative,
@@ -29,6 +28,9 @@ from cosyvoice_lb.common.checks import (
     tcp_port,
     voice_map,
 )
+from cosyvoice_lb.common.declaration import setting
+from cosyvoice_lb.common.networks import networks
+from cosyvoice_lb.common.schedule import SEPARATOR, schedule_check
 
 ENV_PREFIX = "COSYVOICE_LB_"
 
@@ -39,33 +41,6 @@ ENGINES = ("auto", "espeak", "cosyvoice3", "simulated")
 # shorter prompt gives a voice that is not the speaker's. The one figure for the prompt
 # rules (validation.prompt_span), the UI, and the check of --max-prompt-seconds.
 MIN_PROMPT_SECONDS = 3.0
-
-
-def setting(
-    default: Any,
-    help: str,
-    *,
-    type: Any = None,
-    is_flag: bool = False,
-    choices: tuple[str, ...] | None = None,
-    metavar: str | None = None,
-    check: Check | None = None,
-    instance: bool | str = False,
-) -> Any:
-    """One setting. ``check`` refuses values that cannot work; ``instance`` passes it to every
-    instance's command line (a string: only to instances of that engine)."""
-    return field(
-        default=default,
-        metadata={
-            "help": help,
-            "type": type,
-            "is_flag": is_flag,
-            "choices": choices,
-            "metavar": metavar,
-            "check": check,
-            "instance": instance,
-        },
-    )
 
 
 @dataclass(frozen=True)
@@ -151,6 +126,13 @@ class Settings:
     reserve: str = setting(
         "1GiB", "Memory kept free on every GPU (and in RAM on a CPU-only box).", metavar="SIZE", check=size
     )
+    host_memory_per_instance: str = setting(
+        "",
+        "Host RAM one instance takes (default: the engine's, 6GiB for cosyvoice3): `up` refuses a plan that, with 1GiB "
+        "for the rest, exceeds its container's memory limit (cgroup); `k8s render` sizes the pod by it.",
+        metavar="SIZE",
+        check=size,
+    )
     max_instances: int = setting(
         0,
         "Never plan more than this many instances, spares and surge slots included (0: no cap).",
@@ -171,6 +153,16 @@ class Settings:
     )
     idle_release: float = setting(
         600.0, "Elastic: seconds without requests before one instance is stopped.", type=float, check=above_zero
+    )
+    schedule: str = setting(
+        "",
+        "Scheduled capacity, CRON=N (repeatable; in the environment variable, entries separated by ';'): "
+        "from the most recent entry whose time has passed (5-field cron, the box's local time), at least N "
+        "instances serve, e.g. '0 9 * * 1-5=3' and '0 22 * * *=1'. Elastic pools only (--min-instances), "
+        "capped at the instances planned; with `k8s render`, N pods through a KEDA ScaledObject instead.",
+        metavar="CRON=N",
+        check=schedule_check,
+        separator=SEPARATOR,
     )
     spares: int = setting(
         0,
@@ -246,6 +238,13 @@ class Settings:
         metavar="SIZE",
         check=size,
     )
+    trusted_proxies: str = setting(
+        "",
+        "Proxies in front of nginx (addresses or CIDRs, e.g. 10.0.0.0/8,127.0.0.1) whose X-Forwarded-For names the "
+        "client: rate limits, login throttles and /ping's details then see the client, not the proxy (empty: none).",
+        metavar="CIDRS",
+        check=networks,
+    )
     state_dir: str = setting(".", "Where configs, logs, sockets and state live.", metavar="DIR")
     python: str = setting(sys.executable, "Python that runs the instances.", metavar="PATH")
     nginx: str = setting("nginx", "The nginx binary.", metavar="PATH")
@@ -314,7 +313,7 @@ class Settings:
     )
     outputs_max_size: str = setting(
         "2GiB",
-        "The outputs dir is kept under this size (oldest deleted first).",
+        "The outputs dir is kept under this size, oldest deleted first (on Kubernetes: the shared volume, all pods' dirs).",
         metavar="SIZE",
         check=size,
         instance=True,

@@ -6,29 +6,29 @@ The options come from the settings' declarations (``settings.py``), each with it
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shlex
 import shutil
 import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import click
 
 from cosyvoice_lb import __version__
-from cosyvoice_lb.common.settings import Settings, declarations, envvar, flag
+from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import SizeError
 from cosyvoice_lb.launcher import views
 from cosyvoice_lb.launcher.cluster import lifecycle
 from cosyvoice_lb.launcher.cluster.foreground import StopSignals, stay
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
+from cosyvoice_lb.launcher.cluster.log_relay import RelayThread
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, status
 from cosyvoice_lb.launcher.cluster.supervision import SupervisionError
 from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.k8s.command import k8s_group
+from cosyvoice_lb.launcher.options import CLUSTER_OPTIONS, PLAN_OPTIONS, fail, options, settings_from
 from cosyvoice_lb.launcher.plan import calibration, footprint
 from cosyvoice_lb.launcher.plan.planner import PlanError
 from cosyvoice_lb.launcher.render.cluster import RenderError
@@ -37,84 +37,6 @@ from cosyvoice_lb.launcher.render.credentials import access_of, open_warning
 from cosyvoice_lb.launcher.render.disk import render_only
 
 USER_ERRORS = (PlanError, SizeError, RenderError, ClusterError, SupervisionError)
-
-
-# The options `plan` takes; `up`, `render`, `calibrate` and `k8s render` take them all.
-PLAN_OPTIONS = (
-    "engine",
-    "model_dir",
-    "load_trt",
-    "load_vllm",
-    "fp16",
-    "instances",
-    "gpus",
-    "footprint",
-    "reserve",
-    "max_instances",
-    "min_instances",
-    "spares",
-    "surge",
-    "force",
-    "base_port",
-    "state_dir",
-)
-CLUSTER_OPTIONS = PLAN_OPTIONS + tuple(f.name for f in declarations() if f.name not in PLAN_OPTIONS)
-
-
-def absolute(settings: Settings) -> Settings:
-    """Paths made absolute now: supervisord runs everything from the state dir."""
-    paths: dict[str, Any] = {}
-    for name in (
-        "model_dir",
-        "cosyvoice_root",
-        "outputs_dir",
-        "voices_dir",
-        "api_token_file",
-        "ui_auth",
-        "admin_token_file",
-    ):
-        value = getattr(settings, name)
-        if value:
-            paths[name] = str(Path(value).expanduser().resolve())
-    return dataclasses.replace(settings, **paths)
-
-
-def options(*names: str) -> Callable:
-    """Click options for the named settings, from their declarations."""
-    by_name = {f.name: f for f in dataclasses.fields(Settings)}
-
-    def decorate(command: Callable) -> Callable:
-        for name in reversed(names):
-            f = by_name[name]
-            meta = f.metadata
-            kwargs: dict[str, Any] = {
-                "envvar": envvar(name),
-                "show_envvar": True,
-                "help": meta["help"],
-                "default": f.default,
-                "show_default": not meta["is_flag"] and name != "python",
-            }
-            if meta["is_flag"]:
-                kwargs["is_flag"] = True
-            elif meta["choices"]:
-                kwargs["type"] = click.Choice(meta["choices"])
-            elif meta["type"]:
-                kwargs["type"] = meta["type"]
-            if meta["metavar"]:
-                kwargs["metavar"] = meta["metavar"]
-            command = click.option(flag(name), name, **kwargs)(command)
-        return command
-
-    return decorate
-
-
-def fail(message: str, code: int = 2) -> None:
-    views.err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
-    sys.exit(code)
-
-
-def settings_from(kwargs: dict[str, Any]) -> Settings:
-    return absolute(Settings.from_mapping(kwargs))
 
 
 class Command(click.Group):
@@ -171,8 +93,9 @@ def render_command(**kwargs: Any) -> None:
     envvar="COSYVOICE_LB_FOREGROUND",
     show_envvar=True,
     help="Stay in the foreground once up (a container's main process): SIGTERM or SIGINT drains and stops "
-    "the cluster, then exit 0; exit 1 if supervisord goes away. The programs still log to the state dir's "
-    "logs/ ('cosyvoice-lb logs NAME' reads them).",
+    "the cluster, then exit 0; exit 1 if supervisord goes away. Every program's lines also go to stdout as "
+    "'[POD_NAME] NAME | LINE' (for kubectl logs); the files in the state dir's logs/ stay "
+    "('cosyvoice-lb logs NAME' reads them).",
 )
 def up_command(foreground: bool, **kwargs: Any) -> None:
     """Start the cluster and wait until every instance is ready (safe to run again)."""
@@ -182,9 +105,16 @@ def up_command(foreground: bool, **kwargs: Any) -> None:
         return
     layout = layout_for(settings)
     signals = StopSignals().install()
-    with signals.while_starting(layout):
-        start_cluster(settings, stop_on_failure=True)
-    stopped = stay(layout, settings, signals.event, say=click.echo)
+    relay = RelayThread(layout.logs).start()  # every program's lines on stdout, for the container's log
+    try:
+        with signals.while_starting(layout):
+            start_cluster(settings, stop_on_failure=True)
+        if signals.stopped_starting:
+            click.echo("stopped while starting, as asked: the instances drained and the cluster is down")
+            return
+        stopped = stay(layout, settings, signals.event, say=click.echo)
+    finally:
+        relay.stop()
     if stopped.code:
         fail(stopped.reason, code=stopped.code)
 
@@ -411,71 +341,7 @@ def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
     views.show_log(path, lines, follow)
 
 
-@main.group("k8s")
-def k8s_group() -> None:
-    """Kubernetes: a pod per GPU, each running the launcher (`up --foreground`)."""
-
-
-@k8s_group.command("render")
-@options(*CLUSTER_OPTIONS)
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Where the manifests go.")
-@click.option("--name", "k8s_name", default="cosyvoice-lb", show_default=True, help="The Deployment's name.")
-@click.option("--namespace", default="default", show_default=True)
-@click.option("--image", default="cosyvoice-lb:latest", show_default=True, help="The image (see Dockerfile).")
-@click.option("--replicas", default=2, show_default=True, type=click.IntRange(min=1), help="Pods at least.")
-@click.option("--max-replicas", default=8, show_default=True, type=click.IntRange(min=1), help="Pods at most (HPA).")
-@click.option("--gpu-memory", default="24GiB", show_default=True, help="One pod's GPU: instances are planned on it.")
-@click.option("--ingress-host", default="", help="The Ingress host (default: any).")
-@click.option("--storage-class", default="", help="For the ReadWriteMany volumes (default: the cluster's).")
-@click.option("--voices-size", default="10Gi", show_default=True)
-@click.option("--outputs-size", default="50Gi", show_default=True)
-@click.option(
-    "--target-queue",
-    default=1.0,
-    show_default=True,
-    type=click.FloatRange(min=0.1),
-    help="Requests waiting per pod the HPA aims at.",
-)
-@click.option("--model-volume", default="", help="A PVC with the CosyVoice model, mounted at --model-dir.")
-def k8s_render_command(
-    out_dir: str,
-    k8s_name: str,
-    namespace: str,
-    image: str,
-    replicas: int,
-    max_replicas: int,
-    gpu_memory: str,
-    ingress_host: str,
-    storage_class: str,
-    voices_size: str,
-    outputs_size: str,
-    target_queue: float,
-    model_volume: str,
-    **kwargs: Any,
-) -> None:
-    """Write the Kubernetes manifests (and the tokens' Secret, 0600) for the settings `up` takes."""
-    from cosyvoice_lb.launcher.k8s.manifests import Deployment, write_manifests
-
-    settings = Settings.from_mapping(kwargs)
-    if replicas > max_replicas:
-        fail(f"--replicas {replicas} is above --max-replicas {max_replicas}: raise --max-replicas")
-    deployment = Deployment(
-        name=k8s_name,
-        namespace=namespace,
-        image=image,
-        replicas=replicas,
-        max_replicas=max_replicas,
-        gpu_memory=gpu_memory,
-        host=ingress_host,
-        storage_class=storage_class,
-        voices_size=voices_size,
-        outputs_size=outputs_size,
-        target_queue=target_queue,
-        model_volume=model_volume,
-    )
-    for path in write_manifests(settings, deployment, out_dir):
-        click.echo(str(path))
-    click.echo(f"apply with: kubectl apply -f {shlex.quote(out_dir)}   (secret.yaml holds tokens: keep it private)")
+main.add_command(k8s_group)
 
 
 if __name__ == "__main__":

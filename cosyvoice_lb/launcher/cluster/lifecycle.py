@@ -40,7 +40,7 @@ from cosyvoice_lb.launcher.cluster.waits import (
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan.footprint import make_plan
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
-from cosyvoice_lb.launcher.plan.preflight import check_ports, check_tools
+from cosyvoice_lb.launcher.plan.preflight import check_memory_limit, check_ports, check_tools
 from cosyvoice_lb.launcher.render.credentials import generated_token
 from cosyvoice_lb.launcher.render.disk import recorded, render_to_disk
 from cosyvoice_lb.launcher.render.staging import prune, stage
@@ -80,6 +80,7 @@ def start(c: Cluster) -> ClusterStatus:
     settings, layout = c.settings, c.layout
     result, _ = make_plan(settings)
     check_ports(settings, result.slots, held=set())
+    check_memory_limit(settings, result.slots)
     forget_last_run(layout)
     result, layout, _ = render_to_disk(settings, planned=result)
     # The first ones serve (and wait as spares); the slots past them stay parked for surges.
@@ -152,6 +153,7 @@ def update_to(c: Cluster, previous: Recorded, say: Say) -> ClusterStatus:
     own = Slots.read(layout, c.supervisor, old_slots).running  # (parked slots hold no memory)
     result, _ = make_plan(settings, own=own)
     check_ports(settings, result.slots, held={old_settings.port, *(s.port for s in old_slots)})
+    check_memory_limit(settings, result.slots)
     result, layout, changed = render_to_disk(settings, own=own, planned=result, live=True)
     if changed:
         code_changed = any(layout.instance_lib in path.parents for path in changed)

@@ -108,7 +108,15 @@ def follow_load(
         return Followed(decided, short_of_room)
     if len(running) < desired:
         return _scale_out(
-            seen, decided, bounds, running, desired, room=room, layout=layout, start=start, warned=short_of_room
+            seen,
+            decided,
+            bounds.floor(now)[0],
+            running,
+            desired,
+            room=room,
+            layout=layout,
+            start=start,
+            warned=short_of_room,
         )
     return _scale_in(seen, decided, running, desired, short_of_room=short_of_room, now=now)
 
@@ -116,7 +124,7 @@ def follow_load(
 def _scale_out(
     seen: Seen,
     decided: Scale,
-    bounds: Bounds,
+    floor: int,
     running: list[Slot],
     desired: int,
     *,
@@ -127,7 +135,8 @@ def _scale_out(
 ) -> Followed:
     """Start parked slots (not those drained by hand) up to ``desired`` running, as many as
     have memory. The target follows what can run: a scale-out without memory is taken back
-    (and tried again after another busy period), warned about once until one starts."""
+    (and tried again after another busy period), warned about once until one starts; never
+    below ``floor`` (a scheduled floor stays wanted, and its slots start once memory frees)."""
     parked = tuple(
         s
         for s in seen.slots
@@ -148,7 +157,7 @@ def _scale_out(
             short,
             len(parked),
         )
-    return Followed(dataclasses.replace(decided, target=max(bounds.low, decided.target - short)), True)
+    return Followed(dataclasses.replace(decided, target=max(floor, decided.target - short)), True)
 
 
 def _scale_in(

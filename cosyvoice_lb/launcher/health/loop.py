@@ -49,7 +49,7 @@ from cosyvoice_lb.launcher.health.rules import (
     recycle_due,
     start_drain,
 )
-from cosyvoice_lb.launcher.health.scaling import Bounds, Scale
+from cosyvoice_lb.launcher.health.scaling import Bounds, Scale, schedule_notes
 from cosyvoice_lb.launcher.plan.footprint import room_to_start
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.render.cluster import overflow_of, render_upstreams
@@ -75,6 +75,8 @@ class HealthLoop:
         self.roles = pool or Roles(serving=len(slots))
         self.room: Room = room or (lambda running, parked: room_to_start(settings, running, parked))
         self.bounds = Bounds.of(self.roles, settings) if self.roles.elastic else None
+        for note in schedule_notes(settings, self.roles):  # (said once, at the start)
+            log.warning("%s", note)
         self.policy = Policy.from_settings(settings)
         self.timeouts = Timeouts(settings)
         self.supervisor, self.prober, self.host = supervisor, prober, host or Host()

@@ -3,13 +3,19 @@
 Pure: the loads of the instances in rotation and the clock go in; the next
 :class:`Scale` (the number wanted in rotation, and why it last changed) comes out. The
 health loop starts a parked slot or drains and stops one to follow it.
+
+The floor is --min-instances, raised by ``--schedule`` while a scheduled entry asks for more
+(:meth:`Bounds.floor`, on the loop's clock in the box's local time): below it the target
+goes up at once; above it the load decides as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from datetime import datetime
 
+from cosyvoice_lb.common.schedule import Entry, last_fired, parse_schedule
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.plan.planner import Roles
 
@@ -22,10 +28,29 @@ class Bounds:
     high: int  # the plan's serving count (--instances, or as many as fit)
     scale_up_after: float
     idle_release: float
+    schedule: tuple[Entry, ...] = ()  # --schedule
 
     @classmethod
     def of(cls, pool: Roles, settings: Settings) -> Bounds:
-        return cls(pool.min_serving, pool.serving, settings.scale_up_after, settings.idle_release)
+        return cls(
+            pool.min_serving,
+            pool.serving,
+            settings.scale_up_after,
+            settings.idle_release,
+            parse_schedule(settings.schedule),
+        )
+
+    def floor(self, now: float) -> tuple[int, str]:
+        """The floor at ``now`` (epoch seconds, read in local time) and why: the N of the
+        schedule's entry that fired last when it is above --min-instances, capped at the
+        plan's serving count; else --min-instances ("")."""
+        found = last_fired(self.schedule, datetime.fromtimestamp(now)) if self.schedule else None
+        if found is None or min(found[0].count, self.high) <= self.low:
+            return self.low, ""
+        entry, fired = found
+        floor = min(entry.count, self.high)
+        capped = f", capped at the {self.high} planned" if entry.count > self.high else ""
+        return floor, f"scheduled: at least {floor} since {fired:%a %H:%M} ('{entry.text}'{capped})"
 
 
 @dataclass(frozen=True)
@@ -86,12 +111,15 @@ def decide(scale: Scale, loads: list[Load], bounds: Bounds, now: float, hold: st
     loading or stopping) keeps the target and restarts both clocks."""
     if hold:
         return dataclasses.replace(scale, busy_since=None, idle_since=None)
+    floor, scheduled = bounds.floor(now)
     busy = bool(loads) and all(load.inflight > 0 and load.waiting > 0 for load in loads)
     # (none in rotation: drained by hand, or all out: nothing to judge the load by)
     idle = bool(loads) and all(load.inflight == 0 and load.waiting == 0 for load in loads)
     busy_since = (now if scale.busy_since is None else scale.busy_since) if busy else None
     idle_since = (now if scale.idle_since is None else scale.idle_since) if idle else None
     scale = dataclasses.replace(scale, busy_since=busy_since, idle_since=idle_since)
+    if scheduled and scale.target < floor:  # (below the schedule's floor: up at once)
+        return _decided(scale, floor, scheduled, now)
     if busy_since is not None and scale.target < bounds.high and now - busy_since >= bounds.scale_up_after:
         waiting = sum(load.waiting for load in loads)
         return _decided(
@@ -101,7 +129,7 @@ def decide(scale: Scale, loads: list[Load], bounds: Bounds, now: float, hold: st
             f"({waiting} waiting now; --scale-up-after {bounds.scale_up_after:g})",
             now,
         )
-    if idle_since is not None and scale.target > bounds.low and now - idle_since >= bounds.idle_release:
+    if idle_since is not None and scale.target > floor and now - idle_since >= bounds.idle_release:
         return _decided(
             scale,
             scale.target - 1,
@@ -109,6 +137,23 @@ def decide(scale: Scale, loads: list[Load], bounds: Bounds, now: float, hold: st
             now,
         )
     return scale
+
+
+def schedule_notes(settings: Settings, pool: Roles) -> list[str]:
+    """What the health log says once about --schedule: entries asking for more instances than
+    the plan has to serve (capped), or a pool that is not elastic (the schedule changes nothing)."""
+    entries = parse_schedule(settings.schedule)
+    if entries and not pool.elastic:
+        return [
+            f"--schedule changes nothing: every one of the {pool.serving} planned instance(s) serves "
+            "(a fixed pool; --min-instances below --instances makes it elastic)"
+        ]
+    return [
+        f"--schedule '{entry.text}' asks for {entry.count} instances, above the {pool.serving} planned to serve: "
+        f"capped at {pool.serving} (raise --instances or free memory for more)"
+        for entry in entries
+        if entry.count > pool.serving
+    ]
 
 
 def _decided(scale: Scale, target: int, reason: str, now: float) -> Scale:

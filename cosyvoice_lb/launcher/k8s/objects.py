@@ -2,6 +2,8 @@
 deployment's options (:class:`Deployment`), the cluster :class:`Settings` where the pod needs
 them, and the values :mod:`cosyvoice_lb.launcher.k8s.manifests` computes (instances per pod,
 the grace period, the tokens), and returns the object as the dict that is dumped to YAML.
+The Deployment and its pod are built in :mod:`cosyvoice_lb.launcher.k8s.pod`, the Ingresses
+in :mod:`cosyvoice_lb.launcher.k8s.ingress`; the objects they share are here.
 
 Key order is the order the YAML is written in.
 """
@@ -9,12 +11,8 @@ Key order is the order the YAML is written in.
 from __future__ import annotations
 
 import base64
-import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
-
-from cosyvoice_lb.common.settings import Settings, envvar
 
 PORT = 8080  # nginx in the pod
 STATE = "/var/lib/cosyvoice-lb"  # the pod's state dir (an emptyDir): configs, logs, sockets
@@ -37,6 +35,7 @@ OWN = (
     "gpus",
     "python",
     "nginx",
+    "schedule",  # (the pods' count follows it: KEDA's ScaledObject, k8s/scaling.py; a pod serves its plan)
 )
 
 
@@ -61,6 +60,20 @@ class Deployment:
     scrape_token: str = ""
     model_volume: str = ""  # a PVC holding the CosyVoice model (--model-dir is its path in the pod)
     labels: dict[str, str] = field(default_factory=dict)
+    # --monitor-label: on the ServiceMonitor and the PrometheusRule too (k8s/monitoring.py)
+    monitor_labels: tuple[tuple[str, str], ...] = ()
+    # TLS on the Ingresses, and the ingress controller's pods nginx takes client addresses from (k8s/ingress.py)
+    tls_secret: str = ""  # a kubernetes.io/tls Secret for --ingress-host ("" = plain HTTP)
+    pod_cidr: str = "10.0.0.0/8"  # the pod network: the pod's --trusted-proxies unless those are given
+    # The pod's size and place (k8s/sizing.py, k8s/scheduling.py)
+    cpu_per_instance: float = 0.0  # cores (0 = the engine's)
+    node_selector: tuple[tuple[str, str], ...] = ()
+    tolerations: tuple[dict[str, str], ...] = ()
+    anti_affinity: str = "preferred"  # one pod per host: preferred or required
+    image_pull_policy: str = "IfNotPresent"
+    # --schedule's KEDA ScaledObject (k8s/scaling.py): its cron windows' zone, and the Prometheus it asks
+    timezone: str = "UTC"
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
 
 
 def labels(deployment: Deployment) -> dict[str, str]:
@@ -89,33 +102,6 @@ def secret_name(deployment: Deployment) -> str:
 def claim_name(deployment: Deployment, which: str) -> str:
     """A shared volume's PersistentVolumeClaim (``voices`` or ``outputs``)."""
     return f"{deployment.name}-{which}"
-
-
-def startup_failures(settings: Settings) -> int:
-    """The startup probe's failureThreshold: --startup-timeout plus a minute for the launcher
-    and the warm-up, and never under the 5 minutes the seeds measured a load to take."""
-    return math.ceil(max(settings.startup_timeout + 60, 300) / PROBE_PERIOD)
-
-
-def pod_env(settings: Settings) -> list[dict[str, str]]:
-    """The settings that differ from the defaults, as the pod's COSYVOICE_LB_* variables."""
-    defaults = Settings()
-    env = [
-        {"name": envvar("state_dir"), "value": STATE},
-        {"name": envvar("public"), "value": "1"},
-        {"name": envvar("port"), "value": str(PORT)},
-        {"name": envvar("voices_dir"), "value": VOICES},
-        {"name": envvar("outputs_dir"), "value": f"{OUTPUTS}/$(POD_NAME)"},
-        {"name": envvar("api_token_file"), "value": f"{STATE}/api-tokens"},
-        {"name": envvar("admin_token_file"), "value": f"{STATE}/admin-tokens"},
-        {"name": envvar("python"), "value": "/opt/cosyvoice-lb/bin/python"},
-    ]
-    for f in dataclasses.fields(Settings):
-        value = getattr(settings, f.name)
-        if f.name in OWN or value == getattr(defaults, f.name):
-            continue
-        env.append({"name": envvar(f.name), "value": ("1" if value else "") if isinstance(value, bool) else str(value)})
-    return env
 
 
 def _b64(text: str) -> str:
@@ -148,123 +134,6 @@ def volume_claim(deployment: Deployment, which: str, size: str) -> dict[str, Any
     }
 
 
-def container_command() -> str:
-    """The container's shell command: make the state dirs, copy the tokens in, run the launcher.
-
-    The secrets arrive group-readable (fsGroup); the launcher wants its token files 0600 and
-    its own, so they are installed into the state dir rather than read where mounted."""
-    copy = " && ".join(
-        f"install -m 0600 {SECRETS}/{key} {STATE}/{target}"
-        for key, target in (
-            ("api-tokens", "api-tokens"),
-            ("admin-tokens", "admin-tokens"),
-            ("scrape-token", "monitoring/scrape-token"),
-        )
-    )
-    return f"mkdir -p {STATE}/monitoring {OUTPUTS}/$POD_NAME && {copy} && exec cosyvoice-lb up --foreground"
-
-
-def pod_container(settings: Settings, deployment: Deployment) -> dict[str, Any]:
-    """The pod's one container: the launcher (`up --foreground`) on one GPU, given the settings
-    as its environment, probed through nginx, and mounting the model only when --model-volume
-    and --model-dir are both given."""
-    probe = {"httpGet": {"path": "/ping", "port": "http"}, "periodSeconds": PROBE_PERIOD, "timeoutSeconds": 3}
-    return {
-        "name": "cosyvoice-lb",
-        "image": deployment.image,
-        "command": ["sh", "-c", container_command()],
-        "ports": [{"name": "http", "containerPort": PORT}],
-        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, *pod_env(settings)],
-        "resources": {
-            "requests": {"nvidia.com/gpu": 1, "cpu": "2", "memory": "8Gi"},
-            "limits": {"nvidia.com/gpu": 1, "memory": "24Gi"},
-        },
-        # Loading: --startup-timeout plus a minute, never under 5 minutes (the seeds measured ~240 s).
-        "startupProbe": {**probe, "failureThreshold": startup_failures(settings)},
-        # In the Service while at least one instance is ready (/ping is 503 when none is).
-        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 2},
-        # Alive while nginx answers at all: instances that restart inside are the launcher's job.
-        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": PROBE_PERIOD, "failureThreshold": 6},
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [
-            {"name": "state", "mountPath": STATE},
-            {"name": "tokens", "mountPath": SECRETS, "readOnly": True},
-            {"name": "voices", "mountPath": VOICES},
-            {"name": "outputs", "mountPath": OUTPUTS},
-            *(
-                [{"name": "model", "mountPath": settings.model_dir, "readOnly": True}]
-                if deployment.model_volume and settings.model_dir
-                else []
-            ),
-        ],
-    }
-
-
-def pod_volumes(deployment: Deployment) -> list[dict[str, Any]]:
-    """The pod's volumes: its own state dir, the tokens' Secret, the two shared claims, and
-    the model's claim (read-only) when --model-volume is given."""
-    return [
-        {"name": "state", "emptyDir": {}},
-        {"name": "tokens", "secret": {"secretName": secret_name(deployment), "defaultMode": 0o440}},
-        {"name": "voices", "persistentVolumeClaim": {"claimName": claim_name(deployment, "voices")}},
-        {"name": "outputs", "persistentVolumeClaim": {"claimName": claim_name(deployment, "outputs")}},
-        *(
-            [{"name": "model", "persistentVolumeClaim": {"claimName": deployment.model_volume, "readOnly": True}}]
-            if deployment.model_volume
-            else []
-        ),
-    ]
-
-
-def pod_spec(settings: Settings, deployment: Deployment, grace: int) -> dict[str, Any]:
-    """The pod template's spec: the non-root user, a preference for one pod per host, the
-    container and its volumes, and ``grace`` seconds to drain on SIGTERM."""
-    return {
-        "terminationGracePeriodSeconds": grace,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": USER_ID,
-            "runAsGroup": USER_ID,
-            "fsGroup": USER_ID,
-        },
-        "affinity": {
-            "podAntiAffinity": {
-                "preferredDuringSchedulingIgnoredDuringExecution": [
-                    {
-                        "weight": 100,
-                        "podAffinityTerm": {
-                            "topologyKey": "kubernetes.io/hostname",
-                            "labelSelector": {"matchLabels": selector(deployment)},
-                        },
-                    }
-                ]
-            }
-        },
-        "containers": [pod_container(settings, deployment)],
-        "volumes": pod_volumes(deployment),
-    }
-
-
-def deployment_object(settings: Settings, deployment: Deployment, grace: int) -> dict[str, Any]:
-    """The Deployment: --replicas pods of :func:`pod_spec`, rolled one extra pod at a time."""
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(deployment),
-        "spec": {
-            "replicas": deployment.replicas,
-            "selector": {"matchLabels": selector(deployment)},
-            # One pod more at a time, never one less: a model load takes minutes.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {
-                "metadata": {"labels": labels(deployment)},
-                "spec": pod_spec(settings, deployment, grace),
-            },
-        },
-    }
-
-
 def service(deployment: Deployment) -> dict[str, Any]:
     """The Service: port 80 to every ready pod's nginx."""
     return {
@@ -276,62 +145,6 @@ def service(deployment: Deployment) -> dict[str, Any]:
             "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
         },
     }
-
-
-def ingress_annotations(settings: Settings) -> dict[str, str]:
-    """The ingress-nginx annotations both Ingresses share: --max-body, and an hour to stream."""
-    return {
-        "nginx.ingress.kubernetes.io/proxy-body-size": settings.max_body.replace("iB", ""),
-        "nginx.ingress.kubernetes.io/proxy-read-timeout": "3600",
-        "nginx.ingress.kubernetes.io/proxy-send-timeout": "3600",
-    }
-
-
-def ingress(deployment: Deployment, which: str, path: str, annotations: dict[str, str]) -> dict[str, Any]:
-    """An ingress-nginx Ingress named ``<name>-<which>`` sending ``path`` to the Service, on
-    --ingress-host when one is given, else on every host."""
-    rule: dict[str, Any] = {
-        "http": {
-            "paths": [
-                {
-                    "path": path,
-                    "pathType": "Prefix",
-                    "backend": {"service": {"name": deployment.name, "port": {"name": "http"}}},
-                }
-            ]
-        }
-    }
-    if deployment.host:
-        rule["host"] = deployment.host
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "Ingress",
-        "metadata": _meta(deployment, f"{deployment.name}-{which}", annotations=annotations),
-        "spec": {"ingressClassName": "nginx", "rules": [rule]},
-    }
-
-
-def ui_ingress(settings: Settings, deployment: Deployment) -> dict[str, Any]:
-    """The UI's Ingress (``/``): Gradio's protocol takes several requests per call, so a
-    browser sticks to one pod by cookie."""
-    return ingress(
-        deployment,
-        "ui",
-        "/",
-        {
-            **ingress_annotations(settings),
-            "nginx.ingress.kubernetes.io/affinity": "cookie",
-            "nginx.ingress.kubernetes.io/session-cookie-name": "cvlb_pod",
-            "nginx.ingress.kubernetes.io/session-cookie-samesite": "Lax",
-        },
-    )
-
-
-def api_ingress(settings: Settings, deployment: Deployment) -> dict[str, Any]:
-    """The API's Ingress (``/v1``): balanced request by request (EWMA), no stickiness."""
-    return ingress(
-        deployment, "api", "/v1", {**ingress_annotations(settings), "nginx.ingress.kubernetes.io/load-balance": "ewma"}
-    )
 
 
 def autoscaler(deployment: Deployment) -> dict[str, Any]:
@@ -380,35 +193,9 @@ def disruption_budget(deployment: Deployment) -> dict[str, Any]:
     }
 
 
-def service_monitor(deployment: Deployment, per_pod: int) -> dict[str, Any]:
-    """The Prometheus Operator's ServiceMonitor: the pod's cluster metrics (``/metrics``) and
-    each of its ``per_pod`` instances' (relayed by the pod's nginx), with the scrape token."""
-    relays = ["/metrics"] + [f"/metrics/instance-{i}" for i in range(per_pod)]
-    return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "ServiceMonitor",
-        "metadata": _meta(deployment),
-        "spec": {
-            "selector": {"matchLabels": selector(deployment)},
-            "endpoints": [
-                {
-                    "port": "http",
-                    "path": path,
-                    "interval": "15s",
-                    "authorization": {
-                        "type": "Bearer",
-                        "credentials": {"name": secret_name(deployment), "key": "scrape-token"},
-                    },
-                }
-                for path in relays
-            ],
-        },
-    }
-
-
 def adapter_rules() -> dict[str, Any]:
-    """Prometheus Adapter's ``rules:`` value (not a Kubernetes object): the requests waiting
-    for an engine, summed per pod, as the ``cosyvoice_queue_depth`` the autoscaler reads."""
+    """Prometheus Adapter's config (its ``rules:``): the requests waiting for an engine, summed
+    per pod, as the ``cosyvoice_queue_depth`` the autoscaler reads (:func:`adapter_config`)."""
     return {
         "rules": [
             {
@@ -418,4 +205,20 @@ def adapter_rules() -> dict[str, Any]:
                 "metricsQuery": "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)",
             }
         ]
+    }
+
+
+def adapter_config_name(deployment: Deployment) -> str:
+    """The ConfigMap holding Prometheus Adapter's config (the chart's ``rules.existing``)."""
+    return f"{deployment.name}-prometheus-adapter"
+
+
+def adapter_config(deployment: Deployment, config: str) -> dict[str, Any]:
+    """Prometheus Adapter's config file (``config``: :func:`adapter_rules` as YAML) as a
+    ConfigMap, under the key ``config.yaml`` its chart mounts (``rules.existing``)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(deployment, adapter_config_name(deployment)),
+        "data": {"config.yaml": config},
     }

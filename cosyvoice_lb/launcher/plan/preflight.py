@@ -1,6 +1,6 @@
 """Checks before anything starts: the tools `up` needs, the instances' Python and its
-packages, the model dir, and the ports. Each refusal says what to install or change;
-nothing here starts or writes anything.
+packages, the model dir, the ports, and the memory limit the plan must fit in. Each refusal
+says what to install or change; nothing here starts or writes anything.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster import processes
 from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.plan.host_memory import CGROUP_ROOT, cgroup_memory_limit, limit_problem, per_instance
 from cosyvoice_lb.launcher.plan.planner import Slot
 
 
@@ -153,7 +154,7 @@ def check_instance_env(settings: Settings) -> dict:
         ) from None
     problem = env_problem(report, needs, settings.python)
     if problem:
-        raise ClusterError(f"{problem} (nothing was started)")
+        raise ClusterError(f"{problem} (nothing was started or changed)")
     return report
 
 
@@ -229,3 +230,11 @@ def check_ports(settings: Settings, slots: tuple[Slot, ...], held: set[int]) -> 
         why = processes.port_taken(host, port)
         if why:
             raise ClusterError(f"{what} port {port} on {host} is not free ({why}): {hint}")
+
+
+def check_memory_limit(settings: Settings, slots: tuple[Slot, ...], root: Path = CGROUP_ROOT) -> None:
+    """Refuse a plan whose instances (every planned slot: spares and surge slots run too) do not
+    fit in the memory limit of the cgroup `up` runs in (a container's, a pod's; none: no check)."""
+    problem = limit_problem(len(slots), per_instance(settings), cgroup_memory_limit(root))
+    if problem:
+        raise ClusterError(f"{problem} (nothing was started or changed)")

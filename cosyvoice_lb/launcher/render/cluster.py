@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass
 
 from cosyvoice_lb.common.instance_argv import instance_args
+from cosyvoice_lb.common.networks import parse_networks
 from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import parse_size
@@ -257,6 +258,7 @@ def render(
             [programs.launcher_python, "-m", "cosyvoice_lb.launcher.panel.server", "--state-dir", str(layout.root)]
         ),
         stub_status_allow=stub_status_allow(settings),
+        trusted_proxies=parse_networks(settings.trusted_proxies),  # (nginx takes the client's address from them)
         api_tries=api_tries(settings, len(plan.slots), overflow),
         overflow=overflow,
         nginx_command=shlex.join(nginx_command(programs, layout)),
