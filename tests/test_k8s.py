@@ -12,7 +12,7 @@ import stat
 
 import pytest
 import yaml
-from conftest import ROOT, cli
+from conftest import ROOT, cli, cli_here
 
 from cosyvoice_lb.common.settings import ENV_PREFIX, Settings, envvar
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus
@@ -364,9 +364,11 @@ def test_tls_without_a_host_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ClusterError, match="--tls-secret tts-tls needs --ingress-host"):
         write_manifests(V3, Deployment(tls_secret="tts-tls"), str(tmp_path / "k"))
     assert not (tmp_path / "k").exists()  # nothing written
-    done = cli("k8s", "render", "--out", str(tmp_path / "m"), "--tls-secret", "tts-tls")
+    done = cli_here("k8s", "render", "--out", str(tmp_path / "m"), "--tls-secret", "tts-tls")
     assert done.returncode == 2 and "--tls-secret tts-tls needs --ingress-host" in done.stderr
-    done = cli("k8s", "render", "--out", str(tmp_path / "m"), "--tls-secret", "tts-tls", "--ingress-host", "a.example")
+    done = cli_here(
+        "k8s", "render", "--out", str(tmp_path / "m"), "--tls-secret", "tts-tls", "--ingress-host", "a.example"
+    )
     assert done.returncode == 0, done.stderr
     assert "secretName: tts-tls" in (tmp_path / "m" / "ingress.yaml").read_text()
 
@@ -383,7 +385,7 @@ def test_the_pods_nginx_trusts_the_pod_network_for_client_addresses_unless_told_
     assert envvar("trusted_proxies") not in pod_env_of(V3, Deployment(pod_cidr=""))  # none: '' says so
     with pytest.raises(ClusterError, match=r"--pod-cidr: '10\.0\.0\.0/33' is not an address or a network"):
         write_manifests(V3, Deployment(pod_cidr="10.0.0.0/33"), str(tmp_path / "k"))
-    done = cli("k8s", "render", "--out", str(tmp_path / "m"), "--trusted-proxies", "10.0.0.0/8,proxy.example")
+    done = cli_here("k8s", "render", "--out", str(tmp_path / "m"), "--trusted-proxies", "10.0.0.0/8,proxy.example")
     assert done.returncode == 2 and "--trusted-proxies: 'proxy.example' is not an address" in done.stderr
 
 
@@ -460,7 +462,7 @@ def test_node_selectors_are_labels_given_once():
 
 def test_the_command_takes_the_scheduling_flags_and_refuses_malformed_ones(tmp_path):
     out = tmp_path / "m"
-    done = cli(
+    done = cli_here(
         "k8s",
         "render",
         "--out",
@@ -486,8 +488,8 @@ def test_the_command_takes_the_scheduling_flags_and_refuses_malformed_ones(tmp_p
     assert "requiredDuringSchedulingIgnoredDuringExecution" in pod["affinity"]["podAntiAffinity"]
     limits = pod["containers"][0]["resources"]["limits"]
     assert pod["containers"][0]["imagePullPolicy"] == "Never" and limits["cpu"] == "6500m" and limits["memory"] == "5Gi"
-    bad = cli("k8s", "render", "--out", str(tmp_path / "n"), "--toleration", "gpu:Sometimes")
+    bad = cli_here("k8s", "render", "--out", str(tmp_path / "n"), "--toleration", "gpu:Sometimes")
     assert bad.returncode == 2 and "--toleration 'gpu:Sometimes'" in bad.stderr and "KEY[=VALUE][:EFFECT]" in bad.stderr
-    bad = cli("k8s", "render", "--out", str(tmp_path / "n"), "--node-selector", "gpu")
+    bad = cli_here("k8s", "render", "--out", str(tmp_path / "n"), "--node-selector", "gpu")
     assert bad.returncode == 2 and "--node-selector 'gpu' has no '='" in bad.stderr
     assert not (tmp_path / "n").exists()

@@ -17,7 +17,7 @@ import subprocess
 import pytest
 import test_monitoring
 import yaml
-from conftest import cli
+from conftest import cli_here
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.errors import ClusterError
@@ -229,7 +229,7 @@ def test_label_problem_is_empty_for_a_good_label():
 
 
 def test_the_command_labels_the_objects_and_refuses_a_bad_label(tmp_path):
-    done = cli(
+    done = cli_here(
         "k8s", "render", "--out", str(tmp_path / "m"), "--instances", "2",
         "--monitor-label", "team=audio", "--monitor-label", "prometheus=main",
     )  # fmt: skip
@@ -237,11 +237,11 @@ def test_the_command_labels_the_objects_and_refuses_a_bad_label(tmp_path):
     for name in ("servicemonitor.yaml", "prometheusrule.yaml"):
         labels = yaml.safe_load((tmp_path / "m" / name).read_text())["metadata"]["labels"]
         assert labels["team"] == "audio" and labels["prometheus"] == "main", name
-    bad = cli("k8s", "render", "--out", str(tmp_path / "n"), "--monitor-label", "team")
+    bad = cli_here("k8s", "render", "--out", str(tmp_path / "n"), "--monitor-label", "team")
     assert bad.returncode == 2 and "--monitor-label 'team' has no '='" in bad.stderr
     assert "e.g. --monitor-label team=audio" in bad.stderr
     assert not (tmp_path / "n").exists()  # refused before anything is written
-    bad = cli("k8s", "render", "--out", str(tmp_path / "o"), "--monitor-label", "Team/x=y")
+    bad = cli_here("k8s", "render", "--out", str(tmp_path / "o"), "--monitor-label", "Team/x=y")
     assert bad.returncode == 2 and "not a DNS subdomain" in bad.stderr
 
 

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 
 import pytest
 import yaml
-from conftest import cli
+from conftest import cli_here
 from test_k8s import V3, container, documents, validate
 
 from cosyvoice_lb.common.schedule import parse_cron, parse_schedule, scheduled_floor
@@ -99,7 +99,8 @@ def test_keda_s_cron_windows_give_the_box_s_floor_all_week(schedule):
     triggers = cron_triggers(entries, "UTC")
     minutes = [SUNDAY + timedelta(minutes=m) for m in range(3 * 7 * 24 * 60)]  # three weeks of firings
     crons = {t["metadata"][key] for t in triggers for key in ("start", "end")}
-    firings = {text: [t for t in minutes if parse_cron(text).matches(t)] for text in crons}
+    parsed = {text: parse_cron(text) for text in crons}
+    firings = {text: [t for t in minutes if parsed[text].matches(t)] for text in crons}
     week = SUNDAY + timedelta(days=7)  # (a week whose floor has a week of history behind it)
     for minute in range(0, 7 * 24 * 60, 5):
         now = week + timedelta(minutes=minute, seconds=30)
@@ -119,7 +120,7 @@ def test_a_schedule_keda_cannot_hold_is_refused_saying_why(tmp_path):
 
 def test_the_command_takes_the_schedule_and_swaps_the_autoscaler_file(tmp_path):
     out = tmp_path / "m"
-    done = cli(
+    done = cli_here(
         "k8s",
         "render",
         "--out",
@@ -141,12 +142,12 @@ def test_the_command_takes_the_schedule_and_swaps_the_autoscaler_file(tmp_path):
     triggers = found["spec"]["triggers"]
     assert {t["metadata"].get("timezone") for t in triggers if t["type"] == "cron"} == {"Europe/Berlin"}
     assert triggers[2]["metadata"]["serverAddress"] == "http://prometheus.monitoring:9090"
-    again = cli("k8s", "render", "--out", str(out), "--instances", "1")  # without: the HPA, and no stale KEDA file
+    again = cli_here("k8s", "render", "--out", str(out), "--instances", "1")  # without: the HPA, and no stale KEDA file
     assert again.returncode == 0, again.stderr
     assert (out / "hpa.yaml").exists() and not (out / "scaledobject.yaml").exists()
-    bad = cli("k8s", "render", "--out", str(tmp_path / "n"), "--schedule", "0 9 * * MON=3")
+    bad = cli_here("k8s", "render", "--out", str(tmp_path / "n"), "--schedule", "0 9 * * MON=3")
     assert bad.returncode != 0 and "day of week 'MON' is not understood" in bad.stderr
-    env = cli("k8s", "render", "--out", str(tmp_path / "e"), "--instances", "1", env=with_schedule_env(WORKDAY))
+    env = cli_here("k8s", "render", "--out", str(tmp_path / "e"), "--instances", "1", env=with_schedule_env(WORKDAY))
     assert env.returncode == 0, env.stderr
     assert len(yaml.safe_load((tmp_path / "e" / "scaledobject.yaml").read_text())["spec"]["triggers"]) == 4
 
