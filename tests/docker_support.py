@@ -15,6 +15,7 @@ that need one skip and say why; with ``CVLB_REQUIRE_BROWSER`` set (CI) they fail
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import shutil
@@ -70,14 +71,19 @@ def cache_dir() -> Path:
 
 
 def base_image() -> str:
-    """BASE_IMAGE in the engine: there already, imported from the cached tarball, or made."""
-    if docker("image", "inspect", BASE_IMAGE, check=False).returncode == 0:
-        return BASE_IMAGE
-    tarball = cache_dir() / BASE_TARBALL
-    if not tarball.is_file():
-        make_base_tarball(tarball)
-    with open(tarball, "rb") as stream:
-        docker("import", "-", BASE_IMAGE, stdin=stream, timeout=600)
+    """BASE_IMAGE in the engine: there already, imported from the cached tarball, or made.
+    One process at a time (a lock in the cache dir): CI makes it ahead, in the background
+    (``python tests/docker_support.py``), and a test that needs it meanwhile waits."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / "base.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if docker("image", "inspect", BASE_IMAGE, check=False).returncode == 0:
+            return BASE_IMAGE
+        tarball = cache_dir() / BASE_TARBALL
+        if not tarball.is_file():
+            make_base_tarball(tarball)
+        with open(tarball, "rb") as stream:
+            docker("import", "-", BASE_IMAGE, stdin=stream, timeout=600)
     return BASE_IMAGE
 
 
@@ -133,3 +139,7 @@ def build(tag: str, build_args: dict[str, str], extra: dict[str, Path | bytes]) 
 
 def image_size(tag: str) -> int:
     return int(docker("image", "inspect", "--format", "{{.Size}}", tag).stdout.strip())
+
+
+if __name__ == "__main__":  # .ci/run: the base image made while the linters run
+    print(f"{base_image()} is ready")
