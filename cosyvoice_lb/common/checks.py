@@ -92,12 +92,21 @@ def prompt_seconds(least: float) -> Check:
     return check
 
 
+def parsed_by(parse: Callable[[Any], object], joiner: str = ": ") -> Callable[[str, Any], str]:
+    """The check of a setting whose value ``parse`` reads: the ValueError it raises, after the flag."""
+
+    def check(flag: str, value: Any) -> str:
+        try:
+            parse(value)
+        except ValueError as exc:
+            return f"{flag}{joiner}{exc}"
+        return ""
+
+    return check
+
+
 def voice_map(flag: str, value: Any) -> str:
-    try:
-        parse_voice_map(value)
-    except ValueError as exc:
-        return f"{flag}: {exc}"
-    return ""
+    return parsed_by(parse_voice_map)(flag, value)
 
 
 def parse_voice_map(value: str) -> dict[str, str]:

@@ -5,7 +5,8 @@ or a network in CIDR form. Standard library only: the settings' check lives here
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
+
+from cosyvoice_lb.common.checks import parsed_by
 
 EXAMPLE = "10.0.0.0/8 or 192.168.1.7"
 
@@ -24,10 +25,5 @@ def parse_networks(value: str) -> list[str]:
     return found
 
 
-def networks(flag: str, value: Any) -> str:
-    """The settings' check: what is wrong with a comma-separated list of networks ("" when nothing)."""
-    try:
-        parse_networks(value)
-    except ValueError as exc:
-        return f"{flag}: {exc}"
-    return ""
+# The settings' check: what is wrong with a comma-separated list of networks ("" when nothing).
+networks = parsed_by(parse_networks)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from cosyvoice_lb.common.checks import parsed_by
+
 SEPARATOR = ";"  # between entries in one value (COSYVOICE_LB_SCHEDULE, cluster.json)
 LOOK_BACK_DAYS = 8  # an entry that fired longer ago than this sets no floor
 SYNTAX = "numbers, *, ranges a-b, lists a,b, steps */n and a-b/n"
@@ -163,13 +165,8 @@ def parse_schedule(value: str) -> tuple[Entry, ...]:
     return tuple(parse_entry(part) for part in value.split(SEPARATOR) if part.strip())
 
 
-def schedule_check(flag: str, value: str) -> str:
-    """The setting's check: what is wrong with the first bad entry ("" when none is)."""
-    try:
-        parse_schedule(value)
-    except ScheduleError as exc:
-        return f"{flag} {exc}"
-    return ""
+# The setting's check: what is wrong with the first bad entry ("" when none is).
+schedule_check = parsed_by(parse_schedule, joiner=" ")
 
 
 def last_fired(entries: tuple[Entry, ...] | list[Entry], now: datetime) -> tuple[Entry, datetime] | None:
