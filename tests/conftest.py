@@ -200,3 +200,48 @@ def pytest_unconfigure(config):
     import gc
 
     gc.freeze()
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+@contextmanager
+def real_prometheus(config: Path, data: Path) -> Iterator[str]:
+    """Debian's Prometheus on loopback with ``config``, its TSDB and log (prometheus.log) in
+    ``data``; yields its API's base URL once it says it is ready, and stops it after. A skip
+    that says why without the binary (a failure with CVLB_REQUIRE_BROWSER, as in CI)."""
+    if PROMETHEUS is None:
+        if os.environ.get("CVLB_REQUIRE_BROWSER"):
+            raise RuntimeError("prometheus is required here: apt-get install prometheus (./run.sh test does)")
+        pytest.skip("prometheus is not installed (./run.sh test installs Debian's prometheus package)")
+    port = free_port_block(1)
+    log = data / "prometheus.log"
+    with open(log, "w") as err:
+        process = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={config}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                f"--storage.tsdb.path={data / 'data'}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    api = f"http://127.0.0.1:{port}/api/v1"
+
+    def ready() -> bool:
+        try:
+            return requests.get(f"http://127.0.0.1:{port}/-/ready", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    try:
+        assert wait_for(ready, 30, 0.2), log.read_text()[-3000:]
+        yield api
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)

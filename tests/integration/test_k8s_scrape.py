@@ -15,10 +15,7 @@ test fails when the ServiceMonitor loses them.
 from __future__ import annotations
 
 import base64
-import os
 import re
-import shutil
-import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-from conftest import free_port_block, wait_for
+from conftest import real_prometheus, wait_for
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.instance.metrics import Metrics
@@ -34,7 +31,6 @@ from cosyvoice_lb.launcher.k8s.manifests import Deployment, instances_per_pod, m
 from cosyvoice_lb.launcher.k8s.monitoring import INSTANCE_LABEL
 
 pytestmark = pytest.mark.integration
-PROMETHEUS = shutil.which("prometheus")
 SETTINGS = Settings(instances="2")
 DEPLOYMENT = Deployment(name="tts", namespace="audio", scrape_token="scrape-" + "s" * 32)
 PODS = ("tts-a", "tts-b")
@@ -147,10 +143,6 @@ class Pod:
 @pytest.fixture
 def scraped(tmp_path: Path):
     """A real Prometheus scraping two pods with the jobs of the rendered ServiceMonitor."""
-    if PROMETHEUS is None:
-        if os.environ.get("CVLB_REQUIRE_BROWSER"):
-            raise RuntimeError("prometheus is required here: apt-get install prometheus (./run.sh test does)")
-        pytest.skip("prometheus is not installed (./run.sh test installs Debian's prometheus package)")
     files = manifests(SETTINGS, DEPLOYMENT)
     per_pod = instances_per_pod(SETTINGS, DEPLOYMENT)
     assert per_pod == 2
@@ -159,39 +151,12 @@ def scraped(tmp_path: Path):
     config = tmp_path / "prometheus.yml"
     jobs = operator_scrape_configs(files, {name: pod.address for name, pod in pods.items()})
     config.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": jobs}, sort_keys=False))
-    port = free_port_block(1)
-    log = tmp_path / "prometheus.log"
-    with open(log, "w") as err:
-        process = subprocess.Popen(
-            [
-                PROMETHEUS,
-                f"--config.file={config}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                f"--storage.tsdb.path={tmp_path / 'data'}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-    api = f"http://127.0.0.1:{port}/api/v1"
     try:
-        assert wait_for(lambda: ready(api), 30, 0.2), log.read_text()[-3000:]
-        yield {"api": api, "pods": pods, "per_pod": per_pod, "log": log}
+        with real_prometheus(config, tmp_path) as api:
+            yield {"api": api, "pods": pods, "per_pod": per_pod, "log": tmp_path / "prometheus.log"}
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
         for pod in pods.values():
             pod.close()
-
-
-def ready(api: str) -> bool:
-    try:
-        return requests.get(api.replace("/api/v1", "/-/ready"), timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def active_targets(api: str) -> list[dict]:

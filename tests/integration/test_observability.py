@@ -13,24 +13,21 @@ directly and through nginx, and by a real Prometheus running the config `up` wro
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import requests
-from conftest import cli, free_port_block, instance_samples, unexpected_tracebacks, wait_for
+from conftest import cli, free_port_block, instance_samples, real_prometheus, unexpected_tracebacks, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from cosyvoice_lb.instance.metrics import OUTCOMES, ROUTES
 from cosyvoice_lb.launcher.render.grafana import dashboard_exprs
 
 pytestmark = pytest.mark.integration
-PROMETHEUS = shutil.which("prometheus")
 LONG = "".join(f"This is sentence number {i} of a long text that the cluster splits. " for i in range(6))
 
 
@@ -240,38 +237,11 @@ def test_drain_and_undrain_by_hand(cluster):
 def prometheus(cluster, tmp_path):
     """A real Prometheus (Debian's) on loopback, on the config `up` wrote; only the scrape
     and evaluation intervals shortened from 15 s, so the test waits seconds, not minutes."""
-    if PROMETHEUS is None:
-        if os.environ.get("CVLB_REQUIRE_BROWSER"):
-            raise RuntimeError("prometheus is required here: apt-get install prometheus (./run.sh test does)")
-        pytest.skip("prometheus is not installed (./run.sh test installs it)")
     monitoring = cluster["state"] / "monitoring"
     config = tmp_path / "prometheus.yml"
     config.write_text((monitoring / "prometheus.yml").read_text().replace("_interval: 15s", "_interval: 1s"))
-    port = free_port_block(1)
-    process = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={config}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "prometheus.log", "w"),
-    )
-    api = f"http://127.0.0.1:{port}/api/v1"
-    try:
-        assert wait_for(lambda: ready(api), 30, 0.2), (tmp_path / "prometheus.log").read_text()[-3000:]
+    with real_prometheus(config, tmp_path) as api:
         yield api
-    finally:
-        process.terminate()
-        process.wait(30)
-
-
-def ready(api: str) -> bool:
-    try:
-        return requests.get(api.replace("/api/v1", "/-/ready"), timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def targets(api: str) -> dict[str, str]:
