@@ -38,6 +38,21 @@ def at_least(least: int) -> Check:
     return check
 
 
+def fraction(flag: str, value: Any) -> str:
+    """0 (left to the planner) or a share strictly between 0 and 1."""
+    if finite(flag, value):
+        return finite(flag, value)
+    return "" if value == 0 or 0 < value < 1 else f"{flag} must be above 0 and below 1 (or 0: planned), got {value}"
+
+
+def concurrency(flag: str, value: Any) -> str:
+    """``auto`` or a whole number of at least 1."""
+    text = str(value).strip()
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return ""
+    return f"{flag} must be auto or a whole number of at least 1, got {value!r}"
+
+
 def tcp_port(flag: str, value: Any) -> str:
     return "" if 1 <= value <= 65535 else f"{flag} {value} is not a TCP port (1-65535)"
 

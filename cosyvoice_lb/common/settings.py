@@ -19,6 +19,7 @@ from typing import Any
 from cosyvoice_lb.common.checks import (
     above_zero,
     at_least,
+    concurrency,
     not_negative,
     percentage,
     private_file,
@@ -29,13 +30,11 @@ from cosyvoice_lb.common.checks import (
     voice_map,
 )
 from cosyvoice_lb.common.declaration import setting
+from cosyvoice_lb.common.engine_settings import EngineSettings
 from cosyvoice_lb.common.networks import networks
 from cosyvoice_lb.common.schedule import SEPARATOR, schedule_check
 
 ENV_PREFIX = "COSYVOICE_LB_"
-
-ENGINES = ("auto", "espeak", "cosyvoice3", "simulated")
-
 
 # CosyVoice3 is made to clone from 3 s of speech; upstream checks no lower bound, and a
 # shorter prompt gives a voice that is not the speaker's. The one figure for the prompt
@@ -44,68 +43,9 @@ MIN_PROMPT_SECONDS = 3.0
 
 
 @dataclass(frozen=True)
-class Settings:
-    """The whole configuration of one cluster."""
+class Settings(EngineSettings):
+    """The whole configuration of one cluster (the engine's share first: ``engine_settings``)."""
 
-    engine: str = setting(
-        "auto",
-        "Speech engine of every instance: cosyvoice3 (with --model-dir; v2 and v1 model "
-        "dirs work too), espeak (embedded, no weights); auto picks cosyvoice3 when "
-        "--model-dir is given. simulated is a load model for benchmarks, not speech "
-        "(silence after a wait proportional to the text).",
-        choices=ENGINES,
-        instance=True,
-    )
-    model_dir: str = setting(
-        "",
-        "CosyVoice model dir (local, holding cosyvoice3.yaml, cosyvoice2.yaml or cosyvoice.yaml).",
-        metavar="DIR",
-        instance="cosyvoice3",
-    )
-    cosyvoice_root: str = setting(
-        "",
-        "Upstream CosyVoice checkout (holds cosyvoice/ and third_party/Matcha-TTS); "
-        "not needed when --python's env imports cosyvoice already.",
-        metavar="DIR",
-        instance="cosyvoice3",
-    )
-    load_trt: bool = setting(
-        False, "CosyVoice: TensorRT flow decoder (more GPU memory per instance).", is_flag=True, instance="cosyvoice3"
-    )
-    load_vllm: bool = setting(
-        False,
-        "CosyVoice2/3: vLLM for the LLM (reserves 0.2 x the card per instance).",
-        is_flag=True,
-        instance="cosyvoice3",
-    )
-    fp16: bool = setting(False, "CosyVoice: half precision.", is_flag=True, instance="cosyvoice3")
-    simulated_ms_per_char: float = setting(
-        4.0,
-        "--engine simulated: milliseconds of service time per character of text.",
-        type=float,
-        check=not_negative,
-        instance="simulated",
-    )
-    simulated_base_ms: float = setting(
-        0.0,
-        "--engine simulated: milliseconds of service time per request.",
-        type=float,
-        check=not_negative,
-        instance="simulated",
-    )
-    simulated_load_seconds: float = setting(
-        0.0,
-        "--engine simulated: seconds its model load takes (CosyVoice3 takes minutes), for roll-out benchmarks.",
-        type=float,
-        check=not_negative,
-        instance="simulated",
-    )
-    simulated_faults: bool = setting(
-        False,
-        "--engine simulated: a text holding CRASH-NOW kills the instance, HANG-NOW hangs it (chaos runs).",
-        is_flag=True,
-        instance="simulated",
-    )
     instances: str = setting(
         "auto",
         "How many instances serve: a number, or 'auto' for as many as fit (less --spares); "
@@ -288,12 +228,29 @@ class Settings:
         instance=True,
     )
     max_upload: str = setting("10MiB", "Largest prompt audio upload.", metavar="SIZE", check=size, instance=True)
-    instance_concurrency: int = setting(
-        1,
-        "Syntheses one instance runs at once (upstream's streaming shares "
-        "state between requests: scale with instances instead).",
-        type=int,
-        check=at_least(1),
+    instance_concurrency: str = setting(
+        "auto",
+        "Syntheses one instance runs at once in one model: N, or auto, the planner's pick for the "
+        "engine and its flags (docs/planning.md: e.g. more with --load-vllm, whose batching "
+        "needs several at once; 1 without a GPU). Admission and routing by work count its slots.",
+        metavar="N",
+        check=concurrency,
+        instance=True,
+    )
+    canary_interval: float = setting(
+        300.0,
+        "Seconds between canary syntheses of an idle instance: a standard text whose audio is "
+        "checked like every answer's; bad audio takes the instance out of rotation and the "
+        "health loop restarts it. Never while the instance is busy; 0: off.",
+        type=float,
+        check=not_negative,
+        instance=True,
+    )
+    no_ui: bool = setting(
+        False,
+        "Instances serve the API only, without the Gradio UI: less memory per instance, and "
+        "they run in a Python without gradio (e.g. a GPU box with torch alone).",
+        is_flag=True,
         instance=True,
     )
     max_queue: int = setting(

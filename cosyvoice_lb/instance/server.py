@@ -38,6 +38,7 @@ from starlette.routing import Match
 import cosyvoice_lb
 from cosyvoice_lb import __version__
 from cosyvoice_lb.common.checks import parse_voice_map
+from cosyvoice_lb.common.concurrency import concurrency
 from cosyvoice_lb.common.error_body import error_body, error_headers
 from cosyvoice_lb.common.instance_argv import parse_instance_args
 from cosyvoice_lb.common.settings import Settings
@@ -369,7 +370,11 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
                 os.unlink(os.path.join(scratch, stale))
             except FileNotFoundError:
                 pass
-    admission = Admission(settings.instance_concurrency, settings.max_queue)
+    # (the launcher passes a number; ``auto`` here: an instance started by hand, pinned to a
+    # GPU when CUDA_VISIBLE_DEVICES names one)
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() not in ("", "-1")
+    slots = concurrency(settings.instance_concurrency, settings.resolved_engine, settings.load_vllm, gpu)
+    admission = Admission(slots, settings.max_queue)
     ledger = Ledger(ledger_dir) if ledger_dir else None
     registry = Registry(settings.voices_dir) if settings.voices_dir else None
     metrics = Metrics(engine.name, __version__)
