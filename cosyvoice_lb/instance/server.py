@@ -73,6 +73,7 @@ from cosyvoice_lb.instance.speech.validation import (
     safe,
 )
 from cosyvoice_lb.instance.speech.voices import Registry
+from cosyvoice_lb.instance.ui.absent import add_no_ui_routes
 from cosyvoice_lb.instance.ui.errors import UIErrors
 
 log = logging.getLogger("cosyvoice_lb.instance")
@@ -165,10 +166,12 @@ def build_app(
     policy: PolicyFile | None = None,
     fanout: FanOut | None = None,
     voice_map: dict[str, str] | None = None,
+    ui: bool = True,
 ) -> Any:
     """The FastAPI app: ``/ping``, ``/v1/tts``, the OpenAI-compatible routes
-    (``openai_api``) and the Gradio UI at ``/``; with a ``policy``, all but ``/ping``
-    behind the gate (``gate.py``). ``fanout``: where long texts' segments go."""
+    (``openai_api``) and the Gradio UI at ``/`` (``ui=False``, --no-ui: no Gradio imported,
+    ``/`` a 404 that names the API); with a ``policy``, all but ``/ping`` behind the gate
+    (``gate.py``). ``fanout``: where long texts' segments go."""
     engine, admission = pipeline.engine, pipeline.admission
     started = time.time() if started is None else started
     app = FastAPI(title="cosyvoice-lb instance", docs_url=None, redoc_url=None)
@@ -301,10 +304,13 @@ def build_app(
             "and /v1/audio/voices",
         )
 
-    from cosyvoice_lb.instance.ui.app import mount_ui
+    if ui:
+        from cosyvoice_lb.instance.ui.app import mount_ui
 
-    app = mount_ui(app, pipeline, port, fanout)
-    app.add_middleware(UIErrors)  # (Gradio's refusals in the one shape)
+        app = mount_ui(app, pipeline, port, fanout)
+        app.add_middleware(UIErrors)  # (Gradio's refusals in the one shape)
+    else:
+        add_no_ui_routes(app)
     app.add_middleware(RequestMetrics, metrics=pipeline.metrics, segment_header=SEGMENT_HEADER)
     if policy is not None:
         app.add_middleware(Gate, policy=policy)
@@ -353,7 +359,11 @@ def draining_server(
 
 def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipeline:
     """The instance's pipeline for its settings (as parsed from its command line)."""
-    engine = create_engine(settings.resolved_engine, **asdict(settings))
+    # (the launcher passes a number; ``auto`` here: an instance started by hand, pinned to a
+    # GPU when CUDA_VISIBLE_DEVICES names one)
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() not in ("", "-1")
+    slots = concurrency(settings.instance_concurrency, settings.resolved_engine, settings.load_vllm, gpu)
+    engine = create_engine(settings.resolved_engine, **{**asdict(settings), "concurrency": slots})
     limits = Limits(
         max_chars=settings.max_chars,
         max_long_chars=settings.max_long_chars,
@@ -370,10 +380,6 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
                 os.unlink(os.path.join(scratch, stale))
             except FileNotFoundError:
                 pass
-    # (the launcher passes a number; ``auto`` here: an instance started by hand, pinned to a
-    # GPU when CUDA_VISIBLE_DEVICES names one)
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() not in ("", "-1")
-    slots = concurrency(settings.instance_concurrency, settings.resolved_engine, settings.load_vllm, gpu)
     admission = Admission(slots, settings.max_queue)
     ledger = Ledger(ledger_dir) if ledger_dir else None
     registry = Registry(settings.voices_dir) if settings.voices_dir else None
@@ -430,7 +436,15 @@ def main(argv: list[str] | None = None) -> None:
         )
         admission.on_change = pipeline.router.publish
     voice_map = parse_voice_map(settings.openai_voices)
-    app = build_app(pipeline, settings.resolved_engine, args.port, policy=policy, fanout=fanout, voice_map=voice_map)
+    app = build_app(
+        pipeline,
+        settings.resolved_engine,
+        args.port,
+        policy=policy,
+        fanout=fanout,
+        voice_map=voice_map,
+        ui=not settings.no_ui,
+    )
 
     def load() -> None:
         try:

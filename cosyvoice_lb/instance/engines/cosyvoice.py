@@ -8,6 +8,7 @@ imports only what that environment has (torch, numpy, soundfile, the checkout).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -16,10 +17,13 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest
+from cosyvoice_lb.instance.engines.turns import Turns
+from cosyvoice_lb.instance.engines.upstream_tts import install, serialize_frontend
 
 log = logging.getLogger("cosyvoice_lb.cosyvoice")
 
@@ -79,12 +83,22 @@ class CosyVoiceEngine:
         load_trt: bool = False,
         load_vllm: bool = False,
         fp16: bool = False,
+        empty_cache: bool = False,
+        vllm_memory: float = 0.0,
+        concurrency: int = 1,
     ):
         if not model_dir:
             raise EngineError("the cosyvoice3 engine needs --model-dir")
         self.model_dir = model_dir
         self.cosyvoice_root = cosyvoice_root
         self.flags = {"load_trt": load_trt, "load_vllm": load_vllm, "fp16": fp16}
+        self.empty_cache = empty_cache
+        self.vllm_memory = vllm_memory
+        self.concurrency = max(1, concurrency)
+        self.turns = Turns()  # seeded requests run alone (see ``turns``)
+        # "" once our layer runs upstream's model (``upstream_tts``); else why upstream's own
+        # ``tts`` does, whose streams share one chunk size: they then run one at a time.
+        self.own_path = "not loaded"
         self.model = None
         try:  # known before loading (from the yaml), so the UI can be built meanwhile
             self.version = model_version(model_dir)
@@ -95,11 +109,8 @@ class CosyVoiceEngine:
         # Saved voices in upstream's speaker cache (add_zero_shot_spk): id -> its transcript.
         self.cached: dict[str, str] = {}
         self.cache_lock = threading.Lock()
-        # v2/v3 streaming chunk size (tokens) as loaded: upstream doubles it on the model after
-        # each streamed chunk, so every stream after the first would wait for 4x the tokens
-        # before its first audio; each stream starts from it again. (With --instance-concurrency
-        # above 1 this also shortens the chunks of a stream already running: upstream's own
-        # doubling crosses streams the same way.)
+        # v2/v3 streaming chunk size (tokens) as loaded: on upstream's own path, the model
+        # doubles it after each streamed chunk, so each stream starts from it again.
         self.stream_hop: int | None = None
         self.voice_cache_hits = 0  # saved voices spoken from the cache / put in it (metrics)
         self.voice_cache_misses = 0
@@ -140,15 +151,40 @@ class CosyVoiceEngine:
                 raise EngineError(f"--{flag.replace('_', '-')} is not supported by {cls_name} models")
             if flag in accepted:
                 kwargs[flag] = value
+        if "trt_concurrent" in accepted:  # a TensorRT context for each synthesis at once
+            kwargs["trt_concurrent"] = self.concurrency
         if self.flags["load_vllm"] and "load_vllm" in accepted:
             register_vllm()
         log.info(
             "loading %s from %s (%s)", cls_name, self.model_dir, ", ".join(f"{k}={v}" for k, v in self.flags.items())
         )
-        model = self.model = AutoModel(**kwargs)
+        with vllm_share(self.vllm_memory if self.flags["load_vllm"] else 0.0):
+            model = self.model = AutoModel(**kwargs)
         self.sample_rate = int(model.sample_rate)
         self.stream_hop = getattr(getattr(model, "model", None), "token_hop_len", None)
         self.modes = self._modes(self.speakers())
+        self.layer(model)
+
+    def layer(self, model: Any) -> None:
+        """Run upstream's model through ``upstream_tts`` (v2 and v3), or say once why not."""
+        frontend = getattr(model, "frontend", None)
+        if frontend is not None:
+            serialize_frontend(frontend, threading.Lock())
+        if self.version == 1:  # (its streams keep their chunk size to themselves)
+            self.own_path = "CosyVoice v1 models run on upstream's own tts"
+            log.info("%s", self.own_path)
+            return
+        problem = install(model.model, empty_cache=self.empty_cache)
+        if not problem:
+            self.own_path = ""
+            log.info("upstream's model runs through cosyvoice-lb's layer (own chunk schedule per stream, no poll)")
+            return
+        self.own_path = f"upstream's model is not the shape cosyvoice-lb knows ({problem})"
+        log.warning(
+            "%s: upstream's own tts runs it (a 0.1 s poll per chunk, a cache flush per request%s)",
+            self.own_path,
+            "; streams one at a time, since they share its chunk size" if self.concurrency > 1 else "",
+        )
 
     def speakers(self) -> list[str]:
         """Built-in (SFT) speakers: v1 models only. A v2/v3 spk2info holds zero-shot
@@ -178,6 +214,13 @@ class CosyVoiceEngine:
         mode = request.mode or self.modes[0]
         if mode not in self.modes:
             raise EngineError(f"mode {mode} is not available with this model ({', '.join(self.modes)})")
+        # Seeded: alone (torch's one random generator). Upstream's own path: streams alone too.
+        alone = request.seed is not None or (request.stream and bool(self.own_path) and self.version >= 2)
+        with self.turns.turn(alone):
+            yield from self._synthesize(mode, request)
+
+    def _synthesize(self, mode: str, request: SynthesisRequest) -> Iterator[np.ndarray]:
+        assert self.model is not None
         if request.seed is not None:
             seed_everything(request.seed)
         text, prompt_text, instruct_text = request.text, request.prompt_text, request.instruct_text
@@ -187,7 +230,7 @@ class CosyVoiceEngine:
             text, prompt_text, instruct_text = v2_prompt(mode, text, prompt_text, instruct_text)
         common = {"stream": request.stream, "speed": 1.0 if request.stream else request.speed}
         model = self.model
-        if request.stream and self.stream_hop is not None:
+        if request.stream and self.stream_hop is not None and self.own_path:
             model.model.token_hop_len = self.stream_hop
         # A saved voice speaks from upstream's speaker cache: its prompt features were
         # extracted once, at its first use here. (Not for instruct: upstream's instruct2 with
@@ -255,6 +298,31 @@ def register_vllm() -> None:
             "(the version upstream's README names)"
         ) from None
     ModelRegistry.register_model("CosyVoice2ForCausalLM", CosyVoice2ForCausalLM)
+
+
+@contextlib.contextmanager
+def vllm_share(fraction: float) -> Iterator[None]:
+    """While upstream loads: every vLLM ``EngineArgs`` it makes reserves ``fraction`` of the
+    card (--vllm-memory) instead of the 0.2 that upstream's ``load_vllm`` hard-codes; 0:
+    upstream's own. vLLM is imported by name at the call (``from vllm import EngineArgs``),
+    so the module's attribute is what it gets; restored after the load."""
+    if not fraction:
+        yield
+        return
+    import vllm
+
+    made = vllm.EngineArgs
+
+    def engine_args(*args: Any, **kwargs: Any) -> Any:
+        kwargs["gpu_memory_utilization"] = fraction
+        return made(*args, **kwargs)
+
+    vllm.EngineArgs = engine_args
+    try:
+        yield
+    finally:
+        vllm.EngineArgs = made
+    log.info("vLLM reserves %.3f of the card (--vllm-memory)", fraction)
 
 
 def seed_everything(seed: int) -> None:

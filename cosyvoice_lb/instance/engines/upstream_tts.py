@@ -1,0 +1,307 @@
+"""A thin layer over upstream's CosyVoice2/3 model: concurrent syntheses in one model, and
+chunks handed over when they are ready.
+
+Upstream's ``CosyVoice2Model.tts`` (which CosyVoice3 inherits) keeps each request's state in
+dicts keyed by a uuid and runs its LLM in a thread per request, so several requests can run
+in one process, but:
+
+- a stream rewrites ``self.token_hop_len`` on the shared model after each chunk (doubling it
+  up to ``token_max_hop_len``): concurrent streams change each other's chunk schedule, and
+  every stream after the first starts from a long hop;
+- the calling thread checks for new tokens every ``time.sleep(0.1)``: up to 100 ms added to
+  each chunk, the first included;
+- an exception in the LLM thread leaves the caller polling forever;
+- every request ends with ``torch.cuda.empty_cache()`` and a device-wide synchronize.
+
+:func:`install` replaces ``tts`` on the loaded model object (never on upstream's classes, and
+no upstream file changes) with :func:`_synthesis`, which calls upstream's own ``llm_job``,
+``vc_job`` and ``token2wav`` in upstream's order, with each stream's hop its own, a condition
+that wakes the caller at each token, the LLM thread's error raised in the caller, a client
+that leaves stopping its LLM at the next token, and the cache flush only when asked.
+
+It relies on upstream's internals, so :func:`shape_problem` checks at load time that they are
+the shape it was written against (upstream ace7c47, the commit the tests run); otherwise the
+engine keeps upstream's own path and says why, once. The upstream tests pin it to that commit.
+Runs in the user's CosyVoice environment: standard library and torch (through the model).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# What the layer calls, with the parameters it passes (upstream ace7c47, cosyvoice/cli/model.py).
+CALLS = {
+    "llm_job": ("text", "prompt_text", "llm_prompt_speech_token", "llm_embedding", "uuid"),
+    "vc_job": ("source_speech_token", "uuid"),
+    "token2wav": (
+        "token",
+        "prompt_token",
+        "prompt_feat",
+        "embedding",
+        "token_offset",
+        "uuid",
+        "stream",
+        "finalize",
+        "speed",
+    ),
+    "tts": (
+        "text",
+        "flow_embedding",
+        "llm_embedding",
+        "prompt_text",
+        "llm_prompt_speech_token",
+        "flow_prompt_speech_token",
+        "prompt_speech_feat",
+        "source_speech_token",
+        "stream",
+        "speed",
+    ),
+}
+NUMBERS = ("token_hop_len", "token_max_hop_len", "stream_scale_factor")
+DICTS = ("tts_speech_token_dict", "llm_end_dict", "hift_cache_dict")
+FLOW_NUMBERS = ("pre_lookahead_len", "token_mel_ratio")
+
+
+def shape_problem(model: Any) -> str:
+    """What about upstream's model object (``AutoModel(...).model``) is not the shape this
+    layer knows ("" when all of it is)."""
+    for name, params in CALLS.items():
+        method = getattr(model, name, None)
+        if not callable(method):
+            return f"the model has no {name}()"
+        try:
+            have = tuple(inspect.signature(method).parameters)
+        except (TypeError, ValueError):
+            return f"{name}() has no readable signature"
+        missing = [p for p in params if p not in have]
+        if missing:
+            return f"{name}() takes no {', '.join(missing)}"
+    for name in NUMBERS:
+        if not _number(getattr(model, name, None)):
+            return f"the model has no number {name}"
+    for name in DICTS:
+        if not isinstance(getattr(model, name, None), dict):
+            return f"the model has no dict {name}"
+    if not hasattr(getattr(model, "lock", None), "acquire"):
+        return "the model has no lock"
+    flow = getattr(model, "flow", None)
+    for name in FLOW_NUMBERS:
+        if not _number(getattr(flow, name, None)):
+            return f"the model's flow has no number {name}"
+    return ""
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def install(model: Any, *, empty_cache: bool = False) -> str:
+    """Put :func:`_synthesis` in place of ``model.tts`` on this one object; returns what
+    stopped it ("" when installed: then the model's first hop, as loaded, starts every stream)."""
+    problem = shape_problem(model)
+    if problem:
+        return problem
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(model.tts).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    first_hop = int(model.token_hop_len)
+    flush = _flusher() if empty_cache else None
+
+    def tts(**inputs: Any) -> Iterator[dict]:
+        return _synthesis(model, {**defaults, **inputs}, first_hop, flush)
+
+    model.tts = tts
+    return ""
+
+
+def _flusher() -> Callable[[], None] | None:
+    """Upstream's end of every request (``--empty-cache``): free the CUDA cache, then wait for
+    the device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+
+    def flush() -> None:
+        torch.cuda.empty_cache()
+        torch.cuda.current_stream().synchronize()
+
+    return flush
+
+
+class Stopped(Exception):
+    """Raised inside the LLM thread at its next token once nobody reads the synthesis."""
+
+
+class Tokens(list):
+    """One request's speech tokens: every append wakes the reader; once ``stopped``, the
+    next append ends the LLM thread that makes them."""
+
+    def __init__(self, ready: threading.Condition):
+        super().__init__()
+        self.ready = ready
+        self.stopped = False
+
+    def append(self, token: Any) -> None:
+        if self.stopped:
+            raise Stopped()
+        with self.ready:
+            super().append(token)
+            self.ready.notify_all()
+
+
+class Run:
+    """What the reader and the LLM thread of one request share."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Condition()
+        self.ended = False
+        self.error: BaseException | None = None
+        self.abandoned = False  # the reader left first: the LLM thread clears the dicts
+
+    def wait(self, tokens: Callable[[], list], count: float) -> list:
+        """The tokens, once there are ``count`` or the LLM ended."""
+        with self.ready:
+            while len(tokens()) < count and not self.ended:
+                self.ready.wait()
+        if self.error is not None:
+            raise self.error
+        return tokens()
+
+
+def _synthesis(model: Any, inputs: dict, first_hop: int, flush: Callable[[], None] | None) -> Iterator[dict]:
+    """Upstream's ``CosyVoice2Model.tts``, step for step, less its shared hop and its poll."""
+    import torch
+
+    key = str(uuid.uuid1())
+    run = Run()
+    tokens = Tokens(run.ready)
+    with model.lock:
+        model.tts_speech_token_dict[key], model.llm_end_dict[key] = tokens, False
+        model.hift_cache_dict[key] = None
+
+    def current() -> list:
+        return model.tts_speech_token_dict[key]  # (vc_job puts a list of its own there)
+
+    source = inputs["source_speech_token"]
+    if source.shape[1] == 0:
+        job, args = (
+            model.llm_job,
+            (
+                inputs["text"],
+                inputs["prompt_text"],
+                inputs["llm_prompt_speech_token"],
+                inputs["llm_embedding"],
+                key,
+            ),
+        )
+    else:
+        job, args = model.vc_job, (source, key)
+    thread = threading.Thread(target=_produce, args=(model, key, run, job, args), daemon=True)
+    thread.start()
+    # vLLM's requests cannot be taken back mid-way: those run to their end, then clear up.
+    stoppable = not hasattr(getattr(model, "llm", None), "vllm")
+    prompt = inputs["flow_prompt_speech_token"]
+    common = {
+        "prompt_token": prompt,
+        "prompt_feat": inputs["prompt_speech_feat"],
+        "embedding": inputs["flow_embedding"],
+        "uuid": key,
+    }
+    try:
+        if inputs["stream"] is True:
+            offset, hop = 0, first_hop
+            pad = int(math.ceil(prompt.shape[1] / first_hop) * first_hop - prompt.shape[1])
+            lookahead = int(model.flow.pre_lookahead_len)
+            while True:
+                this_hop = hop + pad if offset == 0 else hop
+                need = offset + this_hop + lookahead
+                made = run.wait(current, need)
+                if len(made) < need:  # the LLM ended short of another whole hop
+                    break
+                speech = model.token2wav(
+                    token=torch.tensor(made[:need]).unsqueeze(dim=0),
+                    token_offset=offset,
+                    stream=True,
+                    finalize=False,
+                    **common,
+                )
+                offset += this_hop
+                hop = min(int(model.token_max_hop_len), int(hop * model.stream_scale_factor))
+                yield {"tts_speech": speech.cpu()}
+            thread.join()
+            speech = model.token2wav(
+                token=torch.tensor(current()).unsqueeze(dim=0), token_offset=offset, finalize=True, **common
+            )
+        else:
+            made = run.wait(current, math.inf)  # type: ignore[arg-type]
+            thread.join()
+            speech = model.token2wav(
+                token=torch.tensor(made).unsqueeze(dim=0),
+                token_offset=0,
+                finalize=True,
+                speed=inputs["speed"],
+                **common,
+            )
+        if run.error is not None:
+            raise run.error
+        yield {"tts_speech": speech.cpu()}
+    finally:
+        with run.ready:
+            if stoppable:
+                tokens.stopped = True
+            left_first = run.abandoned = not run.ended
+        if not left_first:
+            _clear(model, key)
+        if flush is not None:
+            flush()
+
+
+def _produce(model: Any, key: str, run: Run, job: Callable[..., None], args: tuple) -> None:
+    """The LLM thread: upstream's job, its error kept for the reader."""
+    try:
+        job(*args)
+    except Stopped:
+        pass
+    except BaseException as exc:  # noqa: BLE001 - the reader raises it
+        run.error = exc
+    finally:
+        with run.ready:
+            run.ended = True
+            run.ready.notify_all()
+            abandoned = run.abandoned
+        if abandoned:
+            _clear(model, key)
+
+
+def _clear(model: Any, key: str) -> None:
+    with model.lock:
+        for name in DICTS:
+            getattr(model, name).pop(key, None)
+
+
+def serialize_frontend(frontend: Any, lock: Any) -> None:
+    """Upstream's frontend (tokenizer, text normalizer, prompt feature extractors) one call at
+    a time: a Rust tokenizer used from two threads at once can fail ("Already borrowed"), and
+    text normalizers are native code of unknown thread safety. It is a small share of a
+    synthesis; the LLM, flow and vocoder still run side by side."""
+    for name in dir(frontend):
+        if name.startswith("frontend_") or name == "text_normalize":
+            method = getattr(frontend, name)
+            if callable(method):
+                setattr(frontend, name, _locked(method, lock))
+
+
+def _locked(method: Callable[..., Any], lock: Any) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return method(*args, **kwargs)
+
+    return call
