@@ -191,6 +191,7 @@ def _synthesis(model: Any, inputs: dict, first_hop: int, flush: Callable[[], Non
         return model.tts_speech_token_dict[key]  # (vc_job puts a list of its own there)
 
     source = inputs["source_speech_token"]
+    args: tuple[Any, ...]
     if source.shape[1] == 0:
         job, args = (
             model.llm_job,
@@ -241,7 +242,7 @@ def _synthesis(model: Any, inputs: dict, first_hop: int, flush: Callable[[], Non
                 token=torch.tensor(current()).unsqueeze(dim=0), token_offset=offset, finalize=True, **common
             )
         else:
-            made = run.wait(current, math.inf)  # type: ignore[arg-type]
+            made = run.wait(current, math.inf)
             thread.join()
             speech = model.token2wav(
                 token=torch.tensor(made).unsqueeze(dim=0),
