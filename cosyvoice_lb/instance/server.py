@@ -73,7 +73,6 @@ from cosyvoice_lb.instance.speech.validation import (
     safe,
 )
 from cosyvoice_lb.instance.speech.voices import Registry
-from cosyvoice_lb.instance.ui.absent import add_no_ui_routes
 from cosyvoice_lb.instance.ui.errors import UIErrors
 
 log = logging.getLogger("cosyvoice_lb.instance")
@@ -166,12 +165,10 @@ def build_app(
     policy: PolicyFile | None = None,
     fanout: FanOut | None = None,
     voice_map: dict[str, str] | None = None,
-    ui: bool = True,
 ) -> Any:
     """The FastAPI app: ``/ping``, ``/v1/tts``, the OpenAI-compatible routes
-    (``openai_api``) and the Gradio UI at ``/`` (``ui=False``, --no-ui: no Gradio imported,
-    ``/`` a 404 that names the API); with a ``policy``, all but ``/ping`` behind the gate
-    (``gate.py``). ``fanout``: where long texts' segments go."""
+    (``openai_api``) and the Gradio UI at ``/``; with a ``policy``, all but ``/ping``
+    behind the gate (``gate.py``). ``fanout``: where long texts' segments go."""
     engine, admission = pipeline.engine, pipeline.admission
     started = time.time() if started is None else started
     app = FastAPI(title="cosyvoice-lb instance", docs_url=None, redoc_url=None)
@@ -304,13 +301,10 @@ def build_app(
             "and /v1/audio/voices",
         )
 
-    if ui:
-        from cosyvoice_lb.instance.ui.app import mount_ui
+    from cosyvoice_lb.instance.ui.app import mount_ui
 
-        app = mount_ui(app, pipeline, port, fanout)
-        app.add_middleware(UIErrors)  # (Gradio's refusals in the one shape)
-    else:
-        add_no_ui_routes(app)
+    app = mount_ui(app, pipeline, port, fanout)
+    app.add_middleware(UIErrors)  # (Gradio's refusals in the one shape)
     app.add_middleware(RequestMetrics, metrics=pipeline.metrics, segment_header=SEGMENT_HEADER)
     if policy is not None:
         app.add_middleware(Gate, policy=policy)
@@ -436,15 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         admission.on_change = pipeline.router.publish
     voice_map = parse_voice_map(settings.openai_voices)
-    app = build_app(
-        pipeline,
-        settings.resolved_engine,
-        args.port,
-        policy=policy,
-        fanout=fanout,
-        voice_map=voice_map,
-        ui=not settings.no_ui,
-    )
+    app = build_app(pipeline, settings.resolved_engine, args.port, policy=policy, fanout=fanout, voice_map=voice_map)
 
     def load() -> None:
         try:
