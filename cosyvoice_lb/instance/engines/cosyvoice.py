@@ -169,7 +169,7 @@ class CosyVoiceEngine:
         """Run upstream's model through ``upstream_tts`` (v2 and v3), or say once why not."""
         frontend = getattr(model, "frontend", None)
         if frontend is not None:
-            serialize_frontend(frontend, threading.Lock())
+            serialize_frontend(frontend, threading.RLock())  # (cross-lingual calls zero-shot inside)
         if self.version == 1:  # (its streams keep their chunk size to themselves)
             self.own_path = "CosyVoice v1 models run on upstream's own tts"
             log.info("%s", self.own_path)
