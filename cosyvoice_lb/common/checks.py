@@ -40,9 +40,9 @@ def at_least(least: int) -> Check:
 
 def fraction(flag: str, value: Any) -> str:
     """0 (left to the planner) or a share strictly between 0 and 1."""
-    if finite(flag, value):
-        return finite(flag, value)
-    return "" if value == 0 or 0 < value < 1 else f"{flag} must be above 0 and below 1 (or 0: planned), got {value}"
+    return finite(flag, value) or (
+        "" if 0 <= value < 1 else f"{flag} must be above 0 and below 1 (or 0: planned), got {value}"
+    )
 
 
 def concurrency(flag: str, value: Any) -> str:

@@ -251,8 +251,6 @@ def _synthesis(model: Any, inputs: dict, first_hop: int, flush: Callable[[], Non
                 speed=inputs["speed"],
                 **common,
             )
-        if run.error is not None:
-            raise run.error
         yield {"tts_speech": speech.cpu()}
     finally:
         with run.ready:
