@@ -28,6 +28,7 @@ from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.render.staging import stage
 
 LOAD_STEPS = 3  # sleeps from a start until the instance answers ready
+BAD_AUDIO = "the warm-up synthesis made bad audio: 16000 of 16000 samples of a chunk are NaN or infinite"
 SERVICES = ("nginx", "health", "admin")
 
 
@@ -37,6 +38,7 @@ class Program:
     pid: int = 0
     ready_in: int = 0  # steps until ready (0: ready, or not running)
     signalled: float = 0.0  # a HOLD drain took it out and let it go idle at this time
+    bad_seen: float = 0.0  # the health loop saw its warm-up make bad audio at this time
 
 
 @dataclass
@@ -50,6 +52,7 @@ class World:
     events: list[tuple] = field(default_factory=list)
     serving_seen: list[int] = field(default_factory=list)  # instances serving after each step
     crashing: set[str] = field(default_factory=set)  # these fail to start (FATAL)
+    bad_audio: set[str] = field(default_factory=set)  # these load, then their warm-up makes bad audio
     reload_answer: tuple[list[str], list[str], list[str]] = ([], [], [])
     room: int = 99  # parked slots there is memory for
     now: float = 1000.0
@@ -153,6 +156,9 @@ class World:
                 else:
                     program.signalled = self.now
                 answer_drain(self.layout, name)
+            elif self.loaded(name) and name in self.bad_audio:  # (the real loop restarts it, too)
+                self.rotation.discard(name)
+                program.bad_seen = program.bad_seen or self.now
             elif self.ready(name) and not drained_by_hand(self.layout, name) and not program.signalled:
                 self.rotation.add(name)
         write_report(
@@ -170,12 +176,22 @@ class World:
                 signalled_at=program.signalled,
                 failed=failed,
                 failed_at=self.now if failed else 0.0,
+                bad_audio=BAD_AUDIO if program.bad_seen else "",
+                bad_audio_at=program.bad_seen,
             )
         return tracks
 
-    def ready(self, name: str) -> bool:
+    def loaded(self, name: str) -> bool:
         program = self.programs[name]
         return program.state == "RUNNING" and program.ready_in == 0
+
+    def ready(self, name: str) -> bool:
+        return self.loaded(name) and name not in self.bad_audio
+
+    def ping(self, name: str) -> dict:
+        if name in self.bad_audio:
+            return {"ready": False, "state": "bad-audio", "error": BAD_AUDIO}
+        return {"ready": True}
 
     # --- what the lifecycle reads -----------------------------------------------------------
 
@@ -187,7 +203,7 @@ class World:
                 roles=self.roles,
                 programs=self.processes(),
                 health=read_report(self.layout),
-                pings={s.name: {"ready": self.ready(s.name)} for s in self.slots if self.ready(s.name)},
+                pings={s.name: self.ping(s.name) for s in self.slots if self.loaded(s.name)},
                 nginx_answer=200,
                 drained=frozenset(s.name for s in self.slots if drained_by_hand(self.layout, s.name)),
                 now=self.now,

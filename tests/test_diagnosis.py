@@ -128,3 +128,33 @@ def test_a_silent_health_loop_is_a_problem():
     current = diagnose(seen(health=dataclasses.replace(seen().health, updated=NOW - 600)))
     assert "the health loop has not reported for 600s (hung?)" in current.problems
     assert current.health["updated_seconds_ago"] == 600.0
+
+
+# --- bad audio ------------------------------------------------------------------------------
+
+
+def test_an_instance_out_for_bad_audio_says_so_and_what_happens_next():
+    error = "a canary synthesis made bad audio: 16000 of 16000 samples of a chunk are NaN or infinite"
+    pings = {**seen().pings, "instance-1": {"ready": False, "state": "bad-audio", "error": error}}
+    health = with_track("instance-1", in_rotation=False, pid=101, ordered={"bad_audio": 2})
+    current = diagnose(seen(pings=pings, health=health))
+    item = current.instance("instance-1")
+    assert (item.audio_fault, item.audio_fault_at, item.bad_audio_restarts) == (error, NOW, 2)
+    assert current.problems == [f"instance-1 makes bad audio ({error}): out of rotation, the health loop restarts it"]
+
+
+def test_the_health_loops_record_of_bad_audio_outlives_the_process():
+    health = with_track("instance-1", in_rotation=True, pid=101, bad_audio="silent", bad_audio_at=NOW - 30)
+    item = diagnose(seen(health=health)).instance("instance-1")
+    assert (item.audio_fault, item.audio_fault_at) == ("silent", NOW - 30)
+
+
+def test_bad_answers_of_a_serving_instance_are_a_warning_with_the_counts():
+    pings = {**seen().pings, "instance-0": {"ready": True, "code": "abc", "bad_audio": {"non_finite": 3, "silent": 1}}}
+    current = diagnose(seen(pings=pings))
+    assert current.instance("instance-0").bad_audio == {"non_finite": 3, "silent": 1}
+    assert current.problems == [] and current.exit_code == 0
+    assert current.warnings == [
+        "instance-0 made bad audio 4 time(s) since it started (non_finite 3, silent 1): those answers were not "
+        "sent (retried elsewhere); it serves while its canary passes, see 'cosyvoice-lb logs instance-0'"
+    ]

@@ -404,3 +404,41 @@ def test_the_start_after_a_planned_stop_is_no_crash_even_while_loading():
         assert not verdict.give_up and verdict.track.reason == "loading"
         track = verdict.track
     assert track.ready_starts == 4  # only starts that ended on their own would count
+
+
+# --- bad audio ------------------------------------------------------------------------------
+
+BAD_AUDIO = Probe("bad_audio", detail="the warm-up synthesis made bad audio: silent")
+
+
+def test_bad_audio_restarts_a_serving_instance_at_once_and_records_it():
+    verdict = judge(serving(), process(), BAD_AUDIO, POLICY, starts=1, now=NOW)
+    assert verdict.restart == "it made bad audio: the warm-up synthesis made bad audio: silent"
+    assert verdict.kind == "bad_audio" and not verdict.drain and not verdict.give_up
+    track = verdict.track
+    assert not track.in_rotation and track.restarts == 1 and track.ordered == {"bad_audio": 1}
+    assert (track.bad_audio, track.bad_audio_at) == (BAD_AUDIO.detail, NOW)
+
+
+def test_a_loading_instance_that_says_bad_audio_is_restarted_not_waited_for():
+    """Its warm-up failed the check: within --startup-timeout, yet nothing to wait for."""
+    verdict = judge(Track(), process(pid=7, uptime=5.0), BAD_AUDIO, POLICY, starts=1, now=NOW)
+    assert verdict.kind == "bad_audio" and verdict.restart
+
+
+def test_the_bad_audio_record_outlives_the_process():
+    track = judge(serving(), process(), BAD_AUDIO, POLICY, starts=1, now=NOW).track
+    reborn = judge(track, process(pid=200, uptime=1.0), LOADING, POLICY, starts=2, now=NOW + 5).track
+    assert (reborn.pid, reborn.bad_audio, reborn.bad_audio_at) == (200, BAD_AUDIO.detail, NOW)
+
+
+def test_warm_ups_with_bad_audio_are_failed_starts():
+    policy = Policy(start_retries=1)
+    track, verdicts = Track(), []
+    for start in range(1, 5):
+        verdict = judge(track, process(pid=100 + start, uptime=2.0), BAD_AUDIO, policy, starts=start, now=NOW)
+        verdicts.append(verdict)
+        track = verdict.track
+    assert [bool(v.restart) for v in verdicts[:2]] == [True, True]
+    assert verdicts[2].give_up.startswith("failed: it was started 3 times without getting ready (--start-retries 1)")
+    assert verdicts[2].give_up.endswith("it made bad audio: the warm-up synthesis made bad audio: silent")

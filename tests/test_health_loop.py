@@ -571,3 +571,44 @@ def test_least_connections_is_set_at_once(make_rig):
     board_of(rig).configure(True, 0.05)  # the last loop's routing by work
     make_rig(serving=False, routing="least-conn", route_slack=0.2)
     assert board_of(rig).work() == (False, 0.2)  # before any step: declines stop at once
+
+
+# --- bad audio ------------------------------------------------------------------------------
+
+BAD = Probe("bad_audio", detail="a canary synthesis made bad audio: 16000 of 16000 samples are NaN or infinite")
+
+
+def test_an_instance_that_says_it_makes_bad_audio_goes_out_and_is_killed_in_the_same_step(make_rig):
+    """No --fail-threshold to wait for: the instance says so itself."""
+    rig = make_rig(fail_threshold=5)
+    rig.prober.set(A, BAD)
+    rig.step()
+    assert rig.down() == {A}
+    assert rig.sup.calls == [HUP, ("signal", A, "KILL")]  # out of nginx's rotation first, then killed
+    report = rig.report(A)
+    assert report.bad_audio == BAD.detail and report.bad_audio_at == rig.clock.now
+    assert report.reason == f"it made bad audio: {BAD.detail}" and report.ordered == {"bad_audio": 1}
+    assert restarts_by_reason(report)["bad_audio"] == 1
+    rig.restarted(A, pid=200)
+    rig.prober.set(A, READY)
+    rig.step(2)  # a sound new process comes back; the record of what took the last one out stays
+    assert rig.down() == set() and rig.report(A).bad_audio == BAD.detail
+    assert rig.track(B).in_rotation
+
+
+def test_a_new_instance_whose_warm_up_keeps_making_bad_audio_is_given_up_on(make_rig):
+    rig = make_rig(start_retries=2)
+    rig.prober.set(A, BAD)
+    kills = 0
+    for pid in (200, 201, 202, 203, 204):  # killed for bad audio, started again by supervisord
+        rig.step()
+        if rig.track(A).failed:
+            break
+        kills += 1
+        rig.restarted(A, pid)
+    track = rig.track(A)
+    assert kills == 3 + 1  # the first process (ready once) and --start-retries 2 + 1 new ones
+    assert track.failed == (
+        f"failed: it was started 4 times without getting ready (--start-retries 2); it made bad audio: {BAD.detail}"
+    )
+    assert ("stop", A, False) in rig.sup.calls and rig.track(B).in_rotation

@@ -88,6 +88,30 @@ def test_a_failed_roll_out_stops_what_it_started_and_leaves_the_old_serving(tmp_
     assert not w.layout.rollout.exists()  # and the loop is told the roll-out is over
 
 
+def test_a_replacement_that_makes_bad_audio_stops_the_roll_out_at_once(tmp_path):
+    """Its warm-up failed the audio check: no waiting for the health loop to give up on it
+    after --start-retries (or for --startup-timeout); the old instances keep serving."""
+    w = world(tmp_path, instances=3, parked=1)
+    w.bad_audio.add("instance-2")
+    began = w.now
+    with pytest.raises(ClusterError, match=r"surge roll-out stopped, 0 of 2 replaced \(none\)") as raised:
+        surge_rollout(w.cluster(), ["instance-0", "instance-1"], [w.slots[2]])
+    assert "instance-2 failed: it made bad audio (the warm-up synthesis made bad audio: " in str(raised.value)
+    assert w.now - began < 10 * w.settings.probe_interval < w.settings.startup_timeout
+    assert ("drain", "instance-2", "STOP") in w.events  # what it started is stopped
+    assert all(w.read_status().instance(name).serving for name in ("instance-0", "instance-1"))
+    assert not [e for e in w.events if e[0] in ("stop", "drain") and e[1] in ("instance-0", "instance-1")]
+    assert not w.layout.rollout.exists()
+
+
+def test_bad_audio_seen_before_the_roll_out_began_does_not_stop_it(tmp_path):
+    """The health loop's record of an earlier run of the slot is not this start's."""
+    w = world(tmp_path, instances=3, parked=1)
+    w.programs["instance-2"].bad_seen = w.now - 100
+    done = surge_rollout(w.cluster(), ["instance-0"], [w.slots[2]])
+    assert done == ["instance-0 -> instance-2"]
+
+
 # --- up on a running cluster ----------------------------------------------------------------
 
 

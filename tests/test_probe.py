@@ -78,6 +78,13 @@ def server():
             Probe("failed", detail="/ping answered stalled_seconds=[1, True], not a list of numbers"),
         ),
         (503, {"state": "loading"}, Probe("loading")),
+        (
+            503,
+            {"state": "bad-audio", "error": "a canary synthesis made bad audio: silent"},
+            Probe("bad_audio", detail="a canary synthesis made bad audio: silent"),
+        ),
+        (503, {"state": "bad-audio"}, Probe("bad_audio", detail="bad audio")),
+        (200, {"ready": False, "state": "bad-audio"}, Probe("failed", detail="/ping answered 200")),
         (200, {"ready": False}, Probe("failed", detail="/ping answered 200")),
         (503, {"state": "draining"}, Probe("failed", detail="/ping answered 503")),
         (503, {"ready": True}, Probe("failed", detail="/ping answered 503")),

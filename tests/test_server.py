@@ -150,7 +150,7 @@ def test_inflight_is_tracked_during_a_synthesis():
 
         def synthesize(self, request):
             seen.append(snap(watcher).inflight)
-            yield np.zeros(10, dtype=np.float32)
+            yield np.full(1000, 0.1, dtype=np.float32)  # (audio that passes the audio check)
 
     watcher = pipeline(Watching())
     watcher.synthesize(Job(SynthesisRequest("x")))
@@ -258,7 +258,7 @@ class Blocking:
 
     def synthesize(self, request):
         self.release.wait(10)
-        yield np.zeros(100, dtype=np.float32)
+        yield np.full(1000, 0.1, dtype=np.float32)
 
 
 def test_a_full_queue_is_refused_at_once_and_frees_up_again():
@@ -286,8 +286,8 @@ def test_a_full_queue_is_refused_at_once_and_frees_up_again():
     engine.release.set()
     for w in workers:
         w.join(5)
-    assert results == [100, 100] and snap(p).waiting == 0
-    assert p.synthesize(Job(SynthesisRequest("x")), bounded=True).size == 100
+    assert results == [1000, 1000] and snap(p).waiting == 0
+    assert p.synthesize(Job(SynthesisRequest("x")), bounded=True).size == 1000
 
 
 def test_busy_instance_answers_503_with_retry_after():
@@ -320,7 +320,7 @@ class Chunky:
 
         for _ in range(self.chunks):
             time.sleep(self.every)
-            yield np.zeros(240, dtype=np.float32)
+            yield np.full(960, 0.1, dtype=np.float32)
         self.finished += 1
 
 
@@ -401,9 +401,10 @@ def test_a_slow_stream_reader_is_not_a_stalled_synthesis():
     assert snap(p).inflight == 0
 
 
-def test_the_simulated_engine_waits_in_proportion_to_the_text_and_returns_silence():
+def test_the_simulated_engine_waits_in_proportion_to_the_text_and_returns_a_quiet_tone():
     import time
 
+    from cosyvoice_lb.instance.audio.check import check_audio
     from cosyvoice_lb.instance.engines import create_engine
 
     engine = create_engine("simulated", simulated_ms_per_char=10.0, simulated_base_ms=20.0, model_dir="ignored")
@@ -411,7 +412,9 @@ def test_the_simulated_engine_waits_in_proportion_to_the_text_and_returns_silenc
     started = time.monotonic()
     chunks = list(engine.synthesize(SynthesisRequest("x" * 10)))
     assert 0.11 <= time.monotonic() - started < 0.5
-    assert len(chunks) == 1 and chunks[0].size == 10 * engine.sample_rate // 100 and not chunks[0].any()
+    assert len(chunks) == 1 and chunks[0].size == 10 * engine.sample_rate * 4 // 100  # 40 ms a character
+    assert 0.09 < np.abs(chunks[0]).max() <= 0.1  # -20 dBFS: audio that passes the check, never loud
+    assert check_audio(chunks[0], "x" * 10, 1.0, engine.sample_rate) is None
     started = time.process_time()
     list(engine.synthesize(SynthesisRequest("x" * 30)))
     assert time.process_time() - started < 0.05  # waiting, not computing: it models a GPU-bound instance
@@ -450,7 +453,7 @@ class PerChar:
     def synthesize(self, request):
         for _ in request.text:
             time.sleep(0.1)
-            yield np.zeros(2400, dtype=np.float32)
+            yield np.full(2400, 0.1, dtype=np.float32)
 
 
 def test_a_streaming_client_that_goes_away_frees_its_engine_slot_at_once():
@@ -496,7 +499,7 @@ class WarmUpGate:
     def synthesize(self, request):
         self.started.set()
         self.release.wait(10)
-        yield np.ones(240, dtype=np.float32) * 0.1
+        yield np.ones(2400, dtype=np.float32) * 0.1
 
 
 def test_an_instance_drained_during_its_warm_up_never_turns_ready():

@@ -262,3 +262,15 @@ def test_a_parked_slot_is_no_problem_unless_fewer_serve_than_wanted(monkeypatch,
             "1 instance(s) in rotation of 2 wanted, and none coming: 'cosyvoice-lb up' with the "
             "cluster's settings starts parked slots"
         ]
+
+
+def test_the_status_table_shows_bad_audio_once_an_instance_made_some():
+    current = fake_status([])
+    assert "bad audio" not in render(current)
+    current.instances[1].bad_audio = {"non_finite": 3, "silent": 1}
+    current.instances[1].bad_audio_restarts = 2
+    text = render(current)
+    assert "bad audio" in text
+    row = next(line for line in text.splitlines() if "instance-1" in line)
+    assert "3 non_finite, 1 silent; 2 restart(s)" in row
+    assert "—" in next(line for line in text.splitlines() if "instance-0" in line)

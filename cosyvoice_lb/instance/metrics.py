@@ -5,6 +5,8 @@ Routes: ``api`` (``/v1/tts``), ``openai`` (``/v1/audio/speech``), ``ui`` (Gradio
 ``segment`` (a long text's segment, sent by the instance coordinating it). A long text
 counts once as its client's request and once per segment where the segment ran; its
 syntheses are the segments'. The warm-up synthesis and health probes are never counted.
+Bad audio (``audio.check``) is counted by reason wherever it was found: a request's answer
+(then also a failed request), the warm-up or a canary.
 
 Each instance keeps its own registry (not prometheus_client's global one): tests build
 several pipelines in one process, and ``/metrics`` shows this instance only.
@@ -23,10 +25,13 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cosyvoice_lb.instance.audio.check import REASONS
+
 log = logging.getLogger("cosyvoice_lb.instance")
 
 ROUTES = ("api", "openai", "ui", "segment")
 OUTCOMES = ("ok", "invalid", "refused", "timeout", "cancelled", "failed")
+CHECKS = ("request", "warm_up", "canary")  # where bad audio was found
 SPEECH_PATHS = {"/v1/tts": "api", "/v1/audio/speech": "openai"}
 MISSING = (
     "this instance has no metrics: its Python lacks prometheus_client; install it into the instance's "
@@ -118,9 +123,19 @@ class Metrics:
             "Results (streamed or not) that could not be written to the outputs dir (disk full, unwritable).",
             registry=self.registry,
         )
+        self.bad = Counter(
+            "cosyvoice_bad_audio",
+            "Syntheses that failed the audio check (NaN, beyond ±1, silent, implausible duration), by reason and "
+            "where: a request's (never sent: retried elsewhere), the warm-up's or a canary's.",
+            ["reason", "during"],
+            registry=self.registry,
+        )
         for route in ROUTES:  # every series from the start: rate() sees the first request
             for outcome in OUTCOMES:
                 self.requests.labels(route, outcome)
+        for reason in REASONS:
+            for during in CHECKS:
+                self.bad.labels(reason, during)
         labels = {"engine": engine, "version": version}
         metrics = self
 
@@ -200,6 +215,10 @@ class Metrics:
     def not_kept(self) -> None:
         if self.enabled:
             self.results_not_kept.inc()
+
+    def bad_audio(self, reason: str, during: str) -> None:
+        if self.enabled:
+            self.bad.labels(reason, during).inc()
 
     def request(self, route: str, outcome: str) -> None:
         if self.enabled:

@@ -12,7 +12,8 @@ here once; the UI (``ui.py``) is another adapter onto the same pipeline.
 
 It runs in the model's Python environment (for CosyVoice: upstream's pins, gradio 5.x),
 which has none of the launcher's packages: only the standard library, numpy, soundfile,
-fastapi/starlette and gradio are imported here.
+fastapi/starlette and gradio (not with --no-ui: the UI's module alone imports it) are
+imported here.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from cosyvoice_lb.instance.metrics import MISSING, Metrics, RequestMetrics
 from cosyvoice_lb.instance.routing.board import Opener
 from cosyvoice_lb.instance.routing.router import Router
 from cosyvoice_lb.instance.speech.admission import Admission, Phase, Snapshot
+from cosyvoice_lb.instance.speech.canary import start_canary
 from cosyvoice_lb.instance.speech.failures import ERRORS, Declined, describe
 from cosyvoice_lb.instance.speech.fanout import SEGMENT_HEADER, Balancer, FanOut
 from cosyvoice_lb.instance.speech.pipeline import Pipeline
@@ -73,6 +75,7 @@ from cosyvoice_lb.instance.speech.validation import (
     safe,
 )
 from cosyvoice_lb.instance.speech.voices import Registry
+from cosyvoice_lb.instance.ui.absent import answer_without_ui
 from cosyvoice_lb.instance.ui.errors import UIErrors
 
 log = logging.getLogger("cosyvoice_lb.instance")
@@ -93,11 +96,13 @@ def ping_body(
     started: float,
     routing: dict[str, float] | None = None,
     problems: list[str] | None = None,
+    bad_audio: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """What ``/ping`` says: readiness, and per synthesis the seconds since its last chunk (a
     synthesis making no progress is what "hung" means to the health loop); ``routing``: what
     routing by work sees here (measured seconds per character, queued seconds, declines);
-    ``problems``: what is wrong although it serves (e.g. results not kept on a full disk)."""
+    ``problems``: what is wrong although it serves (e.g. results not kept on a full disk);
+    ``bad_audio``: the syntheses that failed the audio check, by reason (see ``canary``)."""
     return {
         "ready": snapshot.ready,
         "state": snapshot.phase.value,
@@ -114,6 +119,7 @@ def ping_body(
         "uptime": round(time.time() - started, 3),
         **({"routing": routing} if routing is not None else {}),
         **({"problems": problems} if problems else {}),
+        **({"bad_audio": bad_audio} if bad_audio else {}),
         **({"error": snapshot.error} if snapshot.error else {}),
     }
 
@@ -165,10 +171,12 @@ def build_app(
     policy: PolicyFile | None = None,
     fanout: FanOut | None = None,
     voice_map: dict[str, str] | None = None,
+    ui: bool = True,
 ) -> Any:
     """The FastAPI app: ``/ping``, ``/v1/tts``, the OpenAI-compatible routes
-    (``openai_api``) and the Gradio UI at ``/``; with a ``policy``, all but ``/ping``
-    behind the gate (``gate.py``). ``fanout``: where long texts' segments go."""
+    (``openai_api``) and the Gradio UI at ``/`` (``ui=False``, --no-ui: no Gradio imported,
+    ``/`` a 404 that names the API); with a ``policy``, all but ``/ping`` behind the gate
+    (``gate.py``). ``fanout``: where long texts' segments go."""
     engine, admission = pipeline.engine, pipeline.admission
     started = time.time() if started is None else started
     app = FastAPI(title="cosyvoice-lb instance", docs_url=None, redoc_url=None)
@@ -199,7 +207,8 @@ def build_app(
         if pipeline.router is not None:
             pipeline.router.publish()  # (the health loop's probe keeps the board fresh, e.g. a new board)
         snapshot = admission.snapshot()
-        body = ping_body(snapshot, engine_name or engine.name, port, started, pipeline.routing(), pipeline.problems())
+        problems, bad = pipeline.problems(), pipeline.watch.counts()
+        body = ping_body(snapshot, engine_name or engine.name, port, started, pipeline.routing(), problems, bad)
         return JSONResponse(body, status_code=200 if snapshot.ready else 503)
 
     # What nginx answers a public /ping with: ready or not, no process details.
@@ -301,10 +310,13 @@ def build_app(
             "and /v1/audio/voices",
         )
 
-    from cosyvoice_lb.instance.ui.app import mount_ui
+    if ui:
+        from cosyvoice_lb.instance.ui.app import mount_ui
 
-    app = mount_ui(app, pipeline, port, fanout)
-    app.add_middleware(UIErrors)  # (Gradio's refusals in the one shape)
+        app = mount_ui(app, pipeline, port, fanout)
+        app.add_middleware(UIErrors)  # (Gradio's refusals in the one shape)
+    else:
+        answer_without_ui(app)
     app.add_middleware(RequestMetrics, metrics=pipeline.metrics, segment_header=SEGMENT_HEADER)
     if policy is not None:
         app.add_middleware(Gate, policy=policy)
@@ -357,7 +369,7 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
     # GPU when CUDA_VISIBLE_DEVICES names one)
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() not in ("", "-1")
     slots = concurrency(settings.instance_concurrency, settings.resolved_engine, settings.load_vllm, gpu)
-    engine = create_engine(settings.resolved_engine, **{**asdict(settings), "concurrency": slots})
+    engine = create_engine(settings.resolved_engine, **{**asdict(settings), "concurrency": slots, "port": port})
     limits = Limits(
         max_chars=settings.max_chars,
         max_long_chars=settings.max_long_chars,
@@ -430,7 +442,15 @@ def main(argv: list[str] | None = None) -> None:
         )
         admission.on_change = pipeline.router.publish
     voice_map = parse_voice_map(settings.openai_voices)
-    app = build_app(pipeline, settings.resolved_engine, args.port, policy=policy, fanout=fanout, voice_map=voice_map)
+    app = build_app(
+        pipeline,
+        settings.resolved_engine,
+        args.port,
+        policy=policy,
+        fanout=fanout,
+        voice_map=voice_map,
+        ui=not settings.no_ui,
+    )
 
     def load() -> None:
         try:
@@ -443,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(3)
 
     threading.Thread(target=load, name="engine-load", daemon=True).start()
+    start_canary(settings.canary_interval, pipeline.admission, pipeline.watch, pipeline.canary)
     config = uvicorn.Config(
         app,
         host=args.host,

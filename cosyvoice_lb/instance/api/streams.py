@@ -8,7 +8,13 @@ server-sent events), watching the client: when it goes away the source is closed
 which stops a local synthesis at its next chunk and frees its engine slot.
 
 Every entry point makes the first chunk before answering, so a refused input is still a
-4xx/5xx rather than a stream that breaks off.
+4xx/5xx rather than a stream that breaks off. The same holds for bad audio: the pipeline
+checks every chunk before it comes out (``audio.check``), so a stream whose first chunk is
+bad (NaN, beyond ±1) is a 502 before any byte is sent, which nginx retries on another
+instance. Bad audio found later (a chunk, or the whole: silent, too short) cuts the stream
+off: a raw stream's connection ends without its final chunk, an SSE stream ends with an
+error event and no ``speech.audio.done``, and nothing is kept, so no client can take a
+stream with bad audio in it for a complete answer.
 
 Instance side: standard library, numpy and starlette.
 """

@@ -32,18 +32,21 @@ class Phase(str, enum.Enum):
     READY = "ready"
     DRAINING = "draining"
     FAILED = "failed"
+    BAD_AUDIO = "bad-audio"  # its warm-up or a canary made bad audio: out until restarted
 
 
 NOT_READY = {
     Phase.LOADING: "this instance is still loading its model: retry shortly",
     Phase.DRAINING: "this instance is shutting down: retry (another instance will answer)",
     Phase.FAILED: "this instance failed to load its model: see its log",
+    Phase.BAD_AUDIO: "this instance makes bad audio and waits to be restarted: retry (another instance will answer)",
     Phase.READY: "this instance is not ready: retry shortly",
 }
 
 
 class NotReady(RuntimeError):
-    """Loading, draining or failed: answered 503, so nginx tries another instance."""
+    """Loading, draining, failed or making bad audio: answered 503, so nginx tries another
+    instance."""
 
 
 class Overloaded(RuntimeError):
@@ -168,6 +171,17 @@ class Admission:
             self._phase = Phase.DRAINING
         self._changed()
         return first
+
+    def bad_audio(self, error: str) -> bool:
+        """Its warm-up or a canary made bad audio: out (``/ping`` says ``bad-audio`` with the
+        reason) until the health loop restarts it. False when it was draining or failed
+        already (it stays so)."""
+        with self._lock:
+            if self._phase in (Phase.DRAINING, Phase.FAILED):
+                return False
+            self._phase, self._error = Phase.BAD_AUDIO, error
+        self._changed()
+        return True
 
     def fail(self, error: str) -> None:
         with self._lock:

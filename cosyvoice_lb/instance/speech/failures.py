@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cosyvoice_lb.instance.audio.check import Fault
 from cosyvoice_lb.instance.audio.prompts import PromptError
 from cosyvoice_lb.instance.engines import EngineError, Unspeakable
 from cosyvoice_lb.instance.speech.admission import Cancelled, NotReady, Overloaded, TimedOut
@@ -20,6 +21,22 @@ from cosyvoice_lb.instance.speech.voices import VoiceNotFound
 
 class NoAudio(ValueError):
     """The model said nothing for this text (e.g. punctuation only)."""
+
+
+class BadAudio(RuntimeError):
+    """The synthesis failed the audio check (``audio.check``): NaN, beyond ±1, silent, or a
+    duration no voice has for its text. Answered 502, which nginx retries on another instance
+    (and a long text's coordinator sends again): the client never gets the bad audio. The
+    instance counts it and checks itself with a canary (see ``canary``)."""
+
+    def __init__(self, fault: Fault, port: int = 0):
+        where = f"instance {port}" if port else "this instance"
+        super().__init__(
+            f"{where} made bad audio for this request ({fault}): it was not sent; retry (another instance "
+            "answers, and one that keeps making bad audio is restarted); when every try fails so, the model "
+            "may not speak this text: reword it"
+        )
+        self.fault = fault
 
 
 class Declined(RuntimeError):
@@ -58,6 +75,8 @@ ERRORS: tuple[tuple[type[BaseException], Callable[[Any], Failure]], ...] = (
     (Overloaded, lambda e: Failure(503, str(e), {"Retry-After": "1"})),
     (Declined, lambda e: Failure(503, str(e), {"Retry-After": "1", "X-Cvlb-Declined": "1"})),
     (TimedOut, lambda e: Failure(504, str(e), level=logging.WARNING)),
+    # (502: nginx's proxy_next_upstream http_502 tries another instance)
+    (BadAudio, lambda e: Failure(502, str(e), level=logging.ERROR)),
     (NoAudio, lambda e: Failure(422, "the model produced no audio for this text: send words to speak")),
     # upstream checks its input with assert
     (AssertionError, lambda e: Failure(422, f"the model refused this input: {e}", level=logging.ERROR)),

@@ -9,7 +9,8 @@ At most ``parallel`` segments are out at a time, started in order; results come 
 order, each as soon as it and all before it are done.
 
 A segment that fails for a reason a retry can change (no instance answered, overloaded,
-a connection lost) is sent again, at most ``RETRIES`` more times, while the request has
+a connection lost, bad audio: 502 from an instance whose synthesis failed the audio check,
+once nginx's own retries are spent) is sent again, at most ``RETRIES`` more times, while the request has
 time left; any other failure (the input, a poison request, a text the engine cannot speak)
 ends the whole request with that segment's answer, naming the segment and its first words:
 audio with a sentence silently missing would pass for the whole. No segment is sent twice
@@ -40,7 +41,7 @@ log = logging.getLogger("cosyvoice_lb.instance")
 SEGMENT_HEADER = "X-Cvlb-Segment"  # "i/n": a segment of a long text (never split again)
 KEY_HEADER = "X-Cvlb-Segment-Key"  # proves to nginx that an instance sent it (credentials.write_segment_key)
 RETRIES = 2
-RETRY_STATUSES = frozenset({502, 503})
+RETRY_STATUSES = frozenset({502, 503})  # (502: also bad audio, see ``failures.BadAudio``)
 # The client's credentials (the segments are its work) and nginx's id of its request (a
 # segment's id is the request's with its number: one grep finds a long text's every line).
 FORWARDED = ("authorization", "cookie", "x-request-id")

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_lb.common.timeouts import WORKER_GRACE
+from cosyvoice_lb.instance.audio.check import AudioCheck, Fault
 from cosyvoice_lb.instance.audio.outputs import Outputs
 from cosyvoice_lb.instance.audio.prompts import read_prompt
 from cosyvoice_lb.instance.audio.wav import WavBuilder, wav_bytes, write_wav
@@ -41,7 +42,8 @@ from cosyvoice_lb.instance.speech.admission import (
     TimedOut,
     deadline_for,
 )
-from cosyvoice_lb.instance.speech.failures import Declined, NoAudio, StorageFailed
+from cosyvoice_lb.instance.speech.canary import CANARY_TEXT, AudioWatch, take_out
+from cosyvoice_lb.instance.speech.failures import BadAudio, Declined, NoAudio, StorageFailed
 from cosyvoice_lb.instance.speech.poison import Ledger, fingerprint
 from cosyvoice_lb.instance.speech.validation import (
     MAX_SPEED,
@@ -102,6 +104,7 @@ class Pipeline:
         self.ledger = ledger  # poison requests: see ``poison``
         self.registry = registry  # saved voices: see ``voices``
         self.metrics = metrics or Metrics(engine.name)
+        self.watch = AudioWatch(self.admission.clock, self.metrics.bad_audio)  # bad audio found (see ``canary``)
         self.rate = Rate()  # this engine's seconds per character, measured
         self.router: Router | None = None  # routing by work (see ``routing``); None: never declines
         self.storage_problem = ""  # why the last result could not be kept; "" once one was
@@ -160,7 +163,8 @@ class Pipeline:
 
     def load(self) -> None:
         """Load the engine, run one warm-up synthesis, then turn ready (unless a drain came
-        first: a drained instance never turns ready)."""
+        first: a drained instance never turns ready). Bad warm-up audio leaves it out, in the
+        ``bad-audio`` phase (see ``canary``)."""
         t0 = time.monotonic()
         self.engine.load()
         try:
@@ -168,8 +172,14 @@ class Pipeline:
         except BadRequest as exc:  # a cloning-only model and no bundled prompt to clone
             warm_up = None
             log.warning("no warm-up synthesis (%s): ready after loading only", exc)
-        if warm_up is not None and self.synthesize(Job(warm_up), count=False).size == 0:
-            raise EngineError("the warm-up synthesis returned no audio")
+        if warm_up is not None:
+            try:
+                if self.synthesize(Job(warm_up), count=False).size == 0:
+                    raise EngineError("the warm-up synthesis returned no audio")
+            except BadAudio as exc:  # not ready: /ping says bad-audio, and the health loop restarts it
+                take_out(self.admission, self.watch, exc.fault, "warm_up")
+                return
+            self.watch.good()
         if self.admission.become_ready():
             log.info(
                 "ready: engine %s loaded and warmed up in %.1fs (modes: %s)",
@@ -332,6 +342,9 @@ class Pipeline:
         Event): set when the client went away; the synthesis stops at its next chunk and
         frees the slot, counted neither served nor failed. ``count``: False for the warm-up,
         which is neither counted nor observed in the metrics.
+
+        Every chunk passes the audio check before it is yielded, and the whole at the end
+        (``audio.check``): bad audio raises :class:`BadAudio` (a request's is counted here).
         """
         ledger = self.ledger if job.fingerprint else None
         deaths = ledger.check(job.fingerprint) if ledger is not None else 0  # refused before it waits
@@ -351,6 +364,7 @@ class Pipeline:
             raise
         outcome: bool | None = None
         made: Iterator[Any] | None = None
+        check = AudioCheck(job.request.text, job.request.speed, self.engine.sample_rate)
         try:
             made = iter(self.engine.synthesize(job.request))
             resumed = clock()
@@ -365,6 +379,7 @@ class Pipeline:
                     )
                 ticket.handed_out()  # the engine made a chunk; now it is the reader's turn
                 audio = np.asarray(chunk, dtype=np.float32).reshape(-1)
+                self.refuse_bad(check.chunk(audio), count)
                 if metrics is not None and samples == 0 and audio.size:
                     metrics.first_chunk(job.route, clock() - (job.arrived or queued))
                 samples += audio.size
@@ -374,8 +389,10 @@ class Pipeline:
                 ticket.working()  # back in the engine: the stall clock runs from here
                 resumed = clock()
             working += clock() - resumed
+            self.refuse_bad(check.finish(), count)
             outcome = True
             if count:  # (not the warm-up: a first run's one-time costs would skew it)
+                self.watch.good()
                 self.rate.observe(chars, working)
             if metrics is not None:
                 metrics.completed(job.route, samples / self.engine.sample_rate, working)
@@ -395,6 +412,28 @@ class Pipeline:
                     # it ended, and this process lives: no evidence; spoken to the end, it
                     # clears the deaths its request was present at (see ``poison``)
                     ledger.leave(mark, spoken=outcome is True)
+
+    def refuse_bad(self, fault: Fault | None, count: bool) -> None:
+        """Bad audio is never answered: :class:`BadAudio` (502: nginx retries it elsewhere); a
+        request's is counted against the instance, and owes a canary (see ``canary``)."""
+        if fault is None:
+            return
+        if count:
+            self.watch.bad(fault, "request")
+            log.warning("bad audio not sent: %s", fault)
+        raise BadAudio(fault, self.port)
+
+    def canary(self) -> Fault | None:
+        """One canary synthesis (never counted as served): its audio's fault, or None."""
+        try:
+            request = self.complete(SynthesisRequest(text=CANARY_TEXT))
+        except BadRequest:  # a cloning-only model and no bundled prompt (as for the warm-up): nothing to say
+            return None
+        try:
+            self.synthesize(Job(request), count=False)
+        except BadAudio as exc:
+            return exc.fault
+        return None
 
     def synthesize(
         self, job: Job, *, bounded: bool = False, deadline: float | None = None, count: bool = True

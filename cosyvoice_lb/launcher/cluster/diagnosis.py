@@ -44,6 +44,10 @@ class InstanceStatus:
     spare: bool = False  # a warm spare: ready, out of rotation until an instance is taken out
     parked: bool = False  # a slot not started on purpose (for surges; scaled in)
     code: str = ""  # the digest of the staged code it runs (its /ping); "" while it does not answer
+    bad_audio: dict[str, int] = field(default_factory=dict)  # syntheses of this process that failed the audio check
+    bad_audio_restarts: int = 0  # restarts the health loop ordered for bad audio
+    audio_fault: str = ""  # the last bad audio that took it out (its /ping now, or the health loop's record)
+    audio_fault_at: float = 0.0  # when that was seen (epoch s)
 
     @property
     def serving(self) -> bool:
@@ -187,6 +191,10 @@ def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStat
     in_rotation = track.in_rotation and track.pid == (proc.pid if proc else None)
     failed = track.failed or ("failed: supervisord gave up starting it" if proc and proc.state == "FATAL" else "")
     parked = proc is not None and is_parked(proc.state, bool(failed))
+    fault, fault_at = track.bad_audio, track.bad_audio_at
+    if body.get("state") == "bad-audio":  # (out now: newer than anything the loop recorded)
+        fault, fault_at = str(body.get("error", "")) or "bad audio", seen.now
+    counts = body.get("bad_audio")
     return InstanceStatus(
         name=slot.name,
         port=slot.port,
@@ -206,6 +214,10 @@ def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStat
         spare=ready and not in_rotation and track.reason is OnPurpose.SPARE,
         parked=parked,
         code=str(body.get("code", "")),
+        bad_audio={str(k): int(v) for k, v in counts.items() if isinstance(v, int)} if isinstance(counts, dict) else {},
+        bad_audio_restarts=int(track.ordered.get("bad_audio", 0)),
+        audio_fault=fault,
+        audio_fault_at=fault_at,
     )
 
 
@@ -213,6 +225,13 @@ def instance_findings(result: ClusterStatus, item: InstanceStatus, body: dict) -
     """What is wrong with one instance (problems) or only worth saying (warnings), in place."""
     # (it serves, yet something is wrong there: e.g. its results are not kept, disk full)
     result.problems.extend(f"{item.name}: {problem}" for problem in body.get("problems", []) if item.ready)
+    if item.ready and item.bad_audio:
+        result.warnings.append(
+            f"{item.name} made bad audio {sum(item.bad_audio.values())} time(s) since it started ("
+            + ", ".join(f"{reason} {n}" for reason, n in sorted(item.bad_audio.items()))
+            + "): those answers were not sent (retried elsewhere); it serves while its canary passes, see "
+            f"'cosyvoice-lb logs {item.name}'"
+        )
     if item.failed:
         result.problems.append(
             f"{item.name} {item.failed}; see 'cosyvoice-lb logs {item.name}', fix the cause, "
@@ -220,6 +239,10 @@ def instance_findings(result: ClusterStatus, item: InstanceStatus, body: dict) -
         )
     elif item.parked or item.spare:  # on purpose: said in the pool line
         pass
+    elif body.get("state") == "bad-audio":
+        result.problems.append(
+            f"{item.name} makes bad audio ({item.audio_fault}): out of rotation, the health loop restarts it"
+        )
     elif item.state != "RUNNING" or not item.ready:
         result.problems.append(f"{item.name} is {item.state.lower()}{'' if item.ready else ', not ready'}")
     elif item.drained:  # on purpose: said, not a problem

@@ -58,6 +58,8 @@ class Track:
     failed_at: float = 0.0  # when (epoch s)
     ordered: dict[str, int] = field(default_factory=dict)  # restarts the loop ordered, by reason (RESTART_REASONS)
     crashes: int = 0  # starts no order explains (see count_crashes): only ever grows
+    bad_audio: str = ""  # what its /ping last said of bad audio (its warm-up's or a canary's), if ever
+    bad_audio_at: float = 0.0  # when the loop saw it (epoch s)
 
 
 def track_from_dict(saved: dict) -> Track:

@@ -59,8 +59,9 @@ def surge_rollout(c: Cluster, old: list[str], free: list[Slot], refresh: Refresh
     """Replace the ``old`` instances, ``len(free)`` at a time: start replacements on the
     ``free`` parked slots, wait until they serve, then drain the same number of old ones
     (out of rotation, idle) and stop them; their slots take the next replacements.
-    Returns "old -> new" for each. A replacement that cannot start stops the roll-out with
-    a :class:`ClusterError`: the old instances not yet replaced still serve."""
+    Returns "old -> new" for each. A replacement that cannot start, or whose warm-up makes bad
+    audio (NaN, silence: see the instance's ``audio.check``), stops the roll-out with a
+    :class:`ClusterError`: the old instances not yet replaced still serve."""
     surge = len(free)
     if not surge:
         raise ClusterError("a surge roll-out needs at least one parked slot with memory")
@@ -77,7 +78,7 @@ def surge_rollout(c: Cluster, old: list[str], free: list[Slot], refresh: Refresh
                 refresh(name)
                 c.supervisor.start(name)
             try:
-                serving_or_fail(c, batch, {})
+                serving_or_fail(c, batch, {}, bad_audio_fails=True)  # (bad audio: stop now, not after retries)
             except ClusterError as exc:
                 # (stopped through the loop, which counts the stop: its next start is no crash)
                 drain(c, batch, DrainAction.STOP)

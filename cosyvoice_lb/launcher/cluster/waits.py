@@ -87,9 +87,12 @@ def drain(c: Cluster, names: list[str], action: DrainAction) -> dict[str, int]:
     return running
 
 
-def serving_or_fail(c: Cluster, names: list[str], replacing: dict[str, int]) -> ClusterStatus:
-    """Wait for ``names`` (new processes) to serve; any of them failing is an error."""
-    current = wait_serving(c, names, replacing=replacing)
+def serving_or_fail(
+    c: Cluster, names: list[str], replacing: dict[str, int], bad_audio_fails: bool = False
+) -> ClusterStatus:
+    """Wait for ``names`` (new processes) to serve; any of them failing is an error (with
+    ``bad_audio_fails``, making bad audio once is failing: see :class:`Start`)."""
+    current = wait_serving(c, names, replacing=replacing, bad_audio_fails=bad_audio_fails)
     report = failure_report(c.layout, current, names, c.supervisor)
     if report:
         raise ClusterError("\n".join(report))
@@ -98,13 +101,17 @@ def serving_or_fail(c: Cluster, names: list[str], replacing: dict[str, int]) -> 
 
 @dataclass
 class Start:
-    """One wait for instances to serve: who, since when, and what was seen so far."""
+    """One wait for instances to serve: who, since when, and what was seen so far.
+    ``bad_audio_fails``: one that makes bad audio (its warm-up's, seen in its /ping or the
+    health loop's record) has failed at once, not only once the loop gives up on it after
+    --start-retries (a surge roll-out stops there, and keeps the old instances serving)."""
 
     names: list[str]
     replacing: dict[str, int]
     since: float  # epoch seconds: a failure the health loop recorded before this is not this start's
     served: set[str] = field(default_factory=set)  # seen serving once: done, even if recycled meanwhile
     failed: dict[str, str] = field(default_factory=dict)
+    bad_audio_fails: bool = False
 
     def note(self, current: ClusterStatus) -> list[InstanceStatus]:
         """Take in a status; the named instances still waited for."""
@@ -114,6 +121,8 @@ class Start:
             if item.available and item.pid != self.replacing.get(item.name):
                 self.served.add(item.name)
             recorded = item.failed if item.failed_at >= self.since or item.state == "FATAL" else ""
+            if not recorded and self.bad_audio_fails and item.audio_fault and item.audio_fault_at >= self.since:
+                recorded = f"failed: it made bad audio ({item.audio_fault})"
             if item.name not in self.failed and item.name not in self.served and recorded:
                 self.failed[item.name] = recorded
             item.failed = self.failed.get(item.name, "")
@@ -125,7 +134,11 @@ class Start:
 
 
 def wait_serving(
-    c: Cluster, names: list[str], poll: float = 0.25, replacing: dict[str, int] | None = None
+    c: Cluster,
+    names: list[str],
+    poll: float = 0.25,
+    replacing: dict[str, int] | None = None,
+    bad_audio_fails: bool = False,
 ) -> ClusterStatus:
     """Wait until each named instance serves (ready and in rotation; for ``replacing``,
     a process other than the pid given) or has failed, and nginx answers.
@@ -135,7 +148,7 @@ def wait_serving(
     done, even if it is recycled while the others are waited for. The others are still
     waited for; :class:`ClusterError` only when none of them serves.
     """
-    start = Start(names, replacing or {}, since=c.wall())
+    start = Start(names, replacing or {}, since=c.wall(), bad_audio_fails=bad_audio_fails)
     deadline = c.clock() + c.timeouts.serving
     answered = c.clock()
     while True:

@@ -18,7 +18,8 @@ from requests.adapters import HTTPAdapter
 
 @dataclass(frozen=True)
 class Probe:
-    """One ``/ping``: ``ready``, ``loading`` (503 while the model loads) or ``failed``."""
+    """One ``/ping``: ``ready``, ``loading`` (503 while the model loads), ``bad_audio`` (503:
+    its warm-up or a canary made bad audio; ``detail`` says how) or ``failed``."""
 
     status: str
     busy_seconds: float = 0.0
@@ -73,6 +74,9 @@ def read_ping(status_code: int, body: Any) -> Probe:
         )
     if status_code == 503 and body.get("state") == "loading":
         return Probe("loading")
+    if status_code == 503 and body.get("state") == "bad-audio":
+        error = body.get("error")
+        return Probe("bad_audio", detail=error[:300] if isinstance(error, str) and error else "bad audio")
     return Probe("failed", detail=f"/ping answered {status_code}")
 
 

@@ -22,8 +22,19 @@ ALIVE = ("RUNNING", "STARTING")
 # Why an instance was restarted, as the metrics count it: the loop orders all but "crash"
 # (supervisord brought back a process that exited on its own; counted from the starts file).
 # "replaced": new settings or a surge roll-out; "scaled_in": stopped by the elastic scaler
-# (either start that follows is explained by it, not a crash).
-RESTART_REASONS = ("crash", "hang", "probe_failures", "not_ready", "recycle", "requested", "replaced", "scaled_in")
+# (either start that follows is explained by it, not a crash); "bad_audio": its warm-up or a
+# canary made bad audio (NaN, silence...: see the instance's ``audio.check``).
+RESTART_REASONS = (
+    "crash",
+    "hang",
+    "probe_failures",
+    "not_ready",
+    "recycle",
+    "requested",
+    "replaced",
+    "scaled_in",
+    "bad_audio",
+)
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,8 @@ def judge(
             ready_starts=since,
             ordered=track.ordered,
             crashes=track.crashes,
+            bad_audio=track.bad_audio,
+            bad_audio_at=track.bad_audio_at,
         )
     if track.signalled_at:  # stopping after a planned stop: wait for it to go
         return Verdict(dataclasses.replace(track, in_rotation=False))
@@ -147,12 +160,10 @@ def judge(
             )
         )
     crashes = failed_starts(starts, track.ready_starts, alive=True)
+    if probe.status == "bad_audio":
+        return _bad_audio(track, probe.detail, crashes, policy, now)
     if not track.ever_ready and crashes > policy.start_retries:
-        return _give_up(
-            track,
-            f"it was started {crashes + 1} times without getting ready (--start-retries {policy.start_retries})",
-            now,
-        )
+        return _give_up(track, _never_ready(crashes, policy), now)
     if loading:  # still loading its model (or not listening yet): never killed for being slow
         return Verdict(dataclasses.replace(track, in_rotation=False, fails=0, goods=0, reason="loading"))
     if probe.status == "loading":
@@ -166,6 +177,20 @@ def judge(
     if fails >= policy.fail_threshold:
         return _restart(track, f"{fails} probes failed in a row: {probe.detail}", "probe_failures")
     return Verdict(dataclasses.replace(track, fails=fails, goods=0))
+
+
+def _never_ready(crashes: int, policy: Policy) -> str:
+    return f"it was started {crashes + 1} times without getting ready (--start-retries {policy.start_retries})"
+
+
+def _bad_audio(track: Track, detail: str, crashes: int, policy: Policy, now: float) -> Verdict:
+    """Its warm-up or a canary made bad audio: out of rotation and restarted at once (no
+    --fail-threshold to wait for: the instance itself says so). A new process whose warm-up
+    does is a failed start: after --start-retries it is given up on, as a crash loop is."""
+    track = dataclasses.replace(track, bad_audio=detail, bad_audio_at=now)
+    if not track.ever_ready and crashes > policy.start_retries:
+        return _give_up(track, f"{_never_ready(crashes, policy)}; it made bad audio: {detail}", now)
+    return _restart(track, f"it made bad audio: {detail}", "bad_audio")
 
 
 def recycle_due(track: Track, probe: Probe, memory: int, policy: Policy) -> str:

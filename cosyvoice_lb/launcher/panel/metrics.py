@@ -99,7 +99,7 @@ def families(view: ClusterView) -> list[Family]:
         "cosyvoice_lb_instance_restarts",
         "Restarts of the instance by reason: crash (exited on its own), hang, probe_failures, not_ready, "
         "recycle (--max-requests, --max-memory), requested (restart), replaced (new settings, surge roll-outs), "
-        "scaled_in (stopped by elastic scaling).",
+        "scaled_in (stopped by elastic scaling), bad_audio (its warm-up or a canary made bad audio).",
         labels=["name", "reason"],
     )
     inflight = _gauge("cosyvoice_lb_instance_in_flight", "Syntheses the instance runs now.", ["name"])
