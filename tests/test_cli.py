@@ -196,12 +196,33 @@ def test_plan_uses_a_calibrated_footprint_and_says_so(state_dir):
         json.dumps({"cosyvoice3": {"gpu_bytes": 3 * 2**30, "peak_bytes": 2**30, "when": "2026-11-29 20:00"}})
     )
     plan = json.loads(
-        cli_here("plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--state-dir", str(state_dir)).stdout
+        cli_here(
+            "plan",
+            "--json",
+            "--gpus",
+            "24GiB",
+            "--model-dir",
+            model,
+            "--instance-concurrency",
+            "1",
+            "--state-dir",
+            str(state_dir),
+        ).stdout
     )
     assert plan["footprint_source"].startswith("calibrated") and len(plan["slots"]) == 7  # 23 GiB // 3 GiB
     flagged = json.loads(
         cli_here(
-            "plan", "--json", "--gpus", "24GiB", "--model-dir", model, "--load-trt", "--state-dir", str(state_dir)
+            "plan",
+            "--json",
+            "--gpus",
+            "24GiB",
+            "--model-dir",
+            model,
+            "--load-trt",
+            "--instance-concurrency",
+            "1",
+            "--state-dir",
+            str(state_dir),
         ).stdout
     )
     assert flagged["footprint_source"] == "default" and len(flagged["slots"]) == 2  # 23 // 9.5: other flags
@@ -300,7 +321,7 @@ def test_plan_shows_each_slots_role_at_up():
         "plan", "--gpus", "24GiB", "--instances", "2", "--min-instances", "1", "--spares", "1", "--surge", "2"
     )
     assert done.returncode == 0, done.stderr
-    roles = [line.split("│")[5].strip() for line in done.stdout.splitlines() if "instance-" in line]
+    roles = [line.split("│")[5].strip() for line in done.stdout.splitlines() if line.startswith("│ instance-")]
     # one 24 GiB card holds 4: the surge gets 1 of the 2 asked for, and the plan says so
     assert roles == ["serving", "warm spare", "parked (elastic)", "parked (surge)"]
     assert "--surge 2: room for 1 parked slot(s)" in done.stdout

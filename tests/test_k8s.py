@@ -39,7 +39,7 @@ CRDS = {
     "PrometheusRule": "monitoring.coreos.com/",
     "ScaledObject": "keda.sh/",
 }
-V3 = Settings(engine="cosyvoice3", model_dir="/models/cv3", max_chars=300, drain_timeout=40)
+V3 = Settings(engine="cosyvoice3", model_dir="/models/cv3", max_chars=300, drain_timeout=40, instance_concurrency="1")
 # Every option of the pod's own: TLS, the pod network, the size, the place, the pull policy.
 EVERYTHING = Deployment(
     model_volume="models",

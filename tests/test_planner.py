@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from conftest import ROOT
 
-from cosyvoice_lb.common.sizes import GiB, MiB
+from cosyvoice_lb.common.concurrency import auto_concurrency, explain
+from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.common.sizes import GiB, MiB, format_size
+from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
+from cosyvoice_lb.launcher.plan import figures
+from cosyvoice_lb.launcher.plan.explain import device_lines
+from cosyvoice_lb.launcher.plan.footprint import budget_for, concurrency_reasons
 from cosyvoice_lb.launcher.plan.gpu import parse_gpus
-from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, Plan, PlanError, Slot, plan
+from cosyvoice_lb.launcher.plan.planner import (
+    Budget,
+    Gpu,
+    Inventory,
+    Plan,
+    PlanError,
+    Slot,
+    VllmShare,
+    plan,
+    startable,
+    with_own_slots,
+)
+
+FAKE_MODEL = ROOT / "tests" / "fake_models" / "Fun-CosyVoice3-0.5B"
 
 
 def cards(*sizes_gib: float, free_gib: tuple[float, ...] | None = None) -> Inventory:
@@ -385,13 +406,26 @@ def test_as_dict_json_shape():
     p = plan(cards(24, 12), budget(max_instances=3))
     data = json.loads(json.dumps(p.as_dict()))  # survives JSON unchanged
     assert data == p.as_dict()
-    assert set(data) == {"slots", "mode", "capacity", "devices", "notes", "serving", "spares", "min_serving", "surge"}
-    assert data["mode"] == "gpu" and data["capacity"] == 3
+    assert set(data) == {
+        "slots",
+        "mode",
+        "capacity",
+        "devices",
+        "notes",
+        "serving",
+        "spares",
+        "min_serving",
+        "surge",
+        "syntheses",
+    }
+    assert data["mode"] == "gpu" and data["capacity"] == 3 and data["syntheses"] == 3
+    one = {"memory": 5 * GiB, "concurrency": 1, "vllm_memory": 0.0}
     assert data["slots"] == [
-        {"name": "instance-0", "index": 0, "port": 7860, "gpu": 0, "memory": 5 * GiB, "device": "gpu0"},
-        {"name": "instance-1", "index": 1, "port": 7861, "gpu": 1, "memory": 5 * GiB, "device": "gpu1"},
-        {"name": "instance-2", "index": 2, "port": 7862, "gpu": 0, "memory": 5 * GiB, "device": "gpu0"},
+        {"name": "instance-0", "index": 0, "port": 7860, "gpu": 0, "device": "gpu0", **one},
+        {"name": "instance-1", "index": 1, "port": 7861, "gpu": 1, "device": "gpu1", **one},
+        {"name": "instance-2", "index": 2, "port": 7862, "gpu": 0, "device": "gpu0", **one},
     ]
+    each = {"concurrency": 1, "asked": 1, "each": 5 * GiB, "vllm_memory": 0.0}
     assert data["devices"] == [
         {
             "device": "gpu0",
@@ -401,6 +435,7 @@ def test_as_dict_json_shape():
             "by_free": 4,
             "fits": 2,
             "limit": "max-instances",
+            **each,
         },
         {
             "device": "gpu1",
@@ -410,6 +445,7 @@ def test_as_dict_json_shape():
             "by_free": 2,
             "fits": 1,
             "limit": "max-instances",
+            **each,
         },
     ]
     assert data["notes"] == ["capped at --max-instances 3 (room for 6)"]
@@ -459,8 +495,258 @@ def test_a_running_cluster_counts_its_own_memory_as_free_when_re_planned():
 
 def test_vllm_reserves_a_share_of_each_card():
     # vLLM takes 0.2 x the card per instance on top of the rest: bigger cards, bigger slots.
-    b = Budget(gpu_footprint=5 * GiB, host_footprint=512 * MiB, reserve=1 * GiB, gpu_fraction=0.2)
+    b = Budget(gpu_footprint=5 * GiB, host_footprint=512 * MiB, reserve=1 * GiB, vllm=VllmShare(given=0.2))
     p = plan(cards(24, 80), b)
     per_card = {s.gpu: s.memory for s in p.slots}
     assert per_card == {0: 5 * GiB + int(0.2 * 24 * GiB), 1: 5 * GiB + int(0.2 * 80 * GiB)}
     assert [f.fits for f in p.fits] == [2, 3]  # 23 GiB // 9.8 GiB, 79 GiB // 21 GiB
+    assert {s.vllm_memory for s in p.slots} == {0.2}
+
+
+# --- processes x concurrency: footprints per synthesis, vLLM's share, auto ------------------
+
+
+def cv3(tmp_path, **given) -> Settings:
+    """CosyVoice3 settings with a state dir of their own (no calibration there unless a test writes one)."""
+    return Settings(engine="cosyvoice3", state_dir=str(tmp_path), **given)
+
+
+def budget_of(settings: Settings) -> Budget:
+    return budget_for(settings, layout_for(settings))[0]
+
+
+H200 = cards(141)
+
+
+def test_one_more_synthesis_costs_its_activations_and_with_tensorrt_its_context_too():
+    plain = Budget(5 * GiB, 512 * MiB, gpu_per_synthesis=GiB, host_per_synthesis=256 * MiB)
+    assert [plain.on_card(Gpu(0, 24 * GiB, 24 * GiB), n) for n in (1, 2, 8)] == [5 * GiB, 6 * GiB, 12 * GiB]
+    assert [plain.on_host(n) for n in (1, 2, 3)] == [512 * MiB, 768 * MiB, GiB]
+    # a footprint measured at 4 at once covers fewer, and grows past it
+    measured = Budget(7 * GiB, 512 * MiB, gpu_per_synthesis=GiB, footprint_at=4)
+    assert [measured.rest(n) for n in (1, 4, 5, 8)] == [7 * GiB, 7 * GiB, 8 * GiB, 11 * GiB]
+
+
+@pytest.mark.parametrize(
+    "engine, flags, on_gpu, on_cpu",
+    [
+        ("cosyvoice3", {}, 2, 1),
+        ("cosyvoice3", {"load_vllm": True}, 8, 1),
+        ("cosyvoice3", {"load_trt": True}, 2, 1),
+        ("cosyvoice3", {"fp16": True}, 2, 1),
+        ("espeak", {}, 1, 1),
+        ("simulated", {}, 1, 1),
+    ],
+)
+def test_auto_concurrency_per_engine_and_flags_on_a_gpu_and_a_cpu_slot(tmp_path, engine, flags, on_gpu, on_cpu):
+    settings = Settings(engine=engine, state_dir=str(tmp_path), **flags)
+    gpu_plan = plan(H200, budget_of(settings))
+    assert {s.concurrency for s in gpu_plan.slots} == {on_gpu} == {auto_concurrency(engine, **flags_of(flags))}
+    cpu_plan = plan(cpu_box(cores=4), budget_of(settings))
+    assert {s.concurrency for s in cpu_plan.slots} == {on_cpu}
+    assert {s.vllm_memory for s in cpu_plan.slots} == {0.0}  # (no vLLM without a GPU)
+
+
+def flags_of(flags: dict) -> dict:
+    return {"load_vllm": flags.get("load_vllm", False), "gpu": True}
+
+
+def test_auto_and_its_reasons_are_the_documented_table():
+    assert [auto_concurrency("cosyvoice3", vllm, gpu) for vllm, gpu in ((False, True), (True, True))] == [2, 8]
+    assert auto_concurrency("cosyvoice3", True, gpu=False) == auto_concurrency("espeak") == 1
+    assert explain("auto", "cosyvoice3", True) == "--instance-concurrency auto = 8 with --load-vllm"
+    assert explain("auto", "cosyvoice3") == "--instance-concurrency auto = 2 for cosyvoice3 on a GPU"
+    assert explain("auto", "cosyvoice3", gpu=False) == "--instance-concurrency auto = 1 without a GPU"
+    assert explain("auto", "espeak") == "--instance-concurrency auto = 1 for espeak"
+    assert explain(" 4 ", "cosyvoice3", True) == "--instance-concurrency 4"
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_an_explicit_concurrency_reaches_every_slot_gpu_or_cpu(tmp_path, n):
+    settings = cv3(tmp_path, instance_concurrency=str(n))
+    assert {s.concurrency for s in plan(cards(80, 80), budget_of(settings)).slots} == {n}
+    assert {s.concurrency for s in plan(cpu_box(cores=2, ram_gib=512), budget_of(settings)).slots} == {n}
+
+
+def test_the_default_footprint_grows_with_the_syntheses_and_fewer_processes_fit(tmp_path):
+    per = figures.GPU_PER_SYNTHESIS
+    for n, fits in ((1, 4), (2, 3), (4, 2), (8, 1)):  # 23 GiB // (5 GiB + (n - 1) x 1 GiB)
+        p = plan(cards(24), budget_of(cv3(tmp_path, instance_concurrency=str(n))))
+        assert [s.memory for s in p.slots] == [5 * GiB + (n - 1) * per] * fits
+    # one TensorRT context per synthesis at once: 9.5 GiB at one, 5.5 GiB more each
+    trt = budget_of(cv3(tmp_path, load_trt=True, instance_concurrency="3"))
+    assert trt.on_card(Gpu(0, 80 * GiB, 80 * GiB), 3) == 5 * GiB + 3 * figures.TRT_PER_CONTEXT + 2 * per
+    # CPU slots: CosyVoice3's activations in RAM, 1 GiB a synthesis more
+    cpu = plan(cpu_box(cores=8, ram_gib=64), budget_of(cv3(tmp_path, instance_concurrency="3")))
+    assert {s.memory for s in cpu.slots} == {6 * GiB + 2 * figures.HOST_PER_SYNTHESIS["cosyvoice3"]}
+
+
+def test_an_explicit_concurrency_that_fits_no_card_is_refused_naming_it(tmp_path):
+    with pytest.raises(PlanError, match=r"gpu0: no instance fits .* per instance at 12 syntheses"):
+        plan(cards(12), budget_of(cv3(tmp_path, instance_concurrency="12")))
+
+
+def test_auto_is_lowered_on_a_card_that_cannot_hold_one_instance_at_it(tmp_path):
+    # TensorRT at 2: 5 + 4.5 x 2 + 1 = 15 GiB > 11 GiB usable on a 12 GiB card; at 1, 9.5 GiB
+    small, big = plan(cards(12, 24), budget_of(cv3(tmp_path, load_trt=True))).fits
+    assert (small.concurrency, small.asked, small.fits, small.each) == (1, 2, 1, int(9.5 * GiB))
+    assert (big.concurrency, big.fits) == (2, 1)
+    # an explicit number is never lowered: that card holds none at it
+    with pytest.raises(PlanError, match="gpu0: no instance fits"):
+        plan(cards(12), budget_of(cv3(tmp_path, load_trt=True, instance_concurrency="2")))
+    # a busy card lowers it too: what is free now counts, as for how many fit
+    busy = plan(cards(24, free_gib=(10,)), budget_of(cv3(tmp_path, load_trt=True)))
+    assert (busy.slots[0].concurrency, len(busy.slots)) == (1, 1)
+
+
+def test_the_vllm_share_is_planned_for_the_syntheses_and_the_card(tmp_path):
+    share = budget_of(cv3(tmp_path, load_vllm=True)).vllm
+    assert share is not None and share.given == 0.0
+    kv = figures.VLLM_KV_PER_TOKEN
+    # weights + activations + a KV cache of at least one 32,768-token sequence, + 10 %
+    assert share.needs(1) == share.needs(8) == int((2 * GiB + 32768 * kv) * 1.1 + 0.5)
+    assert share.needs(16) == int((2 * GiB + 16 * 4096 * kv) * 1.1 + 0.5)  # past 8, a sequence each
+    p = plan(cards(141, 24), budget_of(cv3(tmp_path, load_vllm=True)))
+    shares = {f.device: f.vllm_memory for f in p.fits}
+    assert shares == {"gpu0": share.planned(141 * GiB, 8), "gpu1": share.planned(24 * GiB, 8)}
+    # rounded up to 0.001 of the card: never less than vLLM needs
+    assert shares["gpu0"] * 141 * GiB >= share.needs(8) > (shares["gpu0"] - 0.001) * 141 * GiB
+    assert {s.vllm_memory for s in p.slots if s.gpu == 0} == {shares["gpu0"]}
+    # each instance: vLLM's share + the model outside it (5 GiB, vLLM's own process 1 GiB, 7 more syntheses)
+    rest = 5 * GiB + figures.VLLM_OUTSIDE + 7 * figures.GPU_PER_SYNTHESIS
+    assert {s.memory for s in p.slots if s.gpu == 0} == {rest + int(shares["gpu0"] * 141 * GiB)}
+
+
+def test_more_vllm_instances_fit_an_h200_than_upstreams_fifth_of_the_card_allows(tmp_path):
+    for n in ("1", "8"):
+        planned = plan(H200, budget_of(cv3(tmp_path, load_vllm=True, instance_concurrency=n)))
+        upstream = plan(H200, budget_of(cv3(tmp_path, load_vllm=True, instance_concurrency=n, vllm_memory=0.2)))
+        assert len(upstream.slots) <= 4 < len(planned.slots)  # 0.2 each: four at most, on any card
+        assert {s.vllm_memory for s in upstream.slots} == {0.2}
+    at_eight = plan(H200, budget_of(cv3(tmp_path, load_vllm=True)))
+    assert (len(at_eight.slots), at_eight.syntheses) == (8, 64)  # 140 GiB // 15.7 GiB, x 8
+
+
+def test_a_given_vllm_share_is_used_and_counted(tmp_path):
+    p = plan(cards(80), budget_of(cv3(tmp_path, load_vllm=True, vllm_memory=0.3)))
+    rest = 5 * GiB + figures.VLLM_OUTSIDE + 7 * figures.GPU_PER_SYNTHESIS
+    assert {(s.vllm_memory, s.memory) for s in p.slots} == {(0.3, rest + int(0.3 * 80 * GiB))}
+    assert len(p.slots) == 79 * GiB // (rest + int(0.3 * 80 * GiB))
+    assert p.notes == ()
+
+
+def test_a_vllm_share_too_large_for_one_instance_is_refused_with_the_planned_one(tmp_path):
+    share = budget_of(cv3(tmp_path, load_vllm=True)).vllm
+    assert share is not None
+    with pytest.raises(PlanError) as refused:
+        plan(cards(24), budget_of(cv3(tmp_path, load_vllm=True, vllm_memory=0.8)))
+    message = str(refused.value)
+    assert "--vllm-memory 0.8 reserves 19.2 GiB of gpu0's 24.0 GiB" in message
+    assert "not even one instance fits" in message and "give 0 to have it planned" in message
+    assert f"({share.planned(24 * GiB, 8):g} of this card for 8 syntheses at once)" in message
+    # 0.6 leaves room for one instance at 3 (6 GiB + 2 x 1 GiB + 14.4 GiB): auto comes down to it
+    lowered = plan(cards(24), budget_of(cv3(tmp_path, load_vllm=True, vllm_memory=0.6)))
+    assert [(s.concurrency, s.vllm_memory) for s in lowered.slots] == [(3, 0.6)]
+
+
+def test_a_vllm_share_below_what_vllm_needs_is_noted(tmp_path):
+    p = plan(cards(24), budget_of(cv3(tmp_path, load_vllm=True, vllm_memory=0.01)))
+    assert any("--vllm-memory 0.01 gives each vLLM 246 MiB" in n and "may refuse to start" in n for n in p.notes)
+
+
+def test_a_given_footprint_holds_the_whole_instance_vllm_share_included(tmp_path):
+    p = plan(cards(80), budget_of(cv3(tmp_path, load_vllm=True, footprint="10GiB")))
+    assert {s.memory for s in p.slots} == {10 * GiB} and len(p.slots) == 7
+    assert {s.vllm_memory for s in p.slots} == {budget_of(cv3(tmp_path, load_vllm=True)).vllm.planned(80 * GiB, 8)}
+    over = plan(cards(80), budget_of(cv3(tmp_path, load_vllm=True, footprint="10GiB", vllm_memory=0.2)))
+    assert any("more than --footprint's 10.0 GiB" in n for n in over.notes)
+
+
+def calibrate_entry(tmp_path, key: str, entry: dict) -> None:
+    (tmp_path / "run").mkdir(exist_ok=True)
+    (tmp_path / "run" / "footprint.json").write_text(json.dumps({key: entry}))
+
+
+def test_a_calibration_counts_at_the_concurrency_it_ran_and_grows_past_it(tmp_path):
+    calibrate_entry(tmp_path, "cosyvoice3", {"gpu_bytes": 7 * GiB, "peak_bytes": 6 * GiB, "concurrency": 4})
+    budget, source = budget_for(cv3(tmp_path), Layout(tmp_path))
+    assert source.startswith("calibrated") and source.endswith("at 4 at once")
+    assert [budget.rest(n) for n in (2, 4, 6)] == [7 * GiB, 7 * GiB, 9 * GiB]
+    # written before it ran several at once: one at a time
+    calibrate_entry(tmp_path, "cosyvoice3", {"gpu_bytes": 3 * GiB})
+    assert budget_of(cv3(tmp_path)).rest(2) == 4 * GiB
+
+
+def test_a_vllm_calibration_counts_vllms_reservation_apart(tmp_path):
+    entry = {"gpu_bytes": 0, "peak_bytes": 30 * GiB, "concurrency": 8, "vllm_memory": 0.1, "gpu_total": 80 * GiB}
+    calibrate_entry(tmp_path, "cosyvoice3+load_vllm", entry)
+    budget, source = budget_for(cv3(tmp_path, load_vllm=True), Layout(tmp_path))
+    assert budget.rest(8) == int(22 * GiB * 1.1) and "vLLM's reservation apart" in source
+    gpu = Gpu(0, 141 * GiB, 141 * GiB)
+    assert budget.on_card(gpu, 8) == budget.rest(8) + int(budget.vllm_fraction(gpu, 8) * gpu.total)
+    # one from before --vllm-memory holds upstream's 0.2 of a card it does not name: not used
+    calibrate_entry(tmp_path, "cosyvoice3+load_vllm", {"gpu_bytes": 30 * GiB, "peak_bytes": 27 * GiB})
+    assert budget_for(cv3(tmp_path, load_vllm=True), Layout(tmp_path))[1] == "default"
+
+
+def test_startable_counts_each_slots_memory_at_its_concurrency(tmp_path):
+    budget = budget_of(cv3(tmp_path, load_vllm=True))
+    full = plan(H200, budget, instances=3, surge=5)
+    running, parked = full.slots[:3], full.slots[3:]
+    box = with_own_slots(
+        Inventory((Gpu(0, 141 * GiB, 141 * GiB - 3 * running[0].memory),), 16, 64 * GiB, 64 * GiB), running
+    )
+    assert startable(box, budget, running, parked) == list(parked)
+    tight = Inventory((Gpu(0, 141 * GiB, 141 * GiB - 7 * running[0].memory),), 16, 64 * GiB, 64 * GiB)
+    assert startable(with_own_slots(tight, running), budget, running, parked) == list(parked[:1])
+
+
+# --- the plan in words ------------------------------------------------------------------------
+
+
+def test_each_gpu_gets_a_line_with_its_processes_syntheses_share_and_why(tmp_path):
+    settings = cv3(tmp_path, load_vllm=True)
+    p = plan(cards(141, 24, free_gib=(141, 2)), budget_of(settings))
+    share = p.fits[0].vllm_memory
+    each = format_size(p.fits[0].each)
+    reasons = concurrency_reasons(settings)
+    gpu0, gpu1 = device_lines(p, reasons)
+    assert gpu0 == (
+        f"GPU 0: 8 processes x 8 syntheses = 64 at once (vLLM {share:g} of 141.0 GiB each, {each} per process; "
+        "--instance-concurrency auto = 8 with --load-vllm)"
+    )
+    assert gpu1.startswith("GPU 1: no process: one at 1 synthesis takes ")
+    assert "2.0 GiB free of 24.0 GiB" in gpu1 and "lowered to 1 for one process to fit this card" in gpu1
+
+
+def test_the_cpu_line_and_an_explicit_number_say_so(tmp_path):
+    settings = cv3(tmp_path, instance_concurrency="3")
+    p = plan(cpu_box(cores=2, ram_gib=64), budget_of(settings))
+    (line,) = device_lines(p, concurrency_reasons(settings))
+    assert line == "CPU: 2 processes x 3 syntheses = 6 at once (8.0 GiB per process; --instance-concurrency 3)"
+    one = plan(cpu_box(cores=1), budget())
+    assert device_lines(one, {})[0] == "CPU: 1 process x 1 synthesis = 1 at once (512 MiB per process)"
+
+
+def test_plan_shows_processes_times_syntheses_in_its_table_its_lines_and_its_json(tmp_path):
+    from conftest import cli_here
+
+    args = ("plan", "--gpus", "141GiB,141GiB", "--engine", "cosyvoice3", "--load-vllm", "--state-dir", str(tmp_path))
+    shown = cli_here(*args, "--model-dir", str(FAKE_MODEL))
+    assert shown.returncode == 0, shown.stderr
+    rows = [line.split("│") for line in shown.stdout.splitlines() if line.startswith("│ instance-")]
+    assert len(rows) == 16 and {(r[6].strip(), r[7].strip()) for r in rows} == {("8", f"{rows_share(tmp_path):g}")}
+    for gpu in (0, 1):
+        assert f"GPU {gpu}: 8 processes x 8 syntheses = 64 at once (vLLM {rows_share(tmp_path):g} of 141.0 GiB" in (
+            shown.stdout
+        )
+    data = json.loads(cli_here(*args, "--model-dir", str(FAKE_MODEL), "--json").stdout)
+    assert data["syntheses"] == 128 and data["concurrency"]["gpu"] == "--instance-concurrency auto = 8 with --load-vllm"
+    assert {(s["concurrency"], s["vllm_memory"]) for s in data["slots"]} == {(8, rows_share(tmp_path))}
+    assert data["reasoning"] == [line for line in shown.stdout.splitlines() if re.match(r"GPU \d+: ", line)]
+
+
+def rows_share(tmp_path) -> float:
+    share = budget_of(cv3(tmp_path, load_vllm=True)).vllm
+    assert share is not None
+    return share.planned(141 * GiB, 8)

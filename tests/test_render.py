@@ -31,7 +31,7 @@ from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import GiB, MiB
 from cosyvoice_lb.launcher.cluster import record
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, Roles, plan
+from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, Roles, VllmShare, plan
 from cosyvoice_lb.launcher.render.cluster import (
     MAX_SOCKET_PATH,
     Programs,
@@ -592,6 +592,19 @@ def test_a_record_of_0_1_reads_as_version_0_and_one_before_pools_serves_every_sl
     assert record.parse(json.dumps(data)).roles == Roles(serving=len(gpu_plan().slots))
 
 
+def test_the_record_keeps_each_slots_concurrency_and_vllm_share():
+    # (what a re-render from the record, e.g. a roll-out's, gives each instance)
+    cards = Inventory(gpus=(Gpu(0, 80 * GiB, 80 * GiB),), cpu_cores=8, ram_total=64 * GiB, ram_available=64 * GiB)
+    the_plan = plan(cards, Budget(5 * GiB, 512 * MiB, concurrency=4, vllm=VllmShare(given=0.25)))
+    text = record.dump(Settings(engine="cosyvoice3", model_dir="/m", load_vllm=True), the_plan)
+    assert record.parse(text).slots == the_plan.slots
+    assert {(s.concurrency, s.vllm_memory) for s in the_plan.slots} == {(4, 0.25)}
+    data = json.loads(text)
+    for slot in data["plan"]["slots"]:  # a record written before concurrency was planned
+        del slot["concurrency"], slot["vllm_memory"]
+    assert {(s.concurrency, s.vllm_memory) for s in record.parse(json.dumps(data)).slots} == {(1, 0.0)}
+
+
 # --- the real nginx accepts what we render --------------------------------------------------
 
 
@@ -1018,3 +1031,60 @@ def test_behind_a_trusted_proxy_the_client_is_the_forwarded_address_over_real_ht
             # no trusted proxies: a forwarded address is never the client
             claimed = session.get(url + "/ping", headers={"X-Forwarded-For": "203.0.113.9"}, timeout=10).json()
             assert claimed["path"] == "/ping" and claimed["real_ip"] == "127.0.0.1"
+
+
+# --- what the plan resolved reaches each instance's command line ------------------------------
+
+
+def instance_argvs(settings: Settings, the_plan) -> dict[str, list[str]]:
+    conf = supervisor_sections(rendered(settings=settings, the_plan=the_plan)["run/supervisord.conf"])
+    return {s.name: shlex.split(conf[f"program:{s.name}"]["command"]) for s in the_plan.slots}
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_each_instance_gets_its_slots_concurrency_and_vllm_share(tmp_path):
+    from cosyvoice_lb.common.instance_argv import parse_instance_args
+    from cosyvoice_lb.launcher.plan.footprint import budget_for
+
+    settings = Settings(engine="cosyvoice3", model_dir="/m", load_vllm=True, state_dir=str(tmp_path))
+    gpus = (Gpu(0, 141 * GiB, 141 * GiB), Gpu(1, 24 * GiB, 24 * GiB))
+    inventory = Inventory(gpus=gpus, cpu_cores=8, ram_total=64 * GiB, ram_available=64 * GiB)
+    the_plan = plan(inventory, budget_for(settings, Layout(tmp_path))[0])
+    # (a share of each card: the smaller card's is larger)
+    assert {s.vllm_memory for s in the_plan.slots if s.gpu == 0} != {s.vllm_memory for s in the_plan.slots if s.gpu}
+    argvs = instance_argvs(settings, the_plan)
+    for slot in the_plan.slots:
+        argv = argvs[slot.name]
+        assert flag_value(argv, "--instance-concurrency") == str(slot.concurrency)
+        assert flag_value(argv, "--vllm-memory") == f"{slot.vllm_memory:g}" and slot.vllm_memory > 0
+        parsed, _ = parse_instance_args(argv[2:])  # (what the instance reads back)
+        assert (parsed.instance_concurrency, parsed.vllm_memory) == (str(slot.concurrency), slot.vllm_memory)
+
+
+def test_a_given_vllm_share_and_a_plan_without_vllm_render_as_such():
+    cards = Inventory(gpus=(Gpu(0, 80 * GiB, 80 * GiB),), cpu_cores=8, ram_total=64 * GiB, ram_available=64 * GiB)
+    given = Settings(engine="cosyvoice3", model_dir="/m", load_vllm=True, vllm_memory=0.25)
+    with_share = plan(cards, Budget(5 * GiB, 512 * MiB, concurrency=4, vllm=VllmShare(given=0.25)))
+    for argv in instance_argvs(given, with_share).values():
+        assert (flag_value(argv, "--vllm-memory"), flag_value(argv, "--instance-concurrency")) == ("0.25", "4")
+    plain = Settings(engine="cosyvoice3", model_dir="/m")
+    for argv in instance_argvs(plain, plan(cards, Budget(5 * GiB, 512 * MiB, concurrency=2))).values():
+        assert flag_value(argv, "--instance-concurrency") == "2" and flag_value(argv, "--vllm-memory") == "0.0"
+    # an engine without vLLM's setting gets its concurrency alone
+    for argv in instance_argvs(Settings(engine="espeak"), cpu_plan()).values():
+        assert flag_value(argv, "--instance-concurrency") == "1" and "--vllm-memory" not in argv
+
+
+def test_the_rendered_concurrency_becomes_the_instances_admission_slots(tmp_path):
+    from cosyvoice_lb.common.instance_argv import parse_instance_args
+    from cosyvoice_lb.instance.server import build_pipeline
+
+    cards = Inventory(gpus=(Gpu(0, 80 * GiB, 80 * GiB),), cpu_cores=8, ram_total=64 * GiB, ram_available=64 * GiB)
+    the_plan = plan(cards, Budget(5 * GiB, 512 * MiB, concurrency=6), instances=1)
+    settings = Settings(engine="simulated", outputs_dir=str(tmp_path))
+    argv = instance_argvs(settings, the_plan)["instance-0"]
+    parsed, args = parse_instance_args(argv[2:])
+    assert build_pipeline(parsed, args.port).admission.concurrency == 6  # (not what auto is for simulated: 1)

@@ -18,6 +18,7 @@ from cosyvoice_lb.instance.routing.rule import (
     queue_load,
     request_key,
 )
+from cosyvoice_lb.instance.speech.admission import Admission
 
 NOW = 1000.0
 
@@ -203,3 +204,32 @@ def test_a_board_that_breaks_turns_the_router_to_least_connections(board, caplog
     router.publish()  # no exception: admission must go on
     assert not router.check("request-1", last=False).decline
     assert "routing board unusable" in caplog.text
+
+
+# --- an instance of N engine slots (--instance-concurrency N) -----------------------------------
+
+
+def test_with_eight_slots_a_request_waits_only_once_all_eight_are_taken():
+    running = [(NOW - i, 10.0) for i in range(7)]  # 7 syntheses of 10 s, started 0..6 s ago
+    assert queue_load(NOW, running, [], 8) == Backlog(NOW, False)  # one slot free: no wait
+    full = queue_load(NOW, [*running, (NOW, 10.0)], [], 8)
+    assert full.busy and full.until == pytest.approx(NOW + 4)  # the oldest frees first, in 4 s
+    # queued work takes the slots that free first, one each: 3 s behind the first two to free
+    queued = queue_load(NOW, [*running, (NOW, 10.0)], [3.0, 3.0], 8)
+    assert queued.until == pytest.approx(NOW + 6)  # (4 s + 3 s on one, 5 s + 3 s on another; next: 6 s)
+
+
+def test_an_eight_slot_instance_holding_seven_takes_what_a_one_slot_peer_holding_one_would_delay():
+    wide = Admission(8, clock=lambda: NOW)
+    tickets = [wide.admit(cost=10.0) for _ in range(7)]
+    assert wide.load() == Backlog(NOW, False)  # room for the eighth at once
+    narrow = Admission(1, clock=lambda: NOW)
+    held = narrow.admit(cost=2.0)
+    assert not decide(wide.load(), [Peer(1, narrow.load())], NOW, slack=0.05).decline
+    # with all eight taken it declines for the peer that frees sooner
+    tickets.append(wide.admit(cost=10.0))
+    decision = decide(wide.load(), [Peer(1, narrow.load())], NOW, slack=0.05)
+    assert decision.decline and decision.better == 1 and decision.wait == pytest.approx(10.0)
+    for ticket in [*tickets, held]:
+        ticket.release(None)
+    assert wide.load() == Backlog(NOW, False) and wide.concurrency == 8

@@ -60,12 +60,12 @@ def main() -> None:
 
 
 @main.command("plan")
-@options(*PLAN_OPTIONS)
+@options(*PLAN_OPTIONS, "instance_concurrency", "vllm_memory")  # (processes x syntheses each)
 @click.option(
     "--json", "as_json", is_flag=True, envvar="COSYVOICE_LB_JSON", show_envvar=True, help="Print the plan as JSON."
 )
 def plan_command(as_json: bool, **kwargs: Any) -> None:
-    """Show how many instances fit, on which device and port."""
+    """Show how many instances fit, on which device and port, and how many syntheses each runs."""
     settings = settings_from(kwargs)
     report = footprint.plan_report(settings)
     if as_json:

@@ -40,15 +40,17 @@ NONE = "—"  # a reading the card does not offer (or a CPU instance's GPU memor
 
 
 def print_plan(report: PlanReport, engine: str) -> None:
-    """`plan`: the instances planned, what fits on each device, and where the figures came from."""
+    """`plan`: the instances planned, what fits on each device, why each runs the syntheses it
+    does, and where the figures came from."""
     result = report.plan
+    vllm = any(slot.vllm_memory for slot in result.slots)
     table = Table(title=f"cosyvoice-lb plan: {len(result.slots)} instance(s), engine {engine}")
-    for column in ("instance", "device", "memory", "port", "role"):
+    for column in ("instance", "device", "memory", "port", "role", "syntheses", *(["vLLM share"] if vllm else [])):
         table.add_column(column)
     for slot, role in zip(result.slots, result.roles.at_up(len(result.slots))):
-        table.add_row(
-            slot.name, "cpu" if slot.gpu is None else f"gpu{slot.gpu}", format_size(slot.memory), str(slot.port), role
-        )
+        device = "cpu" if slot.gpu is None else f"gpu{slot.gpu}"
+        share = [f"{slot.vllm_memory:g}"] if vllm else []
+        table.add_row(slot.name, device, format_size(slot.memory), str(slot.port), role, str(slot.concurrency), *share)
     out.print(table)
     fits = Table(title="what fits per device")
     for column in ("device", "total", "free", "fits by total", "fits by free", "fits", "limited by"):
@@ -64,6 +66,8 @@ def print_plan(report: PlanReport, engine: str) -> None:
             fit.limit,
         )
     out.print(fits)
+    for line in report.reasoning:  # (unwrapped: one line per device)
+        out.print(line, highlight=False, soft_wrap=True)
     out.print(f"GPU inventory: {report.gpu_source}; footprint: {report.footprint_source}", highlight=False)
     for note in result.notes:
         out.print(f"note: {note}", highlight=False)
@@ -130,7 +134,8 @@ def up_lines(
     serving = len(current.instances) - failed
     return [
         f"cosyvoice-lb is up: {serving} instance(s) ready in {elapsed:.1f}s" + (f", {failed} failed" if failed else ""),
-        f"  UI and API: {current.url}/   (API: POST {current.url}/v1/tts, health: {current.url}/ping)",
+        f"  {'API (no UI: --no-ui)' if settings.no_ui else 'UI and API'}: {current.url}/   "
+        f"(API: POST {current.url}/v1/tts, health: {current.url}/ping)",
         f"  OpenAI-compatible: base_url {current.url}/v1   (POST /v1/audio/speech, saved voices: /v1/audio/voices)",
         f"  reachable: {reach(settings.listen_host, settings.port)}",
         *access,
@@ -157,6 +162,8 @@ def status_tables(current: ClusterStatus) -> list[Table]:
     table = Table(title=f"cosyvoice-lb at {current.url}")
     columns = ["name", "port", "device", "pid", "state", "ready", "in rotation", "restarts", "uptime", "code"]
     columns += ["GPU memory"] if with_gpus else []  # no empty GPU column on a box without one
+    with_bad = any(i.bad_audio or i.bad_audio_restarts for i in current.instances)
+    columns += ["bad audio"] if with_bad else []  # (only once an instance made some)
     for column in [*columns, "note"]:
         table.add_column(column)
     for i in current.instances:
@@ -173,6 +180,7 @@ def status_tables(current: ClusterStatus) -> list[Table]:
             code_cell(i.code, current.code),
         ]
         row += [format_size(i.gpu_memory) if i.gpu_memory else NONE] if with_gpus else []
+        row += [bad_audio_cell(i.bad_audio, i.bad_audio_restarts)] if with_bad else []
         table.add_row(*row, i.reason)
     services = [(name, getattr(current, name)) for name in SERVICES] + sorted(current.daemons.items())
     for name, info in services:
@@ -182,6 +190,14 @@ def status_tables(current: ClusterStatus) -> list[Table]:
     if not with_gpus:
         return [table]
     return [table, gpu_table(current)]
+
+
+def bad_audio_cell(counts: dict[str, int], restarts: int) -> str:
+    """Bad audio of an instance: its syntheses that failed the check (this process), by
+    reason, and the restarts the health loop ordered for it."""
+    found = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()))
+    again = f"{restarts} restart(s)" if restarts else ""
+    return "; ".join(part for part in (found, again) if part) or NONE
 
 
 def code_cell(runs: str, staged: str) -> str:

@@ -18,7 +18,7 @@ from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.planner import Plan, Roles, Slot
 
 VERSION = 1
-SLOT_FIELDS = ("name", "index", "port", "gpu", "memory")
+SLOT_FIELDS = ("name", "index", "port", "gpu", "memory", "concurrency", "vllm_memory")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,17 @@ def parse(text: str) -> ClusterRecord:
     a newer version added are ignored."""
     data = json.loads(text)
     plan = data["plan"]
-    slots = tuple(Slot(index=s["index"], port=s["port"], gpu=s["gpu"], memory=s["memory"]) for s in plan["slots"])
+    slots = tuple(
+        Slot(
+            index=s["index"],
+            port=s["port"],
+            gpu=s["gpu"],
+            memory=s["memory"],
+            concurrency=int(s.get("concurrency", 1)),  # (recorded before concurrency: one at a time)
+            vllm_memory=float(s.get("vllm_memory", 0.0)),
+        )
+        for s in plan["slots"]
+    )
     pool = plan.get("pool")
     roles = (
         Roles(serving=int(pool["serving"]), spares=int(pool["spares"]), min_serving=int(pool["min_serving"]))

@@ -18,10 +18,12 @@ from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import GiB, MiB
 from cosyvoice_lb.launcher.plan.host_memory import OVERHEAD, per_instance
 
-# Cores one instance keeps busy. cosyvoice3: its synthesis is a Python loop driving the GPU
-# (one core at --instance-concurrency 1) beside the HTTP server, the UI, the text frontend and
-# the encoding of results (about one more). espeak synthesizes on the CPU, one text at a time.
-# simulated only sleeps. --cpu-per-instance overrides.
+# Cores one instance keeps busy. cosyvoice3: its syntheses are Python threads driving the GPU
+# (about one core: at --instance-concurrency N they share the one interpreter lock, and the
+# text frontend runs one call at a time) beside the HTTP server, the UI and the encoding of
+# results (about one more). espeak synthesizes on the CPU, one text at a time. simulated only
+# sleeps. --cpu-per-instance overrides. How many instances a pod's GPU holds comes from the
+# plan (``manifests.instances_per_pod``), at the syntheses each runs: a pod is sized for them.
 CPU_PER_INSTANCE = {"cosyvoice3": 2.0, "espeak": 1.0, "simulated": 0.25}
 # nginx, supervisord, the health loop (a probe a second per instance), the panel, the launcher.
 CPU_OVERHEAD = 0.5

@@ -1,6 +1,8 @@
 """`cosyvoice-lb calibrate`: measure one instance's peak GPU memory on this box (NVML) and
 keep it as the footprint ``footprint`` plans with. Needs a GPU; starts a one-instance
-cluster of its own in a scratch state dir.
+cluster of its own in a scratch state dir, at the concurrency (and with --load-vllm the
+share of the card) the planner gives it, and keeps both with the figure: the planner adds
+its per-synthesis figure for more syntheses at once and counts vLLM's reservation apart.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import dataclasses
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import requests
@@ -20,13 +23,14 @@ from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.cluster.lifecycle import Progress, Report, down, up
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.health.probe import loopback_session
-from cosyvoice_lb.launcher.plan.footprint import flags_key
+from cosyvoice_lb.launcher.plan.footprint import flags_key, make_plan
 from cosyvoice_lb.launcher.render.disk import make_dirs
 
 
 def calibrate(settings: Settings, on_progress: Report = lambda p: None) -> dict:
-    """Measure one instance's peak GPU memory through load, warm-up and a full-length, a
-    streamed and a default request, and store it as the footprint `plan` and `up` use.
+    """Measure one instance's peak GPU memory through load, warm-up, as many full-length
+    requests at once as it runs syntheses, as many streamed ones, and a default request, and
+    store it as the footprint `plan` and `up` use.
 
     Per process through NVML (the instance and its children: vLLM's engine runs in one);
     where NVML's pids match nothing (containers), the card's used memory above what it
@@ -51,6 +55,7 @@ def calibrate(settings: Settings, on_progress: Report = lambda p: None) -> dict:
         base_port=settings.base_port + 1000,
     )
     card = gpus[0].index  # a one-instance plan pins it to the first card
+    slot = make_plan(trial)[0].slots[0]  # (what `up` plans for it: its concurrency and vLLM share)
     baseline = device_used(card)
     peak = {"process": 0, "device": 0}
     stop = threading.Event()
@@ -69,7 +74,6 @@ def calibrate(settings: Settings, on_progress: Report = lambda p: None) -> dict:
                 on_progress(Progress(0, 1, log_line))
             stop.wait(0.2)
 
-    session = loopback_session()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
@@ -78,10 +82,19 @@ def calibrate(settings: Settings, on_progress: Report = lambda p: None) -> dict:
         longest = ("This sentence is repeated to reach the longest text an instance accepts. " * 20)[
             : settings.max_chars
         ]
-        for text, streamed in ((longest, False), (longest, True), ("A short one.", False)):
-            body = {"text": text, "stream": streamed}
-            on_progress(Progress(0, 1, f"synthesizing ({len(text)} chars{', streamed' if streamed else ''})"))
-            session.post(url, json=body, timeout=settings.hang_timeout).raise_for_status()
+
+        def post(body: dict) -> None:
+            with loopback_session() as session:
+                session.post(url, json=body, timeout=settings.hang_timeout).raise_for_status()
+
+        at_once = slot.concurrency  # (as many as it runs at once: the peak they reach is its footprint)
+        for streamed in (False, True):
+            said = f"synthesizing {at_once} x {len(longest)} chars at once{', streamed' if streamed else ''}"
+            on_progress(Progress(0, 1, said))
+            with ThreadPoolExecutor(max_workers=at_once) as pool:
+                list(pool.map(post, [{"text": longest, "stream": streamed}] * at_once))
+        on_progress(Progress(0, 1, "synthesizing a short text"))
+        post({"text": "A short one.", "stream": False})
     except requests.RequestException as exc:
         raise ClusterError(f"calibration request failed: {exc}") from None
     finally:
@@ -97,6 +110,9 @@ def calibrate(settings: Settings, on_progress: Report = lambda p: None) -> dict:
         "gpu": gpus[0].name,
         "how": "per process" if peak["process"] else "card used memory above the baseline",
         "when": time.strftime("%Y-%m-%d %H:%M"),
+        "concurrency": slot.concurrency,
+        "gpu_total": gpus[0].total,
+        **({"vllm_memory": slot.vllm_memory} if slot.vllm_memory else {}),
     }
     try:
         stored = json.loads(layout.footprint_json.read_text())

@@ -1,42 +1,34 @@
-"""What one instance needs, and so what fits on this box: the engine's default footprint,
-what its flags add, what `calibrate` measured (run/footprint.json), or --footprint; then
-the plan for this box's inventory.
+"""What one instance needs, and so what fits on this box: the engine's default footprint
+(:mod:`~cosyvoice_lb.launcher.plan.figures`), what its flags and each synthesis at once add,
+what `calibrate` measured (run/footprint.json), or --footprint; with --load-vllm vLLM's
+share of the card (--vllm-memory, or planned); then the plan for this box's inventory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
+from cosyvoice_lb.common import checks
+from cosyvoice_lb.common.concurrency import concurrency, explain
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
+from cosyvoice_lb.launcher.plan import figures
+from cosyvoice_lb.launcher.plan.explain import device_lines
+from cosyvoice_lb.launcher.plan.figures import ENGINE_FOOTPRINTS
 from cosyvoice_lb.launcher.plan.gpu import inventory
-from cosyvoice_lb.launcher.plan.planner import Budget, Plan, PlanError, Slot, plan, startable, with_own_slots
-
-# Default memory one instance needs, per engine: GPU memory on GPU boxes, host RAM on
-# CPU-only boxes. The espeak engine uses no GPU: on a GPU box it stands in for
-# CosyVoice3 and is planned with CosyVoice3's footprint, so its plan is the model's plan.
-# CosyVoice3 (plain, no TRT/vLLM): ~4.5 GB peak reported on an RTX 3060 in upstream's issues,
-# rounded up for fragmentation and the warm-up peak.
-ENGINE_FOOTPRINTS: dict[str, dict[str, str]] = {
-    # espeak's host figure is measured: an instance's peak RSS (espeak-ng, Gradio UI), sampled
-    # every 50 ms, while 20,000-character texts go through `up --instances 2` (the script of
-    # tests/integration/test_long_text_memory.py, which holds the bound): ~200 MiB at rest,
-    # 425/488 MiB one text at a time, 433/471 MiB two at once; one instance alone (its own
-    # balancer) 422 MiB, two at once 585 MiB. 640 MiB covers them all.
-    "espeak": {"gpu": "5GiB", "host": "640MiB"},
-    # CosyVoice3 on CPU (no GPU): weights plus activations in host RAM.
-    "cosyvoice3": {"gpu": "5GiB", "host": "6GiB"},
-    # The benchmark load model stands in for CosyVoice3 on a GPU box, like espeak.
-    "simulated": {"gpu": "5GiB", "host": "256MiB"},
-}
-# Added per instance by CosyVoice's engine flags (upstream's issues and code):
-# one TensorRT context of the flow decoder ~4.5 GB (v2 reports; trt_concurrent=1);
-# vLLM is started with gpu_memory_utilization=0.2 (upstream cli/model.py), i.e. it
-# reserves a fifth of the card per instance whatever the model needs.
-TRT_EXTRA = "4.5GiB"
-VLLM_CARD_FRACTION = 0.2
+from cosyvoice_lb.launcher.plan.planner import (
+    Budget,
+    Plan,
+    PlanError,
+    Slot,
+    VllmShare,
+    plan,
+    startable,
+    with_own_slots,
+)
 
 
 def parse_instances(value: str) -> int | None:
@@ -71,28 +63,89 @@ def calibrated(layout: Layout, settings: Settings) -> dict | None:
         return None
 
 
+def vllm_share(settings: Settings) -> VllmShare | None:
+    """vLLM's share of the card with --load-vllm (CosyVoice3 only): --vllm-memory as given,
+    or (0) planned per card and concurrency from the figures."""
+    if settings.resolved_engine != "cosyvoice3" or not settings.load_vllm:
+        return None
+    return VllmShare(
+        given=settings.vllm_memory,
+        fixed=figures.VLLM_WEIGHTS + figures.VLLM_ACTIVATIONS,
+        kv_per_synthesis=figures.VLLM_TOKENS_PER_SYNTHESIS * figures.VLLM_KV_PER_TOKEN,
+        kv_floor=figures.VLLM_MAX_MODEL_LEN * figures.VLLM_KV_PER_TOKEN,
+        headroom=figures.VLLM_HEADROOM,
+    )
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What `calibrate` measured, as the planner counts it: GPU memory outside vLLM's
+    reservation at ``concurrency`` syntheses at once."""
+
+    rest: int
+    concurrency: int
+    source: str
+
+
+def measured_rest(entry: dict | None, vllm: bool) -> Measured | None:
+    """A calibration entry as a footprint; None when there is none, or (with vLLM) when it
+    predates --vllm-memory: it holds upstream's 0.2 of a card it does not name."""
+    if not entry:
+        return None
+    at = max(1, int(entry.get("concurrency", 1)))  # (entries without it ran one request at a time)
+    source = f"calibrated {entry.get('when', '')}".strip() + f" at {at} at once"
+    if not vllm:
+        return Measured(int(entry["gpu_bytes"]), at, source)
+    if "vllm_memory" not in entry or "gpu_total" not in entry:
+        return None
+    reserved = float(entry["vllm_memory"]) * int(entry["gpu_total"])
+    peak = int(entry.get("peak_bytes", entry["gpu_bytes"]))
+    return Measured(int(max(0.0, peak - reserved) * 1.1), at, source + ", vLLM's reservation apart")
+
+
+def check_concurrency(settings: Settings) -> None:
+    """Refuse --instance-concurrency and --vllm-memory that cannot be planned (as their own
+    declarations check them: `plan` checks no other settings)."""
+    for problem in (
+        checks.concurrency("--instance-concurrency", settings.instance_concurrency),
+        checks.fraction("--vllm-memory", settings.vllm_memory),
+    ):
+        if problem:
+            raise PlanError(problem)
+
+
 def budget_for(settings: Settings, layout: Layout) -> tuple[Budget, str]:
-    """Memory per instance, and where the figure came from."""
+    """Memory per instance and per synthesis at once, and where the figure came from."""
+    check_concurrency(settings)
     engine = settings.resolved_engine
     defaults = ENGINE_FOOTPRINTS[engine]
-    gpu, host, fraction, source = parse_size(defaults["gpu"]), parse_size(defaults["host"]), 0.0, "default"
-    if engine == "cosyvoice3":
-        if settings.load_trt:
-            gpu += parse_size(TRT_EXTRA)
-        if settings.load_vllm:
-            fraction = VLLM_CARD_FRACTION
-    measured = calibrated(layout, settings)
+    trt = engine == "cosyvoice3" and settings.load_trt
+    share = vllm_share(settings)
+    gpu = parse_size(defaults["gpu"]) + (figures.TRT_PER_CONTEXT if trt else 0)
+    gpu += figures.VLLM_OUTSIDE if share else 0
+    per = figures.GPU_PER_SYNTHESIS + (figures.TRT_PER_CONTEXT if trt else 0)
+    host, host_per, at, source = parse_size(defaults["host"]), figures.HOST_PER_SYNTHESIS[engine], 1, "default"
+    measured = measured_rest(calibrated(layout, settings), share is not None)
     if measured:
-        gpu, fraction, source = int(measured["gpu_bytes"]), 0.0, f"calibrated {measured.get('when', '')}".strip()
+        gpu, at, source = measured.rest, measured.concurrency, measured.source
     if settings.footprint:
         gpu = host = parse_size(settings.footprint)
-        fraction, source = 0.0, "--footprint"
+        per = host_per = 0
+        share = dataclasses.replace(share, inside=True) if share else None
+        source = "--footprint"
+    asked = settings.instance_concurrency
     return Budget(
         gpu_footprint=gpu,
         host_footprint=host,
         reserve=parse_size(settings.reserve),
         max_instances=settings.max_instances or None,
-        gpu_fraction=fraction,
+        concurrency=concurrency(asked, engine, settings.load_vllm, gpu=True),
+        auto=str(asked).strip() == "auto",
+        cpu_concurrency=concurrency(asked, engine, settings.load_vllm, gpu=False),
+        gpu_per_synthesis=per,
+        host_per_synthesis=host_per,
+        footprint_at=at,
+        vllm=share,
     ), source
 
 
@@ -125,11 +178,19 @@ def room_to_start(settings: Settings, running: tuple[Slot, ...], parked: tuple[S
 
 @dataclass(frozen=True)
 class PlanReport:
-    """`cosyvoice-lb plan`: the plan, and where its figures came from."""
+    """`cosyvoice-lb plan`: the plan, where its figures came from, and why each instance runs
+    the syntheses it does (``concurrency``: what --instance-concurrency stands for, on a GPU
+    and on a CPU slot)."""
 
     plan: Plan
     gpu_source: str
     footprint_source: str
+    concurrency: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def reasoning(self) -> list[str]:
+        """One line per device: how many processes, how many syntheses each, and why."""
+        return device_lines(self.plan, self.concurrency)
 
     def as_dict(self, engine: str) -> dict:
         return {
@@ -137,9 +198,21 @@ class PlanReport:
             "engine": engine,
             "gpu_source": self.gpu_source,
             "footprint_source": self.footprint_source,
+            "concurrency": self.concurrency,
+            "reasoning": self.reasoning,
         }
+
+
+def concurrency_reasons(settings: Settings) -> dict[str, str]:
+    """What --instance-concurrency stands for on a GPU and on a CPU slot, in words."""
+    engine, value = settings.resolved_engine, settings.instance_concurrency
+    return {
+        "gpu": explain(value, engine, settings.load_vllm, gpu=True),
+        "cpu": explain(value, engine, settings.load_vllm, gpu=False),
+    }
 
 
 def plan_report(settings: Settings) -> PlanReport:
     result, source = make_plan(settings)
-    return PlanReport(result, source, budget_for(settings, layout_for(settings))[1])
+    footprint_source = budget_for(settings, layout_for(settings))[1]
+    return PlanReport(result, source, footprint_source, concurrency_reasons(settings))

@@ -1,7 +1,7 @@
 """Host memory: what a cluster needs of it, and the memory limit it runs under.
 
 A cluster needs, per instance, ``--host-memory-per-instance`` or else its engine's host
-figure (:data:`~cosyvoice_lb.launcher.plan.footprint.ENGINE_FOOTPRINTS`: espeak's is
+figure (:data:`~cosyvoice_lb.launcher.plan.figures.ENGINE_FOOTPRINTS`: espeak's is
 measured, CosyVoice3's is its weights and activations in host RAM), and :data:`OVERHEAD`
 for what runs beside the instances. `k8s render` sizes a pod by the same figures, and `up`
 refuses a plan that exceeds the memory limit of the cgroup it runs in (a container's, a
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import GiB, format_size, parse_size
-from cosyvoice_lb.launcher.plan.footprint import ENGINE_FOOTPRINTS
+from cosyvoice_lb.launcher.plan.figures import ENGINE_FOOTPRINTS
 
 # nginx (its master and workers), supervisord, the health loop, the control panel and the
 # launcher (`up --foreground`, relaying the logs): each Python process measured at 35-40 MiB

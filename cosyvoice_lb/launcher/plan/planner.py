@@ -1,177 +1,61 @@
-"""Slot planning: how many instances fit on this box, and where each one goes.
+"""Slot planning: how many instances fit on this box, how many syntheses each runs at once,
+and where each one goes.
 
 Pure: an :class:`Inventory` (what the box has) and a :class:`Budget` (what one instance
-needs) go in, a :class:`Plan` comes out. No NVML, no file system, no processes, so every
-case is tested without a GPU; ``gpu.py`` builds the inventory on a real box.
+needs, at how many syntheses) go in, a :class:`Plan` comes out. No NVML, no file system, no
+processes, so every case is tested without a GPU; ``gpu.py`` builds the inventory on a real
+box, ``footprint.py`` the budget from the settings. The records are in ``model.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from cosyvoice_lb.common.sizes import GiB, format_size
+from cosyvoice_lb.common.sizes import format_size
+from cosyvoice_lb.launcher.plan.model import (
+    Budget,
+    DeviceFit,
+    Gpu,
+    Inventory,
+    Plan,
+    PlanError,
+    Roles,
+    Slot,
+    VllmShare,
+)
 
-
-class PlanError(ValueError):
-    """The request cannot be planned; the message says why and what to change."""
-
-
-@dataclass(frozen=True)
-class Gpu:
-    """One card as NVML reports it (bytes)."""
-
-    index: int
-    total: int
-    free: int
-    name: str = "GPU"
-
-
-@dataclass(frozen=True)
-class Inventory:
-    """What the box has. ``gpus`` is empty on a box without a usable GPU."""
-
-    gpus: tuple[Gpu, ...]
-    cpu_cores: int
-    ram_total: int
-    ram_available: int
-    source: str = "nvml"  # where the GPU list came from: nvml, --gpus, none
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What one instance needs and what to keep back.
-
-    ``gpu_footprint`` is GPU memory per instance (on GPU boxes); ``host_footprint`` is
-    host RAM per instance (on CPU-only boxes). ``reserve`` is kept free on every GPU
-    (and in host RAM when planning CPU slots).
-    """
-
-    gpu_footprint: int
-    host_footprint: int
-    reserve: int = 1 * GiB
-    max_instances: int | None = None
-    gpu_fraction: float = 0.0  # added per instance as a share of the card (vLLM reserves 0.2)
-
-    def on_card(self, gpu: Gpu) -> int:
-        """GPU memory one instance takes on this card."""
-        return self.gpu_footprint + int(self.gpu_fraction * gpu.total)
+__all__ = [
+    "Budget",
+    "DeviceFit",
+    "Gpu",
+    "Inventory",
+    "Plan",
+    "PlanError",
+    "Roles",
+    "Slot",
+    "VllmShare",
+    "concurrency_on",
+    "plan",
+    "startable",
+    "with_own_slots",
+]
 
 
-@dataclass(frozen=True)
-class Slot:
-    """One instance: its name, port and the device it is pinned to."""
-
-    index: int
-    port: int
-    gpu: int | None  # NVML index, or None for a CPU slot
-    memory: int  # bytes this slot is budgeted on its device
-
-    @property
-    def name(self) -> str:
-        return f"instance-{self.index}"
-
-    @property
-    def env(self) -> dict[str, str]:
-        """Environment that pins the instance to its device.
-
-        NVML numbers cards by PCI bus; CUDA's default order is fastest first, so the index
-        only means the same card with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
-        """
-        return {"CUDA_VISIBLE_DEVICES": "" if self.gpu is None else str(self.gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-
-
-@dataclass(frozen=True)
-class DeviceFit:
-    """How many instances one device holds, and what limits it."""
-
-    device: str  # "gpu0" or "cpu"
-    total: int
-    free: int
-    by_total: int  # fits in (total - reserve)
-    by_free: int  # fits in what is free now
-    fits: int
-    limit: str  # which bound decided: total, free, cores, max-instances
-
-
-@dataclass(frozen=True)
-class Roles:
-    """How the planned slots are used: ``serving`` in rotation (elastic: between
-    ``min_serving`` and ``serving``), ``spares`` loaded out of rotation; the slots past
-    ``serving + spares`` are parked (planned, not started) for roll-outs' surge."""
-
-    serving: int
-    spares: int = 0
-    min_serving: int = 0  # 0: a fixed number (serving)
-
-    @property
-    def elastic(self) -> bool:
-        return 0 < self.min_serving < self.serving
-
-    @property
-    def started(self) -> int:
-        """How many instances `up` starts: those that serve at first, and the spares."""
-        return (self.min_serving if self.elastic else self.serving) + self.spares
-
-    def at_up(self, slots: int) -> list[str]:
-        """What each of ``slots`` planned slots is at `up`, which starts the first ones:
-        serving, a warm spare, or parked (for elastic growth, or for roll-outs' surge).
-        Roles move between slots later: a spare takes an instance's place, a surge
-        replacement an old one's."""
-        floor = self.min_serving if self.elastic else self.serving
-        return (
-            ["serving"] * floor
-            + ["warm spare"] * self.spares
-            + ["parked (elastic)"] * (self.serving - floor)
-            + ["parked (surge)"] * max(0, slots - self.serving - self.spares)
-        )
-
-    def as_dict(self) -> dict:
-        return {"serving": self.serving, "spares": self.spares, "min_serving": self.min_serving}
-
-
-@dataclass(frozen=True)
-class Plan:
-    mode: str  # "gpu" or "cpu"
-    slots: tuple[Slot, ...]
-    fits: tuple[DeviceFit, ...]
-    capacity: int  # how many fit on the box (before --instances)
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    pool: Roles | None = None  # None: every slot serves
-
-    @property
-    def roles(self) -> Roles:
-        return self.pool or Roles(serving=len(self.slots))
-
-    @property
-    def surge(self) -> int:
-        """Parked slots planned for roll-outs."""
-        return len(self.slots) - self.roles.serving - self.roles.spares
-
-    def as_dict(self) -> dict:
-        return {
-            "mode": self.mode,
-            "capacity": self.capacity,
-            **self.roles.as_dict(),
-            "surge": self.surge,
-            "slots": [
-                {
-                    "name": s.name,
-                    "index": s.index,
-                    "port": s.port,
-                    "gpu": s.gpu,
-                    "memory": s.memory,
-                    "device": "cpu" if s.gpu is None else f"gpu{s.gpu}",
-                }
-                for s in self.slots
-            ],
-            "devices": [f.__dict__ for f in self.fits],
-            "notes": list(self.notes),
-        }
+def concurrency_on(gpu: Gpu, budget: Budget) -> int:
+    """Syntheses at once for an instance on this card: the budget's; with ``auto`` the most,
+    up to the budget's, at which one instance fits in what the card has (at least 1)."""
+    n = max(1, budget.concurrency)
+    if budget.auto:
+        room = min(gpu.free, gpu.total - budget.reserve)
+        while n > 1 and budget.on_card(gpu, n) > room:
+            n -= 1
+    return n
 
 
 def _fit_gpu(gpu: Gpu, budget: Budget) -> DeviceFit:
+    n = concurrency_on(gpu, budget)
     usable = gpu.total - budget.reserve
-    each = budget.on_card(gpu)
+    each = budget.on_card(gpu, n)
     by_total = max(0, usable // each)
     # What is free now already excludes other processes' memory; keep the reserve too,
     # but never demand more headroom than the card has in total.
@@ -185,13 +69,19 @@ def _fit_gpu(gpu: Gpu, budget: Budget) -> DeviceFit:
         by_free=by_free,
         fits=fits,
         limit="free" if by_free < by_total else "total",
+        concurrency=n,
+        asked=max(1, budget.concurrency),
+        each=each,
+        vllm_memory=budget.vllm_fraction(gpu, n),
     )
 
 
 def _fit_cpu(inventory: Inventory, budget: Budget) -> DeviceFit:
+    n = max(1, budget.cpu_concurrency)
+    each = budget.on_host(n)
     usable = inventory.ram_total - budget.reserve
-    by_total = max(0, usable // budget.host_footprint)
-    by_free = max(0, min(inventory.ram_available, usable) // budget.host_footprint)
+    by_total = max(0, usable // each)
+    by_free = max(0, min(inventory.ram_available, usable) // each)
     by_memory = min(by_total, by_free)
     fits = min(by_memory, max(1, inventory.cpu_cores))
     if fits < by_memory:
@@ -206,6 +96,9 @@ def _fit_cpu(inventory: Inventory, budget: Budget) -> DeviceFit:
         by_free=by_free,
         fits=fits,
         limit=limit,
+        concurrency=n,
+        asked=n,
+        each=each,
     )
 
 
@@ -216,9 +109,13 @@ class _Devices:
     mode: str  # "gpu" or "cpu"
     fits: list[DeviceFit]
     devices: list[int | None]  # NVML indexes, or [None] for the CPU
-    per_device: dict[int | None, int]  # bytes one slot is budgeted on each device
-    per_slot: int  # the most one slot takes on any device (for messages)
+    per_device: dict[int | None, DeviceFit]  # each device's fit: what one slot takes there, at what concurrency
     notes: tuple[str, ...]
+
+    @property
+    def per_slot(self) -> int:
+        """The most one slot takes on any device (for messages)."""
+        return max(f.each for f in self.fits)
 
 
 @dataclass(frozen=True)
@@ -242,6 +139,8 @@ def _check_request(
         raise PlanError("the footprint must be larger than 0 (e.g. --footprint 5GiB)")
     if budget.reserve < 0:
         raise PlanError("the reserve cannot be negative (e.g. --reserve 1GiB)")
+    if budget.concurrency < 1 or budget.cpu_concurrency < 1:
+        raise PlanError("--instance-concurrency must be at least 1 (or 'auto')")
     if budget.max_instances is not None and budget.max_instances < 1:
         raise PlanError("--max-instances must be at least 1")
     if instances is not None and instances < 1:
@@ -250,20 +149,58 @@ def _check_request(
         raise PlanError(f"base port {base_port} is not a TCP port (1-65535)")
 
 
+def _syntheses(n: int) -> str:
+    return f"{n} synthes{'es' if n != 1 else 'is'}"
+
+
+def _given_vllm(inventory: Inventory, budget: Budget) -> tuple[str, ...]:
+    """An explicit --vllm-memory, checked on every card: refused where it leaves no room for
+    one instance, noted where it gives vLLM less than it is estimated to need."""
+    share = budget.vllm
+    if share is None or not share.given:
+        return ()
+    notes = []
+    asked = max(1, budget.concurrency)
+    for gpu in inventory.gpus:
+        n = concurrency_on(gpu, budget)
+        reserved = int(share.given * gpu.total)
+        usable = gpu.total - budget.reserve
+        if not share.inside and budget.rest(1) <= usable < budget.on_card(gpu, 1):
+            raise PlanError(
+                f"--vllm-memory {share.given:g} reserves {format_size(reserved)} of gpu{gpu.index}'s "
+                f"{format_size(gpu.total)} for each instance's vLLM: with the {format_size(budget.rest(1))} the "
+                f"rest of an instance takes and the {format_size(budget.reserve)} reserve, not even one instance "
+                f"fits. Lower --vllm-memory, or give 0 to have it planned "
+                f"({share.planned(gpu.total, asked):g} of this card for {_syntheses(asked)} at once)"
+            )
+        if share.fixed and reserved < share.needs(n):
+            notes.append(
+                f"gpu{gpu.index}: --vllm-memory {share.given:g} gives each vLLM {format_size(reserved)}, less than "
+                f"the {format_size(share.needs(n))} estimated for {_syntheses(n)} (weights, activations, KV "
+                "cache): vLLM may refuse to start (0: planned)"
+            )
+        if share.inside and reserved > budget.rest(n):
+            notes.append(
+                f"gpu{gpu.index}: --vllm-memory {share.given:g} reserves {format_size(reserved)}, more than "
+                f"--footprint's {format_size(budget.rest(n))} for the whole instance"
+            )
+    return tuple(notes)
+
+
 def _gpu_devices(inventory: Inventory, budget: Budget) -> _Devices:
     """GPU placement: every card with how many instances fit on it, a note for each card
     that holds none (so a refusal says which card and why)."""
+    notes = _given_vllm(inventory, budget)
     fits = [_fit_gpu(g, budget) for g in inventory.gpus]
-    per_device: dict[int | None, int] = {g.index: budget.on_card(g) for g in inventory.gpus}
-    per_slot = max(per_device.values())
-    notes = tuple(
+    per_device: dict[int | None, DeviceFit] = {g.index: fit for g, fit in zip(inventory.gpus, fits)}
+    notes += tuple(
         f"{fit.device}: no instance fits ({format_size(fit.free)} free, "
-        f"{format_size(fit.total)} total, {format_size(per_slot)} "
-        f"per instance + {format_size(budget.reserve)} reserve)"
+        f"{format_size(fit.total)} total, {format_size(fit.each)} "
+        f"per instance at {_syntheses(fit.concurrency)} + {format_size(budget.reserve)} reserve)"
         for fit in fits
         if fit.fits == 0
     )
-    return _Devices("gpu", fits, [g.index for g in inventory.gpus], per_device, per_slot, notes)
+    return _Devices("gpu", fits, [g.index for g in inventory.gpus], per_device, notes)
 
 
 def _cpu_devices(inventory: Inventory, budget: Budget) -> _Devices:
@@ -272,8 +209,8 @@ def _cpu_devices(inventory: Inventory, budget: Budget) -> _Devices:
         "no GPU found: planning CPU slots from "
         f"{inventory.cpu_cores} cores and {format_size(inventory.ram_available)} free RAM"
     )
-    per_slot = budget.host_footprint
-    return _Devices("cpu", [_fit_cpu(inventory, budget)], [None], {None: per_slot}, per_slot, (note,))
+    fit = _fit_cpu(inventory, budget)
+    return _Devices("cpu", [fit], [None], {None: fit}, (note,))
 
 
 def _room(fits: list[DeviceFit], budget: Budget) -> _Room:
@@ -378,7 +315,9 @@ def plan(
     slots for roll-outs, as many as memory leaves room for (noted when fewer).
 
     GPUs are filled one instance per card in turn (0, 1, 0, 1, ...) so load and
-    memory spread evenly. Asking for more than fits is refused unless ``force``.
+    memory spread evenly. Asking for more than fits is refused unless ``force``. Each slot
+    runs its device's concurrency (:func:`concurrency_on`) and, with vLLM, reserves its
+    card's share.
     """
     _check_request(
         budget, base_port=base_port, instances=instances, spares=spares, surge=surge, min_instances=min_instances
@@ -401,7 +340,14 @@ def plan(
     _check_ports(base_port, total)
     placement = _place(total, room.fits, devices.devices)
     slots = tuple(
-        Slot(index=i, port=base_port + i, gpu=device, memory=devices.per_device[device])
+        Slot(
+            index=i,
+            port=base_port + i,
+            gpu=device,
+            memory=devices.per_device[device].each,
+            concurrency=devices.per_device[device].concurrency,
+            vllm_memory=devices.per_device[device].vllm_memory,
+        )
         for i, device in enumerate(placement)
     )
     return Plan(mode=devices.mode, slots=slots, fits=tuple(room.fits), capacity=room.capacity, notes=notes, pool=pool)

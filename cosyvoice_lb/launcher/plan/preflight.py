@@ -123,7 +123,7 @@ def check_instance_env(settings: Settings) -> dict:
     """Ask the instances' Python what it lacks; refuse with the exact install command."""
     engine = settings.resolved_engine
     needs = {
-        **INSTANCE_NEEDS,
+        **{m: p for m, p in INSTANCE_NEEDS.items() if not (settings.no_ui and m == "gradio")},  # (--no-ui: none)
         **ENGINE_NEEDS[engine],
         **({"bcrypt": "bcrypt"} if settings.ui_auth else {}),
         **({"httpx": "httpx"} if settings.max_long_chars else {}),  # long texts' segments (gradio brings it)
@@ -152,6 +152,8 @@ def check_instance_env(settings: Settings) -> dict:
             f"--python {settings.python} failed while importing what an instance needs (exit {done.returncode}: "
             f"{said}): run it by hand with those imports to see why (nothing was started)"
         ) from None
+    if settings.no_ui:  # (no UI: whatever its gradio makes of pydantic's schema does not matter)
+        report.pop("schema", None)
     problem = env_problem(report, needs, settings.python)
     if problem:
         raise ClusterError(f"{problem} (nothing was started or changed)")

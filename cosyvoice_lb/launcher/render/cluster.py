@@ -46,7 +46,8 @@ class Programs:
 
 def instance_command(settings: Settings, layout: Layout, programs: Programs, slot: Slot, peers: int = 1) -> list[str]:
     """The instance's command line: its port and starts file, then its share of the settings
-    (written and parsed by the same declarations, see ``settings.instance_args``)."""
+    (written and parsed by the same declarations, see ``settings.instance_args``), with what
+    the plan resolved for its slot (:func:`planned_args`)."""
     long_texts = (
         ["--balancer", balancer_url(settings), "--peers", str(peers), "--segment-key-file", str(layout.segment_key)]
         if settings.max_long_chars
@@ -67,12 +68,22 @@ def instance_command(settings: Settings, layout: Layout, programs: Programs, slo
         str(slot.index),
         *(["--auth-file", str(layout.access_policy)] if settings.auth_required else []),
         *long_texts,
-        *instance_args(
-            settings,
-            outputs_dir=settings.outputs_dir or str(layout.outputs),
-            voices_dir=settings.voices_dir or str(layout.voices),
-        ),
+        *instance_args(settings, **planned_args(settings, layout, slot)),
     ]
+
+
+def planned_args(settings: Settings, layout: Layout, slot: Slot) -> dict[str, str]:
+    """What the launcher works out for one instance's command line: its dirs, the syntheses
+    it runs at once (what ``auto`` stood for on its device, as planned) and, with vLLM, the
+    share of its card vLLM reserves (--vllm-memory as given, or planned)."""
+    resolved = {
+        "outputs_dir": settings.outputs_dir or str(layout.outputs),
+        "voices_dir": settings.voices_dir or str(layout.voices),
+        "instance_concurrency": str(slot.concurrency),
+    }
+    if settings.load_vllm and slot.vllm_memory:
+        resolved["vllm_memory"] = f"{slot.vllm_memory:g}"
+    return resolved
 
 
 def instance_env(layout: Layout, slot: Slot, settings: Settings | None = None) -> dict[str, str]:
