@@ -1,6 +1,6 @@
 """Build a small CosyVoice3 model dir that upstream's ``AutoModel`` loads as CosyVoice3.
 
-    <upstream env python> build_model.py --cosyvoice-root CHECKOUT --out DIR
+    <upstream env python> build_model.py --cosyvoice-root CHECKOUT --out DIR [--full]
 
 Runs in the environment that runs upstream's code (torch, transformers, hyperpyyaml, onnx)
 with the checkout's own classes, so the weights have exactly the shapes its code builds:
@@ -19,6 +19,15 @@ with the checkout's own classes, so the weights have exactly the shapes its code
 
 The audio it makes is noise. It is built in a sibling dir and renamed into place, so a
 reader never sees half a model; it prints the dir and how long the build took.
+
+``--full``: the real model's size instead (for speed and memory figures without its weights,
+bench/gpu.py): the model part of upstream's own recipe config,
+examples/libritts/cosyvoice3/conf/cosyvoice3.yaml in the checkout (the 1024-wide, 22-layer
+DiT flow, the 512-channel HiFT, 896-wide LLM input), and the Qwen2 of CosyVoice3's
+CosyVoice-BlankEN (Qwen2-0.5B's config: 24 layers of 896, 14 heads and 2 key-value heads,
+4864 in the MLP, tied embeddings, saved in bfloat16 as released), random weights set as
+above; about 4.3 GB on disk, built in about a minute on 2 CPU cores. ``--device cuda``
+initialises the Qwen2's weights there (the default for --full when a GPU is visible).
 """
 
 from __future__ import annotations
@@ -42,6 +51,20 @@ QWEN_DIMS = {
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
 }
+# Qwen2-0.5B's config.json (CosyVoice-BlankEN's LLM; its vocabulary as the small one's)
+QWEN_FULL = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06,
+}
+# Upstream's recipe config, of which --full keeps what inference reads (the rest trains).
+RECIPE = Path("examples") / "libritts" / "cosyvoice3" / "conf" / "cosyvoice3.yaml"
+INFERENCE_KEYS = ("llm", "flow", "hift", "get_tokenizer", "allowed_special", "feat_extractor")
 
 
 def build_tokenizer(where: Path) -> None:
@@ -64,20 +87,44 @@ def build_tokenizer(where: Path) -> None:
     tokenizer.save_pretrained(str(where))
 
 
-def build_qwen(where: Path, vocab_size: int) -> None:
+def build_qwen(where: Path, vocab_size: int, full: bool = False, device: str = "cpu") -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
+    dims = QWEN_FULL if full else {"max_position_embeddings": 4096, **QWEN_DIMS}
     config = Qwen2Config(
-        vocab_size=vocab_size,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        sliding_window=None,
-        **QWEN_DIMS,
+        vocab_size=vocab_size, tie_word_embeddings=True, use_sliding_window=False, sliding_window=None, **dims
     )
-    Qwen2ForCausalLM(config).save_pretrained(str(where))
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    if full:  # (as released: bfloat16 on disk; llm.pt holds the float32 weights that are used)
+        model = model.to(torch.bfloat16)
+        model.config.torch_dtype = torch.bfloat16
+    model.save_pretrained(str(where))
+
+
+def inference_config(recipe: str) -> str:
+    """The part of upstream's recipe config (its top-level entries) that inference reads: the
+    plain settings and the seeds, the three models and the frontend's functions. The GAN, the
+    data pipeline and the training settings would only be built and thrown away."""
+    blocks: list[list[str]] = [[]]
+    for line in recipe.splitlines(keepends=True):
+        if line[:1].strip() and not line.startswith(("#", "]", "}")):  # a top-level entry starts
+            blocks.append([])
+        blocks[-1].append(line)
+    kept = []
+    for block in blocks[1:]:
+        key, _, value = block[0].partition(":")
+        body = [line for line in block[1:] if line.strip() and not line.lstrip().startswith("#")]
+        setting = not body and (key.startswith("__set_seed") or "!" not in value)
+        if key in INFERENCE_KEYS or setting:
+            kept.append("".join(block))
+    text = "".join(kept)
+    missing = [k for k in INFERENCE_KEYS if f"\n{k}:" not in f"\n{text}"]
+    if missing:
+        raise SystemExit(f"upstream's recipe config has no {', '.join(missing)}: is it a CosyVoice3 config?")
+    return text
 
 
 def build_onnx(where: Path) -> None:
@@ -148,22 +195,24 @@ def speak_like_a_trained_model(llm) -> None:
 
     rows = SPEECH_TOKENS
     generator = torch.Generator().manual_seed(0)
+    # The speech logits' spread is the small model's at any width (0.2 at 32 dimensions).
+    spread = 0.2 * (32 / llm.speech_embedding.weight.shape[1]) ** 0.5
     with torch.no_grad():
         for layer in llm.llm.model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         embedding = llm.speech_embedding.weight
-        embedding.copy_(torch.randn(embedding.shape, generator=generator))
+        embedding.copy_(torch.randn(embedding.shape, generator=generator).to(embedding.device))
         embedding[:, 0] = 3.0  # one constant dimension: what the stop logits read
         decoder = llm.llm_decoder.weight
-        decoder.copy_(0.2 * torch.randn(decoder.shape, generator=generator))
+        decoder.copy_(spread * torch.randn(decoder.shape, generator=generator).to(decoder.device))
         decoder[:, 0] = 0.0
         decoder[rows:, :] = 0.0
         decoder[rows, 0] = 1.2  # the stop token upstream holds back until the minimum length
         decoder[rows + 1 :, 0] = -10.0  # the others: never
 
 
-def build(root: Path, out: Path) -> None:
+def build(root: Path, out: Path, full: bool = False, device: str = "cpu") -> None:
     for path in (root / "third_party" / "Matcha-TTS", root):
         sys.path.insert(0, str(path))
     import torch
@@ -177,13 +226,19 @@ def build(root: Path, out: Path) -> None:
     build_tokenizer(qwen)
     tokenizer = get_qwen_tokenizer(str(qwen), True, "cosyvoice3")  # upstream's own, with its specials
     assert tokenizer.encode("<|endofprompt|>") == [ENDOFPROMPT_ID], tokenizer.encode("<|endofprompt|>")
-    build_qwen(qwen, max(151936, len(tokenizer.tokenizer)))
-    shutil.copy(HERE / "cosyvoice3.yaml", work / "cosyvoice3.yaml")
+    build_qwen(qwen, max(151936, len(tokenizer.tokenizer)), full, device)
+    if full:
+        (work / "cosyvoice3.yaml").write_text(inference_config((root / RECIPE).read_text()))
+    else:
+        shutil.copy(HERE / "cosyvoice3.yaml", work / "cosyvoice3.yaml")
+    # (on the CPU: upstream's Qwen2Encoder loads the Qwen2 with from_pretrained, which keeps
+    # its own devices; the flow and HiFT take seconds here)
     with open(work / "cosyvoice3.yaml") as f:
         configs = load_hyperpyyaml(f, overrides={"qwen_pretrain_path": str(qwen)})
+    configs["llm"].float()  # (the Qwen inside loads as its config says: bfloat16 with --full)
     speak_like_a_trained_model(configs["llm"])
     for name in ("llm", "flow", "hift"):
-        torch.save(configs[name].state_dict(), work / f"{name}.pt")
+        torch.save({k: v.cpu() for k, v in configs[name].state_dict().items()}, work / f"{name}.pt")
     torch.save({}, work / "spk2info.pt")
     build_onnx(work)
     shutil.rmtree(out, ignore_errors=True)
@@ -194,9 +249,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cosyvoice-root", required=True, type=Path, help="an upstream CosyVoice checkout")
     parser.add_argument("--out", required=True, type=Path, help="the model dir to write")
+    parser.add_argument("--full", action="store_true", help="the real model's dimensions (upstream's recipe config)")
+    parser.add_argument(
+        "--device", default="auto", help="where the weights are made: cpu, cuda (auto: cuda for --full if seen)"
+    )
     args = parser.parse_args()
     started = time.monotonic()
-    build(args.cosyvoice_root.resolve(), args.out.resolve())
+    device = args.device
+    if device == "auto":  # (the small model: on the CPU, as ever)
+        import torch
+
+        device = "cuda" if args.full and torch.cuda.is_available() else "cpu"
+    build(args.cosyvoice_root.resolve(), args.out.resolve(), args.full, device)
     print(f"built {args.out} in {time.monotonic() - started:.1f} s")
 
 
