@@ -24,7 +24,7 @@ class EngineSettings:
         "Speech engine of every instance: cosyvoice3 (with --model-dir; v2 and v1 model "
         "dirs work too), espeak (embedded, no weights); auto picks cosyvoice3 when "
         "--model-dir is given. simulated is a load model for benchmarks, not speech "
-        "(silence after a wait proportional to the text).",
+        "(a quiet tone, 40 ms a character, after a wait proportional to the text).",
         choices=ENGINES,
         instance=True,
     )
