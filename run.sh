@@ -2,7 +2,7 @@
 # cosyvoice-lb from a checkout, on a fresh Debian/Ubuntu box.
 #
 #   ./run.sh up [options]     start the service (embedded espeak engine unless told otherwise)
-#   ./run.sh test [args]      run the test suite (args go to pytest; also installs chromium)
+#   ./run.sh test [args]      run the test suite (args go to pytest; also installs chromium, redis-server)
 #   ./run.sh install          only set things up: system packages, .venv, the package
 #   ./run.sh <command> ...    any other cosyvoice-lb command: plan, render, status, down, ...
 #
@@ -20,12 +20,12 @@ say() { printf '%s\n' "$*" >&2; }
 
 POLICY_RC=/usr/sbin/policy-rc.d
 
-# Debian's prometheus package is a server too: its install starts a Prometheus listening on
-# every address (:9090), and enables it at boot. We need promtool, not a server: a
-# policy-rc.d that refuses every start (exit 101) stands for the install (unless the box
-# has its own), the service is disabled afterwards, and recommends (node-exporter, another
-# server) are left out.
-install_promtool() {
+# Debian's prometheus and redis-server packages are servers: their install starts one
+# (Prometheus on every address, :9090) and enables it at boot. The tests need promtool and
+# a redis-server binary they start themselves on loopback, not services: a policy-rc.d that
+# refuses every start (exit 101) stands for the install (unless the box has its own), the
+# services are disabled afterwards, and recommends (node-exporter, another server) are left out.
+install_servers() {
     local ours=""
     if [ ! -e "$POLICY_RC" ]; then
         trap 'rm -f "$POLICY_RC"' EXIT  # removed even when apt-get fails
@@ -33,13 +33,16 @@ install_promtool() {
         chmod 755 "$POLICY_RC"
         ours=1
     fi
-    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-    if command -v deb-systemd-helper >/dev/null 2>&1; then
-        deb-systemd-helper disable prometheus.service >/dev/null 2>&1 || true
-    fi
-    if command -v update-rc.d >/dev/null 2>&1; then
-        update-rc.d prometheus disable >/dev/null 2>&1 || true
-    fi
+    apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+    local pkg
+    for pkg in "$@"; do
+        if command -v deb-systemd-helper >/dev/null 2>&1; then
+            deb-systemd-helper disable "$pkg.service" >/dev/null 2>&1 || true
+        fi
+        if command -v update-rc.d >/dev/null 2>&1; then
+            update-rc.d "$pkg" disable >/dev/null 2>&1 || true
+        fi
+    done
     if [ -n "$ours" ]; then
         rm -f "$POLICY_RC"
         trap - EXIT
@@ -56,6 +59,7 @@ system_packages() {
         command -v chromium >/dev/null 2>&1 || missing+=(chromium)
         command -v ffmpeg >/dev/null 2>&1 || missing+=(ffmpeg)
         command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+        command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
     fi
     command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx)
     command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)
@@ -68,18 +72,25 @@ system_packages() {
         say "installing ${missing[*]} with apt-get"
         export DEBIAN_FRONTEND=noninteractive
         apt-get update -qq
-        local pkg plain=()
+        local pkg plain=() servers=()
         for pkg in "${missing[@]}"; do
-            [ "$pkg" = prometheus ] || plain+=("$pkg")
+            case "$pkg" in
+                prometheus | redis-server) servers+=("$pkg") ;;
+                *) plain+=("$pkg") ;;
+            esac
         done
         [ ${#plain[@]} -eq 0 ] || apt-get install -y -qq "${plain[@]}" >/dev/null
-        [ ${#plain[@]} -eq ${#missing[@]} ] || install_promtool
+        [ ${#servers[@]} -eq 0 ] || install_servers "${servers[@]}"
     else
         say "cosyvoice-lb needs: ${missing[*]}. Install them with:"
         say "  sudo apt-get update && sudo apt-get install -y ${missing[*]}"
         if [[ " ${missing[*]} " == *" prometheus "* ]]; then
             say "  (the tests need only its promtool: stop the server it starts with"
             say "   sudo systemctl disable --now prometheus)"
+        fi
+        if [[ " ${missing[*]} " == *" redis-server "* ]]; then
+            say "  (the tests start their own redis-server on loopback: stop the service with"
+            say "   sudo systemctl disable --now redis-server)"
         fi
         exit 1
     fi

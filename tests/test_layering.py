@@ -22,7 +22,7 @@ import cosyvoice_lb
 from cosyvoice_lb.launcher.render.staging import stage
 
 PACKAGE = Path(cosyvoice_lb.__file__).resolve().parent
-LAUNCHER_ONLY = ("click", "jinja2", "supervisor", "rich", "yaml", "pynvml", "kubernetes")
+LAUNCHER_ONLY = ("click", "jinja2", "supervisor", "rich", "yaml", "pynvml", "kubernetes", "redis")
 
 
 def module_name(path: Path) -> str:
