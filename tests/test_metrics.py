@@ -274,3 +274,20 @@ def test_a_slow_reader_is_not_engine_time():
         now[0] += 10.0  # ten seconds with the reader for each chunk
     assert value(p, "cosyvoice_synthesis_seconds_count", route="api") == 1
     assert value(p, "cosyvoice_synthesis_seconds_sum", route="api") == 0.0  # the engine's own time: none here
+
+
+def test_the_cosyvoice_engines_first_chunk_parts_reach_the_instance_metrics(tmp_path):
+    """build_pipeline hands the engine the metrics' observer: what the layer reports (it calls
+    the engine's ``_first_chunk``, see upstream_tts.install) is a histogram per part."""
+    from cosyvoice_lb.common.settings import Settings
+    from cosyvoice_lb.instance.server import build_pipeline
+
+    settings = Settings(engine="cosyvoice3", model_dir=str(tmp_path / "not-loaded"), outputs_dir=str(tmp_path))
+    p = build_pipeline(settings, port=1)
+    assert value(p, "cosyvoice_first_chunk_compute_seconds_count", part="llm") == 0  # there from the start
+    p.engine._first_chunk(0.3, 0.04)
+    p.engine._first_chunk(0.5, 0.06)
+    assert value(p, "cosyvoice_first_chunk_compute_seconds_count", part="llm") == 2
+    assert value(p, "cosyvoice_first_chunk_compute_seconds_sum", part="llm") == pytest.approx(0.8)
+    assert value(p, "cosyvoice_first_chunk_compute_seconds_sum", part="audio") == pytest.approx(0.1)
+    assert value(p, "cosyvoice_first_chunk_compute_seconds_bucket", part="audio", le="0.05") == 1

@@ -4,9 +4,11 @@ decides between it and upstream's own path, and the turns that run seeded reques
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 
+import numpy as np
 import pytest
 
 from cosyvoice_lb.instance.engines.turns import Turns
@@ -166,3 +168,88 @@ def test_vllm_engine_args_made_during_the_load_reserve_the_planned_share(monkeyp
         upstreams_load_vllm()
     assert [m["gpu_memory_utilization"] for m in made] == [0.07, 0.2, 0.2]
     assert fake.EngineArgs is original
+
+
+class Speech:
+    """What token2wav gives back (a tensor upstream): ``.cpu()`` is itself."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def cpu(self) -> Speech:
+        return self
+
+
+class Clock:
+    """Time that moves only when the fake model's LLM or token2wav says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timed_model(clock: Clock, token_seconds: float, wav_seconds: float, count: int = 10):
+    """Upstream's shape, with an LLM that makes ``count`` tokens, ``token_seconds`` each, and a
+    token2wav of ``wav_seconds``: first hop 4 tokens, lookahead 2, no prompt. After the 6th
+    token (the first chunk's) the LLM waits until ``timed`` is set (by whoever heard the first
+    chunk's times), so those times are exact; ``llm_end`` is when it made its last token."""
+    model = model_shaped_like_upstream()
+    model.token_hop_len, model.flow.pre_lookahead_len = 4, 2
+    timed = threading.Event()
+    llm_end: list[float] = []
+
+    def llm_job(text, prompt_text, llm_prompt_speech_token, llm_embedding, uuid):
+        for token in range(count):
+            if token == 6:
+                timed.wait(10)
+            clock.now += token_seconds
+            model.tts_speech_token_dict[uuid].append(token)
+        llm_end.append(clock.now)
+
+    def token2wav(
+        token, prompt_token, prompt_feat, embedding, token_offset, uuid, stream=False, finalize=False, speed=1.0
+    ):
+        clock.now += wav_seconds
+        return Speech(len(token.data))
+
+    model.llm_job, model.token2wav = llm_job, token2wav
+    return model, llm_end, timed
+
+
+class FakeTensor:
+    def __init__(self, data):
+        self.data = list(data)
+
+    def unsqueeze(self, dim):
+        return self
+
+
+def tts_inputs(stream: bool) -> dict:
+    empty = np.zeros((1, 0))
+    return {"source_speech_token": empty, "flow_prompt_speech_token": empty, "stream": stream,
+            "text": "t", "prompt_text": "", "llm_prompt_speech_token": empty, "llm_embedding": empty,
+            "prompt_speech_feat": empty, "flow_embedding": empty}  # fmt: skip
+
+
+def test_a_streams_first_chunk_is_timed_in_its_llm_and_token2wav_parts(monkeypatch):
+    """The llm part ends when the first chunk's tokens (hop 4 + lookahead 2) were there, not
+    at the LLM's end; the audio part is that chunk's token2wav; once per stream, never for a
+    whole synthesis."""
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(tensor=FakeTensor))
+    clock = Clock()
+    model, llm_end, timed = timed_model(clock, token_seconds=0.25, wav_seconds=0.5)
+    heard: list[tuple[float, float]] = []
+
+    def hear(llm: float, audio: float) -> None:
+        heard.append((llm, audio))
+        timed.set()
+
+    assert install(model, on_first_chunk=hear, clock=clock) == ""
+    started = clock.now
+    chunks = [c["tts_speech"].tokens for c in model.tts(**tts_inputs(stream=True))]
+    assert chunks[0] == 6 and heard == [(6 * 0.25, 0.5)]
+    assert llm_end[0] - started > 6 * 0.25  # (the LLM went on after the first chunk's tokens)
+    list(model.tts(**tts_inputs(stream=False)))
+    assert len(heard) == 1 and not model.tts_speech_token_dict

@@ -44,6 +44,7 @@ FIRST_PACKAGE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0
 AUDIO_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 90.0)
 SYNTHESIS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+COMPUTE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
@@ -112,6 +113,14 @@ class Metrics:
             "Engine seconds per second of audio of a completed synthesis (below 1: faster than real time).",
             RTF_BUCKETS,
         )
+        self.first_chunk_compute = Histogram(
+            "cosyvoice_first_chunk_compute_seconds",
+            "A stream's first chunk inside the engine: part=llm, seconds from the synthesis' start until its "
+            "tokens were there; part=audio, seconds of their token2wav (the compute floor of the first chunk).",
+            ["part"],
+            buckets=COMPUTE_BUCKETS,
+            registry=self.registry,
+        )
         self.requests = Counter(
             "cosyvoice_requests",
             "Speech requests answered, by route and outcome.",
@@ -133,6 +142,8 @@ class Metrics:
         for route in ROUTES:  # every series from the start: rate() sees the first request
             for outcome in OUTCOMES:
                 self.requests.labels(route, outcome)
+        for part in ("llm", "audio"):
+            self.first_chunk_compute.labels(part)
         for reason in REASONS:
             for during in CHECKS:
                 self.bad.labels(reason, during)
@@ -203,6 +214,12 @@ class Metrics:
     def first_chunk(self, route: str, seconds: float) -> None:
         if self.enabled:
             self.first_package.labels(route).observe(max(0.0, seconds))
+
+    def first_chunk_parts(self, llm: float, audio: float) -> None:
+        """A stream's first chunk as the engine timed it: its LLM and its token2wav seconds."""
+        if self.enabled:
+            self.first_chunk_compute.labels("llm").observe(max(0.0, llm))
+            self.first_chunk_compute.labels("audio").observe(max(0.0, audio))
 
     def completed(self, route: str, audio_seconds: float, engine_seconds: float) -> None:
         if not self.enabled:

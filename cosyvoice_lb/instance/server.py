@@ -392,6 +392,8 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
     metrics = Metrics(engine.name, __version__)
     if not metrics.enabled:
         log.warning("no metrics: %s", MISSING)
+    if hasattr(engine, "on_first_chunk"):  # an engine that times its first chunk's parts
+        setattr(engine, "on_first_chunk", metrics.first_chunk_parts)  # noqa: B010
     return Pipeline(
         engine,
         admission,

@@ -15,7 +15,7 @@ import os
 import random
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,9 @@ class CosyVoiceEngine:
         self.stream_hop: int | None = None
         self.voice_cache_hits = 0  # saved voices spoken from the cache / put in it (metrics)
         self.voice_cache_misses = 0
+        # Hears (llm seconds, audio seconds) of each stream's first chunk, on our layer (the
+        # instance sets it to its metrics; see ``upstream_tts.install``).
+        self.on_first_chunk: Callable[[float, float], None] | None = None
 
     def _modes(self, speakers: list[str]) -> tuple[str, ...]:
         modes = ["zero_shot", "cross_lingual"]
@@ -174,7 +177,7 @@ class CosyVoiceEngine:
             self.own_path = "CosyVoice v1 models run on upstream's own tts"
             log.info("%s", self.own_path)
             return
-        problem = install(model.model, empty_cache=self.empty_cache)
+        problem = install(model.model, empty_cache=self.empty_cache, on_first_chunk=self._first_chunk)
         if not problem:
             self.own_path = ""
             log.info("upstream's model runs through cosyvoice-lb's layer (own chunk schedule per stream, no poll)")
@@ -185,6 +188,10 @@ class CosyVoiceEngine:
             self.own_path,
             "; streams one at a time, since they share its chunk size" if self.concurrency > 1 else "",
         )
+
+    def _first_chunk(self, llm: float, audio: float) -> None:
+        if self.on_first_chunk is not None:
+            self.on_first_chunk(llm, audio)
 
     def speakers(self) -> list[str]:
         """Built-in (SFT) speakers: v1 models only. A v2/v3 spk2info holds zero-shot

@@ -17,7 +17,9 @@ in one process, but:
 no upstream file changes) with :func:`_synthesis`, which calls upstream's own ``llm_job``,
 ``vc_job`` and ``token2wav`` in upstream's order, with each stream's hop its own, a condition
 that wakes the caller at each token, the LLM thread's error raised in the caller, a client
-that leaves stopping its LLM at the next token, and the cache flush only when asked.
+that leaves stopping its LLM at the next token, and the cache flush only when asked. A
+stream's first chunk is timed (``on_first_chunk``): the seconds until its tokens were there
+(the LLM's share, frontend work before ``tts`` left out) and the seconds of its ``token2wav``.
 
 It relies on upstream's internals, so :func:`shape_problem` checks at load time that they are
 the shape it was written against (upstream ace7c47, the commit the tests run); otherwise the
@@ -30,6 +32,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -100,9 +103,20 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def install(model: Any, *, empty_cache: bool = False) -> str:
+FirstChunk = Callable[[float, float], None]  # (llm seconds, audio seconds) of a stream's first chunk
+
+
+def install(
+    model: Any,
+    *,
+    empty_cache: bool = False,
+    on_first_chunk: FirstChunk | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> str:
     """Put :func:`_synthesis` in place of ``model.tts`` on this one object; returns what
-    stopped it ("" when installed: then the model's first hop, as loaded, starts every stream)."""
+    stopped it ("" when installed: then the model's first hop, as loaded, starts every stream).
+    ``on_first_chunk(llm, audio)`` hears each stream's first chunk: seconds from the start of
+    ``tts`` until its tokens (hop, pad and lookahead) were there, and seconds of its token2wav."""
     problem = shape_problem(model)
     if problem:
         return problem
@@ -115,7 +129,7 @@ def install(model: Any, *, empty_cache: bool = False) -> str:
     flush = _flusher() if empty_cache else None
 
     def tts(**inputs: Any) -> Iterator[dict]:
-        return _synthesis(model, {**defaults, **inputs}, first_hop, flush)
+        return _synthesis(model, {**defaults, **inputs}, first_hop, flush, on_first_chunk, clock)
 
     model.tts = tts
     return ""
@@ -176,10 +190,18 @@ class Run:
         return tokens()
 
 
-def _synthesis(model: Any, inputs: dict, first_hop: int, flush: Callable[[], None] | None) -> Iterator[dict]:
+def _synthesis(
+    model: Any,
+    inputs: dict,
+    first_hop: int,
+    flush: Callable[[], None] | None,
+    on_first_chunk: FirstChunk | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Iterator[dict]:
     """Upstream's ``CosyVoice2Model.tts``, step for step, less its shared hop and its poll."""
     import torch
 
+    started = clock()
     key = str(uuid.uuid1())
     run = Run()
     tokens = Tokens(run.ready)
@@ -227,16 +249,19 @@ def _synthesis(model: Any, inputs: dict, first_hop: int, flush: Callable[[], Non
                 made = run.wait(current, need)
                 if len(made) < need:  # the LLM ended short of another whole hop
                     break
+                tokens_there = clock()
                 speech = model.token2wav(
                     token=torch.tensor(made[:need]).unsqueeze(dim=0),
                     token_offset=offset,
                     stream=True,
                     finalize=False,
                     **common,
-                )
+                ).cpu()  # (on a GPU: its work done, so the time below is the chunk's)
+                if offset == 0 and on_first_chunk is not None:
+                    on_first_chunk(tokens_there - started, clock() - tokens_there)
                 offset += this_hop
                 hop = min(int(model.token_max_hop_len), int(hop * model.stream_scale_factor))
-                yield {"tts_speech": speech.cpu()}
+                yield {"tts_speech": speech}
             thread.join()
             speech = model.token2wav(
                 token=torch.tensor(current()).unsqueeze(dim=0), token_offset=offset, finalize=True, **common
