@@ -29,7 +29,7 @@ from cosyvoice_lb.launcher.render.staging import stage
 
 LOAD_STEPS = 3  # sleeps from a start until the instance answers ready
 BAD_AUDIO = "the warm-up synthesis made bad audio: 16000 of 16000 samples of a chunk are NaN or infinite"
-SERVICES = ("nginx", "health", "admin")
+SERVICES = ("nginx", "health", "admin", "jobs")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.instance.access.auth import Policy, digest
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.errors import ClusterError
-from cosyvoice_lb.launcher.render.credentials import open_warning, write_policy
+from cosyvoice_lb.launcher.render.credentials import jobs_token, open_warning, write_policy
 
 
 def private(path, text: str) -> str:
@@ -86,7 +86,7 @@ def test_public_without_tokens_generates_one_once_and_keeps_it(tmp_path):
     token = lay.api_token.read_text().splitlines()[-1]
     assert mode(lay.api_token) == 0o600 and mode(lay.access_policy) == 0o600
     policy = Policy.from_json(lay.access_policy.read_text())
-    assert policy.tokens == {digest(token)} and token not in lay.access_policy.read_text()
+    assert policy.tokens == {digest(token), digest(jobs_token(lay))} and token not in lay.access_policy.read_text()
     write_policy(Settings(public=True), lay)
     assert lay.api_token.read_text().splitlines()[-1] == token
     assert Policy.from_json(lay.access_policy.read_text()).secret == policy.secret  # sessions survive an `up`
@@ -100,7 +100,11 @@ def test_a_token_file_replaces_the_generated_token_and_is_reread(tmp_path):
     assert write_policy(settings, lay).generated is None and not lay.api_token.exists()
     private(tokens, f"{TOKEN}\nsecond-token-0123456789\n")
     write_policy(settings, lay)
-    assert Policy.from_json(lay.access_policy.read_text()).tokens == {digest(TOKEN), digest("second-token-0123456789")}
+    assert Policy.from_json(lay.access_policy.read_text()).tokens == {
+        digest(TOKEN),
+        digest("second-token-0123456789"),
+        digest(jobs_token(lay)),
+    }
 
 
 def test_ui_users_go_into_the_policy(tmp_path):

@@ -22,7 +22,7 @@ def proc(name: str, pid: int, state: str = "RUNNING") -> ProcessInfo:
 def seen(**changes) -> Observation:
     """A healthy cluster of three serving instances, each fact overridable."""
     programs = {s.name: proc(s.name, 100 + s.index) for s in SLOTS}
-    programs |= {name: proc(name, 50 + i) for i, name in enumerate(("nginx", "health", "admin"))}
+    programs |= {name: proc(name, 50 + i) for i, name in enumerate(("nginx", "health", "admin", "jobs"))}
     tracks = {s.name: Track(in_rotation=True, pid=100 + s.index) for s in SLOTS}
     base = Observation(
         settings=Settings(port=8080),

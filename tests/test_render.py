@@ -178,7 +178,8 @@ def test_supervisord_conf_has_one_program_per_slot(kind):
     conf = supervisor_sections(rendered(settings=settings, the_plan=the_plan)["run/supervisord.conf"])
     programs = sorted(s for s in conf.sections() if s.startswith("program:"))
     assert programs == sorted(
-        [f"program:{s.name}" for s in the_plan.slots] + ["program:nginx", "program:health", "program:admin"]
+        [f"program:{s.name}" for s in the_plan.slots]
+        + ["program:nginx", "program:health", "program:admin", "program:jobs"]
     )
     admin = shlex.split(conf["program:admin"]["command"])
     assert admin[1:] == ["-m", "cosyvoice_lb.launcher.panel.server", "--state-dir", str(SHORT)]
@@ -317,7 +318,7 @@ def test_supervisord_conf_loads_in_supervisor(state_dir):
     options = load_in_supervisor(Layout(state_dir).supervisord_conf)
     section = options.configroot.supervisord
     programs = {p.name: p for group in options.process_group_configs for p in group.process_configs}
-    assert set(programs) == {s.name for s in the_plan.slots} | {"nginx", "health", "admin"}
+    assert set(programs) == {s.name for s in the_plan.slots} | {"nginx", "health", "admin", "jobs"}
     for slot in the_plan.slots:
         program = programs[slot.name]
         assert program.environment["CUDA_VISIBLE_DEVICES"] == str(slot.gpu)
@@ -821,6 +822,31 @@ def test_the_panel_and_the_metrics_go_to_the_admin_socket_never_to_an_instance()
     ]
     for args in (("=", "/admin"), ("^~", "/admin/"), ("=", "/metrics"), ("^~", "/metrics/")):
         assert server.one("location", *args).values("limit_req") == [["zone=cvlb_admin", "burst=50", "nodelay"]]
+
+
+def test_the_jobs_api_goes_to_the_jobs_socket_with_the_apis_rate_limit():
+    http, server = nginx_server(Settings(rate_limit="10r/s", rate_burst=7))
+    (jobs,) = http.all("upstream", "cvlb_jobs")
+    assert jobs.values("server") == [[f"unix:{SHORT}/run/jobs.sock"]]
+    location = server.one("location", "^~", "/v1/audio/jobs")
+    assert location.values("proxy_pass") == [["http://cvlb_jobs"]]
+    assert location.values("limit_req") == server.one("location", "/v1/").values("limit_req")
+    assert ["502", "504", "=", "@jobs_down"] in location.values("error_page")
+    _, unlimited = nginx_server(Settings())
+    assert unlimited.one("location", "^~", "/v1/audio/jobs").values("limit_req") == []
+
+
+def test_the_jobs_program_runs_before_the_instances_stop_and_gets_redis_by_environment():
+    secret = "redis://:pass%word@10.0.0.9:6379/0"
+    conf = supervisor_sections(rendered(settings=Settings(jobs_redis=secret))["run/supervisord.conf"])
+    jobs = conf["program:jobs"]
+    argv = shlex.split(jobs["command"])
+    assert argv[1:] == ["-m", "cosyvoice_lb.jobs", "--state-dir", str(SHORT)] and secret not in jobs["command"]
+    env = dict_of_key_value_pairs(jobs["environment"].replace("%%", "%"))
+    assert env == {"PYTHONUNBUFFERED": "1", "COSYVOICE_LB_JOBS_REDIS": secret}
+    assert int(jobs["priority"]) > int(conf["program:instance-0"]["priority"])
+    plain = supervisor_sections(rendered(settings=Settings())["run/supervisord.conf"])["program:jobs"]
+    assert dict_of_key_value_pairs(plain["environment"]) == {"PYTHONUNBUFFERED": "1"}
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,8 @@ ENV_PREFIX = "COSYVOICE_LB_"
 # shorter prompt gives a voice that is not the speaker's. The one figure for the prompt
 # rules (validation.prompt_span), the UI, and the check of --max-prompt-seconds.
 MIN_PROMPT_SECONDS = 3.0
+# The longest text a job may hold (the job store's bound, cosyvoice_lb.jobs.model.MAX_TEXT_CHARS)
+MAX_JOB_CHARS = 200_000
 
 
 @dataclass(frozen=True)
@@ -374,6 +376,35 @@ class Settings(EngineSettings):
         "Seconds another instance must start a request sooner before one declines it (--routing work).",
         type=float,
         check=not_negative,
+    )
+    max_job_chars: int = setting(
+        200_000,
+        "Longest text a long-form job (POST /v1/audio/jobs) may hold; it is split like a long text "
+        "and made in the background, its audio fetched when done (docs/jobs.md).",
+        type=int,
+        check=lambda flag, value: (
+            "" if 1 <= value <= MAX_JOB_CHARS else f"{flag} must be from 1 to {MAX_JOB_CHARS}, got {value}"
+        ),
+    )
+    job_slots: str = setting(
+        "auto",
+        "Segments of jobs in flight at once, cluster-wide: N, or auto (the serving instances' "
+        "syntheses at once less one instance's worth, at least 1), so jobs leave room for requests.",
+        metavar="N|auto",
+        check=concurrency,
+    )
+    job_max_age: float = setting(
+        7 * 86400.0,
+        "Finished jobs (and their audio) are removed this many seconds after they finished.",
+        type=float,
+        check=above_zero,
+    )
+    jobs_redis: str = setting(
+        "",
+        "Keep jobs in this Redis (redis://[:password@]host:port/db) instead of an SQLite file in the "
+        "state dir: pods that share one store. Give it in the environment (it may hold a password): "
+        "it reaches the jobs process through its environment, never a command line or a log.",
+        metavar="URL",
     )
 
     @property

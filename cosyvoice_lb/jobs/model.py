@@ -46,9 +46,6 @@ TRANSITIONS: Mapping[str, frozenset[str]] = {
 
 MAX_TEXT_CHARS = 200_000
 MAX_OWNER_CHARS = 256
-# The owner of jobs made without credentials (a service with no tokens and no UI logins):
-# everyone shares it. The API names other owners with a prefix ("token:…", "user:…").
-SHARED_OWNER = "shared"
 ID_PREFIX = "job_"
 JOB_ID = re.compile(r"^job_[A-Za-z0-9_-]{16,64}$")
 DEFAULT_LIMIT = 20

@@ -184,6 +184,8 @@ def status_tables(current: ClusterStatus) -> list[Table]:
         table.add_row(*row, i.reason)
     services = [(name, getattr(current, name)) for name in SERVICES] + sorted(current.daemons.items())
     for name, info in services:
+        if not info:  # (a status read before that service existed)
+            continue
         row = [name, str(info.get("port", "")), name[4:] if name.startswith("mps-") else "", str(info["pid"])]
         row.append(info["state"])
         table.add_row(*row, *[""] * (len(columns) + 1 - len(row)))

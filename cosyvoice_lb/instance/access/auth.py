@@ -20,8 +20,9 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from http.cookies import CookieError, SimpleCookie
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -29,6 +30,9 @@ SESSION_COOKIE = "cvlb_session"
 SESSION_SECONDS = 7 * 86400
 MIN_TOKEN_CHARS = 16
 BCRYPT = re.compile(r"^\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}$")
+# Owners (Policy.owner): a token's is named by this many hex digits of its digest
+OWNER_HEX = 16
+SHARED_OWNER = "local"  # everyone's, where no credentials are asked
 
 
 def digest(token: str) -> str:
@@ -69,6 +73,17 @@ def read_htpasswd(text: str, source: str) -> dict[str, str]:
             )
         users[user] = hashed
     return users
+
+
+def session_of(cookie_header: str) -> str:
+    """The session cookie's value in a Cookie header ("" when absent or unreadable)."""
+    jar: SimpleCookie = SimpleCookie()
+    try:
+        jar.load(cookie_header)
+    except CookieError:
+        return ""
+    morsel = jar.get(SESSION_COOKIE)
+    return morsel.value if morsel else ""
 
 
 def _b64(data: bytes) -> str:
@@ -138,17 +153,38 @@ class Policy:
 
     def session_ok(self, cookie: str, now: float) -> bool:
         """A cookie this policy signed, not expired, whose token or password still stands."""
+        return self.session_key(cookie, now) is not None
+
+    def session_key(self, cookie: str, now: float) -> str | None:
+        """The credential key a good session cookie carries (see :meth:`login`), or None."""
         body, _, signature = cookie.partition(".")
         if not body or not signature or not self.secret:
-            return False
+            return None
         expected = _b64(hmac.new(self.secret, body.encode(), hashlib.sha256).digest())
         if not hmac.compare_digest(expected, signature):
-            return False
+            return None
         try:
             data = json.loads(_unb64(body))
-            return now < float(data["e"]) and self._still_valid(str(data["k"]))
+            key = str(data["k"])
+            return key if now < float(data["e"]) and self._still_valid(key) else None
         except (ValueError, KeyError, TypeError):
-            return False
+            return None
+
+    def owner(self, headers: Mapping[str, str], now: float) -> str:
+        """Whose request this is, for what it leaves behind (a long-form job): the bearer
+        token's ``token:<16 hex of its digest>``, a session's ``user:<login>`` (or its token's
+        ``token:…`` when the login was a token); "" when no credential holds. A service
+        without a policy has one shared owner (``SHARED_OWNER``)."""
+        scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and self.token_ok(token.strip()):
+            return "token:" + digest(token.strip())[:OWNER_HEX]
+        key = self.session_key(session_of(headers.get("cookie", "")), now) or ""
+        kind, _, rest = key.partition(":")
+        if kind == "t":
+            return "token:" + rest[:OWNER_HEX]
+        if kind == "u":
+            return "user:" + rest.rpartition(":")[0]
+        return ""
 
 
 CLOSED = Policy()  # what an unreadable policy file allows: nothing

@@ -19,7 +19,7 @@ from cosyvoice_lb.launcher.health.rotation import OCCUPIED, is_parked
 from cosyvoice_lb.launcher.plan.gpu import GpuReading
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 
-SERVICES = ("nginx", "health", "admin")
+SERVICES = ("nginx", "health", "admin", "jobs")
 ESSENTIAL = ("nginx", "health")  # the cluster does not serve (well) without them
 
 
@@ -68,6 +68,7 @@ class ClusterStatus:
     nginx: dict = field(default_factory=dict)
     health: dict = field(default_factory=dict)
     admin: dict = field(default_factory=dict)
+    jobs: dict = field(default_factory=dict)  # the long-form jobs' API and runner
     problems: list[str] = field(default_factory=list)
     report: list[str] = field(default_factory=list)  # per failed instance: why, and its log's last lines
     access: dict = field(default_factory=dict)  # who can reach it, whether credentials are needed
@@ -98,6 +99,7 @@ class ClusterStatus:
             "nginx": self.nginx,
             "health": self.health,
             "admin": self.admin,
+            "jobs": self.jobs,
             "problems": self.problems,
             "access": self.access,
             "warnings": self.warnings,
@@ -254,7 +256,8 @@ def instance_findings(result: ClusterStatus, item: InstanceStatus, body: dict) -
 
 
 def service_findings(result: ClusterStatus, programs: dict[str, ProcessInfo]) -> None:
-    """nginx, the health loop, the panel and the CUDA MPS daemons: their states, in place."""
+    """nginx, the health loop, the panel, the jobs process and the CUDA MPS daemons: their
+    states, in place."""
     for name in SERVICES:
         proc = programs.get(name)
         state = proc.state if proc else "MISSING"

@@ -10,11 +10,12 @@ import ipaddress
 import os
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from cosyvoice_lb.common.instance_argv import instance_args
 from cosyvoice_lb.common.networks import parse_networks
 from cosyvoice_lb.common.setting_errors import setting_errors
-from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.common.settings import Settings, envvar
 from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.common.timeouts import Timeouts
 from cosyvoice_lb.launcher.cluster import record
@@ -147,6 +148,17 @@ def mps_daemons(settings: Settings, plan: Plan, layout: Layout, programs: Progra
     ]
 
 
+def jobs_socket(layout: Layout) -> Path:
+    """The jobs API listens here; nginx is its only way in (``location /v1/audio/jobs``)."""
+    return layout.run / "jobs.sock"
+
+
+def jobs_env(settings: Settings) -> dict[str, str]:
+    """The jobs process's environment: --jobs-redis travels here, never on its command line
+    (the URL may hold a password, and command lines are everyone's to read)."""
+    return {"PYTHONUNBUFFERED": "1", **({envvar("jobs_redis"): settings.jobs_redis} if settings.jobs_redis else {})}
+
+
 def check(settings: Settings, layout: Layout) -> None:
     """Refuse settings that would render a config that cannot work."""
     if not layout.root.is_absolute():
@@ -265,6 +277,9 @@ def render(
         health_command=shlex.join(
             [programs.launcher_python, "-m", "cosyvoice_lb.launcher.health.loop", "--state-dir", str(layout.root)]
         ),
+        jobs_command=shlex.join([programs.launcher_python, "-m", "cosyvoice_lb.jobs", "--state-dir", str(layout.root)]),
+        jobs_env=jobs_env(settings),
+        jobs_socket=jobs_socket(layout),
         admin_command=shlex.join(
             [programs.launcher_python, "-m", "cosyvoice_lb.launcher.panel.server", "--state-dir", str(layout.root)]
         ),

@@ -74,6 +74,7 @@ def write_policy(settings: Settings, layout: Layout) -> Access:
     """Write (or, when no credentials are needed, remove) the policy file."""
     if not settings.auth_required:
         layout.access_policy.unlink(missing_ok=True)
+        jobs_token_path(layout).unlink(missing_ok=True)
         return access_of(settings, layout)
     try:
         tokens = given_tokens(settings.api_token_file, "--api-token-file") or [generated_token(layout)]
@@ -82,13 +83,24 @@ def write_policy(settings: Settings, layout: Layout) -> Access:
             raise ValueError(f"--ui-auth {settings.ui_auth} names no user: add one with htpasswd -B")
     except ValueError as exc:
         raise ClusterError(str(exc)) from None
-    _write_policy_file(layout.access_policy, tokens, users)
+    # (the jobs runner's own token: its segments pass the instances' gate like any request)
+    _write_policy_file(layout.access_policy, [*tokens, jobs_token(layout)], users)
     return Access(
         required=True,
         tokens=len(tokens),
         users=len(users),
         generated=None if settings.api_token_file else layout.api_token,
     )
+
+
+def jobs_token_path(layout: Layout) -> Path:
+    """The token the jobs runner sends with its segments when the service needs credentials
+    (0600, in the private run dir; made once, then reused)."""
+    return layout.run / "jobs-token"
+
+
+def jobs_token(layout: Layout) -> str:
+    return _own_token(jobs_token_path(layout), "the jobs token file", "the jobs runner's token (cosyvoice-lb up)")
 
 
 def given_tokens(path: str, flag: str) -> list[str]:

@@ -1,0 +1,180 @@
+"""The jobs process (``python -m cosyvoice_lb.jobs --state-dir DIR``, run by supervisord):
+the jobs API on ``run/jobs.sock`` and, beside it, the runner that makes the jobs' segments
+through nginx, and the retention that removes finished jobs past ``--job-max-age``.
+
+It reads the cluster's settings from its record (``run/cluster.json``), as the health loop
+does. The store is the state dir's SQLite file, or Redis when ``COSYVOICE_LB_JOBS_REDIS``
+is in its environment (the URL may hold a password: never on a command line). SIGTERM stops
+it: the API closes, the runner leaves its segments in flight (a later start makes them
+again; those done are kept) and the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cosyvoice_lb.common.checks import parse_voice_map
+from cosyvoice_lb.common.settings import Settings, envvar
+from cosyvoice_lb.instance.access.auth import PolicyFile
+from cosyvoice_lb.jobs.base import JobStore, StoreError
+from cosyvoice_lb.jobs.service import Config, build_app
+from cosyvoice_lb.jobs.store import open_store
+from cosyvoice_lb.launcher.cluster import record
+from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.plan.planner import Roles, Slot
+from cosyvoice_lb.launcher.render.addresses import balancer_url
+from cosyvoice_lb.launcher.render.cluster import jobs_socket
+from cosyvoice_lb.launcher.render.credentials import jobs_token_path
+
+log = logging.getLogger("cosyvoice_lb.jobs")
+
+RETENTION_EVERY = 60.0  # seconds between two sweeps of finished jobs past --job-max-age
+
+
+def job_slots(settings: Settings, slots: tuple[Slot, ...], roles: Roles) -> int:
+    """--job-slots: N, or auto: the serving instances' syntheses at once, less one
+    instance's worth (requests keep room), at least 1."""
+    if str(settings.job_slots).strip() != "auto":
+        return max(1, int(settings.job_slots))
+    serving = slots[: roles.serving] or slots
+    total = sum(max(1, slot.concurrency) for slot in serving)
+    one = max((max(1, slot.concurrency) for slot in serving), default=1)
+    return max(1, total - one)
+
+
+def redis_url(settings: Settings, environ: Mapping[str, str] = os.environ) -> str:
+    """--jobs-redis as the process's environment gives it (the record's value otherwise)."""
+    return environ.get(envvar("jobs_redis"), "") or settings.jobs_redis
+
+
+def job_segment_chars(settings: Settings) -> int:
+    """A job's segments: the long-text path's size, never past what one request may ask
+    (an instance would split a longer one again; /v1/audio/speech refuses past 4096)."""
+    return min(settings.segment_chars, settings.max_chars)
+
+
+def service_config(settings: Settings, layout: Layout) -> Config:
+    return Config(
+        state_dir=layout.root,
+        max_chars=settings.max_job_chars,
+        segment_chars=job_segment_chars(settings),
+        max_age=settings.job_max_age,
+        voices_dir=settings.voices_dir,
+        voice_map=parse_voice_map(settings.openai_voices),
+    )
+
+
+def read_token(layout: Layout, settings: Settings) -> str:
+    """The runner's own token when the service needs credentials ("" without)."""
+    if not settings.auth_required:
+        return ""
+    path = jobs_token_path(layout)
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            return line.strip()
+    raise ValueError(f"{path} holds no token: run cosyvoice-lb up again")
+
+
+def make_runner(settings: Settings, layout: Layout, store: JobStore, slots: int) -> Any:
+    """The runner over the store, sending through nginx with its own credentials; None in a
+    build without it."""
+    try:
+        from cosyvoice_lb.jobs import results, runner, sender
+    except ImportError as exc:
+        log.error("no job runner in this build (%s): jobs are queued, none is made", exc)
+        return None
+    token = read_token(layout, settings)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    # (nginx answers within --request-timeout, retries included: a little more is the bound)
+    send = sender.Sender(balancer_url(settings), headers=headers, timeout=settings.request_timeout + 30.0)
+    return runner.Runner(
+        store,
+        send,
+        results.Results(results.results_dir(layout.root)),
+        worker=f"{socket.gethostname()}:{os.getpid()}",
+        slots=slots,
+        segment_chars=job_segment_chars(settings),
+    )
+
+
+@dataclass
+class Retention:
+    """Finished jobs past --job-max-age go: their audio first, then their record (a record
+    left by a crash between the two is removed at the next sweep)."""
+
+    store: JobStore
+    results_root: Path
+    max_age: float
+
+    def sweep(self, now: float) -> int:
+        from cosyvoice_lb.jobs.results import Results
+
+        results = Results(self.results_root)
+        removed = 0
+        for job in self.store.expired(now - self.max_age):
+            results.remove(job.id)
+            if self.store.remove(job.id) is not None:
+                removed += 1
+        return removed
+
+    def run(self, stop: threading.Event, every: float = RETENTION_EVERY) -> None:
+        while not stop.is_set():
+            try:
+                removed = self.sweep(time.time())
+                if removed:
+                    log.info("retention: %d finished job(s) past --job-max-age removed", removed)
+            except (StoreError, OSError) as exc:
+                log.warning("retention skipped this round: %s", exc)
+            stop.wait(every)
+
+
+def serve(layout: Layout, found: record.ClusterRecord) -> None:
+    import uvicorn
+
+    settings = found.settings
+    store = open_store(layout.root, redis_url(settings))
+    policy = PolicyFile(str(layout.access_policy)) if settings.auth_required else None
+    app = build_app(store, service_config(settings, layout), policy)
+    stop = threading.Event()
+    threads = []
+    slots = job_slots(settings, found.slots, found.roles)
+    runner = make_runner(settings, layout, store, slots)
+    if runner is not None:
+        threads.append(threading.Thread(target=runner.run, args=(stop,), name="job-runner", daemon=True))
+    keeper = Retention(store, layout.root / "jobs" / "results", settings.job_max_age)
+    threads.append(threading.Thread(target=keeper.run, args=(stop,), name="job-retention", daemon=True))
+    for thread in threads:
+        thread.start()
+    socket_path = jobs_socket(layout)
+    log.info("jobs API on %s, store %s, %d segment(s) in flight at most", socket_path, store.describe(), slots)
+    server = uvicorn.Server(uvicorn.Config(app, uds=str(socket_path), log_level="warning", access_log=False))
+    try:
+        server.run()  # (uvicorn's own SIGTERM/SIGINT handling ends it)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=12)  # (the runner drains its segments out for 10 s at most)
+        store.close()
+        log.info("jobs process stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="cosyvoice-lb jobs API and runner (run by supervisord)")
+    parser.add_argument("--state-dir", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s jobs %(levelname)s %(message)s")
+    layout = Layout(Path(args.state_dir).resolve())
+    serve(layout, record.parse(layout.cluster_json.read_text()))
+
+
+if __name__ == "__main__":
+    main()
