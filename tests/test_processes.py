@@ -21,6 +21,7 @@ LAYOUT = Layout(Path("/srv/cvlb"))
         ["/venv/bin/python", "/x/app.py", "--port", "7860", "--starts-file", "/srv/cvlb/run/instance-0.starts"],
         ["/venv/bin/python", "-m", "cosyvoice_lb.launcher.health.loop", "--state-dir", "/srv/cvlb"],
         ["/venv/bin/python", "-m", "cosyvoice_lb.launcher.panel.server", "--state-dir", "/srv/cvlb"],
+        ["/venv/bin/python", "-m", "cosyvoice_lb.jobs", "--state-dir", "/srv/cvlb"],
         # (the module paths of 0.1: a cluster it started)
         ["/venv/bin/python", "-m", "cosyvoice_lb.health_loop", "--state-dir", "/srv/cvlb"],
         ["/venv/bin/python", "-m", "cosyvoice_lb.health", "--state-dir", "/srv/cvlb"],
@@ -39,6 +40,7 @@ def test_the_cluster_programs_are_recognised(args):
         ["tail", "-f", "/srv/cvlb/logs/instance-0.log"],
         ["/venv/bin/python", "-m", "cosyvoice_lb.launcher.health.loop", "--state-dir", "/srv/cvlb-other"],
         ["/venv/bin/python", "-m", "cosyvoice_lb.launcher.panel.server", "--state-dir", "/srv/cvlb-other"],
+        ["/venv/bin/python", "-m", "cosyvoice_lb.jobs", "--state-dir", "/srv/cvlb-other"],
         ["/usr/sbin/nginx", "-c", "/srv/cvlb-other/nginx/nginx.conf"],
         ["/venv/bin/python", "app.py", "--starts-file", "/srv/cvlb/runaway/instance-0.starts"],
         [],

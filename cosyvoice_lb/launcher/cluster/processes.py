@@ -63,7 +63,7 @@ def is_cluster_program(args: list[str], layout: Layout) -> bool:
         flag in ("--starts-file", "--pipe-dir") and value.startswith(str(layout.run) + os.sep) for flag, value in pairs
     ):  # (an instance; a CUDA MPS daemon's wrapper)
         return True
-    modules = {"cosyvoice_lb.launcher.health.loop", "cosyvoice_lb.launcher.panel.server"}
+    modules = {"cosyvoice_lb.launcher.health.loop", "cosyvoice_lb.launcher.panel.server", "cosyvoice_lb.jobs"}
     modules |= {shim.old for shim in MODULES if shim.new in modules}  # (a cluster an older version started)
     return any(m in args for m in modules) and ("--state-dir", str(layout.root)) in pairs
 
