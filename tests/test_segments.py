@@ -217,13 +217,13 @@ sentence = st.builds(
 sentence_text = st.lists(sentence, max_size=40).map("".join)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(any_text, limits, first_limits)
 def test_any_text_keeps_every_character_in_order_within_the_limit(text, max_chars, first_chars):
     check_segments(text, split_text(text, max_chars, first_chars), max_chars)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(sentence_text, limits, first_limits)
 def test_sentence_like_text_keeps_every_character_in_order_within_the_limit(text, max_chars, first_chars):
     segments = split_text(text, max_chars, first_chars)
@@ -234,7 +234,7 @@ def test_sentence_like_text_keeps_every_character_in_order_within_the_limit(text
             assert end - start > max_chars
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(any_text | sentence_text)
 def test_a_text_that_fits_is_one_segment_whatever_it_holds(text):
     stripped = text.strip()
