@@ -31,6 +31,8 @@ import requests
 import soundfile
 from urllib3.exceptions import ReadTimeoutError
 
+from cosyvoice_lb.instance.speech.admission import BACKGROUND_HEADER
+
 # The job's params that a segment's request repeats (the rest are the runner's to set)
 FIELDS = ("model", "voice", "instructions", "speed", "mode", "prompt_text", "speaker")
 RETRY_STATUSES = frozenset({429, 502, 503})
@@ -117,7 +119,8 @@ def judge(status: int, headers: Mapping[str, str], content: bytes) -> bytes:
 class Sender:
     """``send(params, text, seed) -> wav bytes`` against the balancer at ``url``.
 
-    ``headers``: the runner's credentials (``Authorization``), sent with every segment.
+    ``headers``: the runner's credentials (``Authorization``), sent with every segment, with
+    the mark of background work (``BACKGROUND_HEADER``: interactive requests go first).
     ``timeout``: seconds one segment's answer may take. One HTTP session per thread (the
     runner sends from several), none reading proxies from the environment: the balancer is
     on this box."""
@@ -126,7 +129,8 @@ class Sender:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"the balancer's URL: http://HOST:PORT, not {url!r}")
         self.url = url.rstrip("/") + "/v1/audio/speech"
-        self.headers = dict(headers or {})
+        # Background work: every instance serves interactive requests before a segment
+        self.headers = {**(headers or {}), BACKGROUND_HEADER: "1"}
         self.timeout = timeout
         self._local = threading.local()
         self._sessions: list[requests.Session] = []

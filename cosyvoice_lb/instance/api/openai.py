@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from cosyvoice_lb.instance.api.forms import read_form
 from cosyvoice_lb.instance.api.streams import AudioStream, Framing, audio_source, first_of, streaming_headers
 from cosyvoice_lb.instance.audio.formats import CONTENT_TYPES, FORMATS, Encoder, available
+from cosyvoice_lb.instance.speech.admission import is_background
 from cosyvoice_lb.instance.speech.fanout import FanOut
 from cosyvoice_lb.instance.speech.pipeline import Pipeline
 from cosyvoice_lb.instance.speech.validation import OPENAI_SPEEDS, BadRequest, check_text, safe
@@ -165,6 +166,7 @@ def add_openai_routes(
         job = await loop.run_in_executor(
             None, lambda: pipeline.prepare(payload, None, speeds=OPENAI_SPEEDS, route="openai", headers=request.headers)
         )
+        job.background = is_background(request.headers)  # (a job's segment: interactive requests first)
         deadline = pipeline.deadline(request.headers.get("x-request-start"))
         source = audio_source(pipeline, fanout, job, payload, None, request.headers, deadline)
         first = await first_of(source)

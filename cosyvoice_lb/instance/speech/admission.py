@@ -7,6 +7,17 @@ engine slots (``--instance-concurrency``), the bounded queue in front of them
 ``/ping``'s ``stalled_seconds`` reports and the health loop judges hangs by), and the
 served/failed counters behind ``--max-requests``.
 
+Interactive work first. A request marked background (:data:`BACKGROUND_HEADER`: a long-form
+job's segment) never takes a slot while an interactive request waits: a free slot goes to
+the oldest interactive waiter, and to the oldest background one only when none waits. A
+background request does not count toward ``--max-queue`` (it never makes an interactive one
+refused), nor in the backlog routing weighs (it starts only when nobody interactive waits).
+It waits at most ``background_wait`` seconds (and half the request's time left, so that its
+synthesis still fits), behind at most ``background_queue`` others, else it is refused with
+:class:`Overloaded` (503, Retry-After): nginx tries another instance, then the job runner
+retries later. A slot a background synthesis holds is not taken back; ``--job-slots``
+bounds how many it can hold.
+
 Standard library only (the instance runs in the model's environment); the clock is passed
 in, so every rule is tested without sleeping.
 """
@@ -18,13 +29,21 @@ import math
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from cosyvoice_lb.common.timeouts import STAMP_AHEAD, STAMP_SLACK
 from cosyvoice_lb.instance.routing.rule import RESERVATION_SECONDS, Backlog, queue_load
 
 Clock = Callable[[], float]
+
+# A request that asks to be served after interactive ones ("1"). It is trusted as a lowering
+# of its own priority only: it grants nothing (anyone may ask to wait longer), so no secret
+# proves it and nginx passes it through from any client.
+BACKGROUND_HEADER = "X-Cvlb-Background"
+BACKGROUND_WAIT = 30.0  # seconds a background request waits for a slot at most, then 503
 
 
 class Phase(str, enum.Enum):
@@ -104,6 +123,57 @@ def deadline_for(request_timeout: float, stamp: str | None, wall: float, mono: f
     return mono + (started + request_timeout - wall)
 
 
+def is_background(headers: Any) -> bool:
+    """Whether a request's headers (lower-case keys, or any case) mark it background work."""
+    value = headers.get(BACKGROUND_HEADER.lower()) or headers.get(BACKGROUND_HEADER) or ""
+    return str(value).strip() == "1"
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One request waiting for an engine slot; ``granted`` (under the admission's lock) once
+    a slot is its own, then ``event`` is set."""
+
+    cost: float
+    background: bool = False
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    granted: bool = False
+    event: threading.Event = field(default_factory=threading.Event)
+
+
+class Line:
+    """The order in which waiters get the slots that come free: every interactive waiter,
+    oldest first, before any background one, oldest first. Not locked: the admission's
+    lock guards it."""
+
+    def __init__(self) -> None:
+        self.interactive: deque[Waiter] = deque()
+        self.background: deque[Waiter] = deque()
+
+    def __len__(self) -> int:
+        return len(self.interactive) + len(self.background)
+
+    def join(self, waiter: Waiter) -> None:
+        (self.background if waiter.background else self.interactive).append(waiter)
+
+    def leave(self, waiter: Waiter) -> None:
+        queue = self.background if waiter.background else self.interactive
+        if waiter in queue:
+            queue.remove(waiter)
+
+    def next(self) -> Waiter | None:
+        """The waiter the next free slot goes to (out of the line), or None."""
+        for queue in (self.interactive, self.background):
+            if queue:
+                return queue.popleft()
+        return None
+
+    def costs(self) -> list[float]:
+        """The interactive waiters' estimated seconds, in order: what a new interactive
+        request would wait behind."""
+        return [waiter.cost for waiter in self.interactive]
+
+
 class Ticket:
     """One synthesis holding an engine slot. The engine's side calls :meth:`working` when it
     resumes and :meth:`handed_out` when a chunk leaves for the reader (a slow reader is not
@@ -132,16 +202,26 @@ class Admission:
     """``on_change`` is called (outside the lock) whenever the work held here or the phase
     changed: the router publishes the instance's load then (see ``routing``)."""
 
-    def __init__(self, concurrency: int = 1, max_queue: int | None = None, clock: Clock = time.monotonic):
+    def __init__(
+        self,
+        concurrency: int = 1,
+        max_queue: int | None = None,
+        clock: Clock = time.monotonic,
+        background_wait: float = BACKGROUND_WAIT,
+        background_queue: int | None = None,
+    ):
         self.concurrency = max(1, concurrency)
-        self.max_queue = max_queue  # requests allowed to wait for a slot when bounded; None: no bound
+        self.max_queue = max_queue  # interactive requests allowed to wait when bounded; None: no bound
         self.clock = clock
+        self.background_wait = max(0.0, background_wait)
+        # background requests allowed to wait (default: one per engine slot)
+        self.background_queue = self.concurrency if background_queue is None else max(0, background_queue)
         self.on_change: Callable[[], None] = lambda: None
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(self.concurrency)
+        self._free = self.concurrency  # engine slots nobody holds (while any is free, nobody waits)
         # key -> [start, last chunk (inf: with the reader), estimated seconds]
         self._inflight: dict[str, list[float]] = {}
-        self._queued: list[float] = []  # the estimated seconds of each request waiting for a slot
+        self._line = Line()  # the requests waiting for a slot
         self._reserved: list[tuple[float, float]] = []  # (until, seconds): taken, not queued yet
         self._served = 0
         self._failed = 0
@@ -209,40 +289,83 @@ class Admission:
 
     # --- slots, queue, deadlines ---------------------------------------------------------
 
-    def admit(self, *, bounded: bool = False, deadline: float | None = None, cost: float = 0.0) -> Ticket:
+    def admit(
+        self, *, bounded: bool = False, deadline: float | None = None, cost: float = 0.0, background: bool = False
+    ) -> Ticket:
         """Wait for an engine slot. ``bounded``: refuse with :class:`Overloaded` when the
         slots and the queue are full (the API; the UI and the warm-up wait their turn).
         ``deadline`` (on this clock): no slot by then raises :class:`TimedOut`. ``cost``:
-        the synthesis' estimated seconds (what it adds to this instance's load)."""
+        the synthesis' estimated seconds (what it adds to this instance's load).
+        ``background``: served after every interactive waiter, refused rather than kept
+        waiting long (see the module's docstring)."""
+        waiter = Waiter(cost, background)
         with self._lock:
-            busy = len(self._inflight) + len(self._queued)
-            if bounded and self.max_queue is not None and busy >= self.concurrency + self.max_queue:
-                raise Overloaded(
-                    f"this instance is busy ({len(self._inflight)} synthesizing, "
-                    f"{len(self._queued)} waiting): retry, another instance may be free"
-                )
-            self._queued.append(cost)
+            self._refuse(waiter, bounded)
+            if self._free:  # (a free slot: nobody waits)
+                self._take(waiter)
+            else:
+                self._line.join(waiter)
             if self._reserved:
                 self._reserved.pop(0)  # (the oldest reservation: this request's, or one like it)
         self._changed()
-        admitted = False
-        try:
-            wait = None if deadline is None else max(0.0, deadline - self.clock())
-            if not self._slots.acquire(timeout=wait):
-                raise TimedOut(
-                    f"no engine slot came free within the request timeout ({wait:.0f}s left "
-                    "when it arrived here): the cluster is overloaded, retry later"
+        if not waiter.granted:
+            self._wait(waiter, deadline)
+        return Ticket(self, waiter.key)
+
+    def _refuse(self, waiter: Waiter, bounded: bool) -> None:
+        """Raise :class:`Overloaded` when ``waiter`` may not even wait (under the lock)."""
+        if waiter.background:
+            if not self._free and len(self._line.background) >= self.background_queue:
+                raise Overloaded(
+                    f"this instance is busy ({len(self._inflight)} synthesizing, {len(self._line)} waiting, "
+                    f"{len(self._line.background)} of them background work): retry later"
                 )
-            admitted = True
+            return
+        waiting = len(self._line.interactive)
+        if (
+            bounded
+            and self.max_queue is not None
+            and len(self._inflight) + waiting >= self.concurrency + self.max_queue
+        ):
+            raise Overloaded(
+                f"this instance is busy ({len(self._inflight)} synthesizing, "
+                f"{waiting} waiting): retry, another instance may be free"
+            )
+
+    def _take(self, waiter: Waiter) -> None:
+        """``waiter`` gets a free slot (under the lock)."""
+        self._free -= 1
+        now = self.clock()
+        self._inflight[waiter.key] = [now, now, waiter.cost]  # busy time counts from here, not from the queue
+        waiter.granted = True
+        waiter.event.set()
+
+    def _wait(self, waiter: Waiter, deadline: float | None) -> None:
+        """Until ``waiter`` is granted a slot, or its time to wait is up: then it leaves the
+        line with :class:`TimedOut` (interactive) or :class:`Overloaded` (background)."""
+        left = None if deadline is None else max(0.0, deadline - self.clock())
+        patience = left
+        if waiter.background:  # (its synthesis must still fit in the time left)
+            patience = self.background_wait if left is None else min(self.background_wait, left / 2)
+        try:
+            waiter.event.wait(patience)
         finally:
-            key = uuid.uuid4().hex
             with self._lock:
-                self._queued.remove(cost)
-                if admitted:
-                    now = self.clock()
-                    self._inflight[key] = [now, now, cost]  # busy time counts from here, not from the queue
+                gave_up = not waiter.granted
+                if gave_up:
+                    self._line.leave(waiter)
             self._changed()
-        return Ticket(self, key)
+        if not gave_up:
+            return
+        if waiter.background:
+            raise Overloaded(
+                f"interactive requests go first here: this background request found no free engine slot "
+                f"within {patience:.0f}s; retry later"
+            )
+        raise TimedOut(
+            f"no engine slot came free within the request timeout ({left:.0f}s left "
+            "when it arrived here): the cluster is overloaded, retry later"
+        )
 
     def _mark(self, key: str, last: float) -> None:
         with self._lock:
@@ -256,17 +379,23 @@ class Admission:
                 self._served += 1
             elif outcome is False:
                 self._failed += 1
-        self._slots.release()
+            self._free += 1
+            while self._free:  # the slot goes to the next in line (interactive first)
+                waiter = self._line.next()
+                if waiter is None:
+                    break
+                self._take(waiter)
         self._changed()
 
     def load(self) -> Backlog:
         """The work held here now, for routing (see ``routing.queue_load``): in flight,
-        waiting, and taken but not yet queued."""
+        waiting (interactive), and taken but not yet queued."""
         with self._lock:
             now = self.clock()
             self._reserved = [r for r in self._reserved if r[0] > now]
             inflight = [(start, cost) for start, _, cost in self._inflight.values()]
-            queued = self._queued + [seconds for _, seconds in self._reserved]
+            # (background waiters start only when nobody interactive waits: they delay no one)
+            queued = self._line.costs() + [seconds for _, seconds in self._reserved]
             return queue_load(now, inflight, queued, self.concurrency)
 
     def snapshot(self) -> Snapshot:
@@ -278,7 +407,7 @@ class Admission:
             return Snapshot(
                 self._phase,
                 len(self._inflight),
-                len(self._queued),
+                len(self._line),
                 round(busy, 3),
                 tuple(stalled),
                 self._served,

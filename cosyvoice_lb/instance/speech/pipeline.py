@@ -74,6 +74,7 @@ class Job:
     attempt: str = ""  # nginx's id of the client request, the same on each of its tries
     route: str = "api"  # where it came in (see ``metrics.ROUTES``)
     arrived: float = 0.0  # on the admission clock: its first package is timed from here
+    background: bool = False  # served after interactive requests (see ``admission``)
 
 
 class Pipeline:
@@ -351,7 +352,9 @@ class Pipeline:
         clock, metrics = self.admission.clock, self.metrics if count else None
         queued = clock()
         chars = len(job.request.text)
-        ticket = self.admission.admit(bounded=bounded, deadline=deadline, cost=self.rate.estimate(chars))
+        ticket = self.admission.admit(
+            bounded=bounded, deadline=deadline, cost=self.rate.estimate(chars), background=job.background
+        )
         admitted = clock()
         if metrics is not None:
             metrics.queued(job.route, admitted - queued)
