@@ -1,6 +1,9 @@
 """The jobs process (``python -m cosyvoice_lb.jobs --state-dir DIR``, run by supervisord):
 the jobs API on ``run/jobs.sock`` and, beside it, the runner that makes the jobs' segments
-through nginx, and the retention that removes finished jobs past ``--job-max-age``.
+through nginx, and the retention that removes finished jobs past ``--job-max-age`` and
+expires the oldest finished jobs' audio past ``--outputs-max-size`` (:mod:`cosyvoice_lb.jobs.budget`).
+Its metrics are ``GET /metrics`` on the socket, and ``run/jobs.json`` (kept fresh) is what
+``status`` and the cluster's ``/metrics`` read of it (:mod:`cosyvoice_lb.jobs.metrics`).
 
 It reads the cluster's settings from its record (``run/cluster.json``), as the health loop
 does. The store is the state dir's SQLite file, or Redis when ``COSYVOICE_LB_JOBS_REDIS``
@@ -24,8 +27,11 @@ from typing import Any
 
 from cosyvoice_lb.common.checks import parse_voice_map
 from cosyvoice_lb.common.settings import Settings, envvar
+from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.instance.access.auth import PolicyFile
 from cosyvoice_lb.jobs.base import JobStore, StoreError
+from cosyvoice_lb.jobs.budget import Budget
+from cosyvoice_lb.jobs.metrics import Instrumented, JobMetrics, Reporter, counting_send, exposition, report_path
 from cosyvoice_lb.jobs.service import Config, build_app
 from cosyvoice_lb.jobs.store import open_store
 from cosyvoice_lb.launcher.cluster import record
@@ -84,7 +90,7 @@ def read_token(layout: Layout, settings: Settings) -> str:
     raise ValueError(f"{path} holds no token: run cosyvoice-lb up again")
 
 
-def make_runner(settings: Settings, layout: Layout, store: JobStore, slots: int) -> Any:
+def make_runner(settings: Settings, layout: Layout, store: JobStore, slots: int, metrics: JobMetrics) -> Any:
     """The runner over the store, sending through nginx with its own credentials; None in a
     build without it."""
     try:
@@ -98,7 +104,7 @@ def make_runner(settings: Settings, layout: Layout, store: JobStore, slots: int)
     send = sender.Sender(balancer_url(settings), headers=headers, timeout=settings.request_timeout + 30.0)
     return runner.Runner(
         store,
-        send,
+        counting_send(send, metrics),
         results.Results(results.results_dir(layout.root)),
         worker=f"{socket.gethostname()}:{os.getpid()}",
         slots=slots,
@@ -114,6 +120,7 @@ class Retention:
     store: JobStore
     results_root: Path
     max_age: float
+    budget: Budget | None = None  # --outputs-max-size over the outputs and the results
 
     def sweep(self, now: float) -> int:
         from cosyvoice_lb.jobs.results import Results
@@ -124,6 +131,10 @@ class Retention:
             results.remove(job.id)
             if self.store.remove(job.id) is not None:
                 removed += 1
+        if self.budget is not None:
+            expired = self.budget.enforce(self.store, now)
+            if expired:
+                log.info("outputs budget: the audio of %d finished job(s) removed (they read as expired)", len(expired))
         return removed
 
     def run(self, stop: threading.Event, every: float = RETENTION_EVERY) -> None:
@@ -137,21 +148,39 @@ class Retention:
             stop.wait(every)
 
 
+def outputs_budget(settings: Settings, layout: Layout, environ: Mapping[str, str] = os.environ) -> Budget:
+    """--outputs-max-size over the instances' outputs dir and the jobs' results."""
+    outputs = environ.get(envvar("outputs_dir"), "") or settings.outputs_dir or str(layout.outputs)
+    return Budget(
+        Path(outputs),
+        layout.root / "jobs" / "results",
+        parse_size(settings.outputs_max_size),
+        shown=settings.outputs_max_size,
+    )
+
+
 def serve(layout: Layout, found: record.ClusterRecord) -> None:
     import uvicorn
 
     settings = found.settings
-    store = open_store(layout.root, redis_url(settings))
+    metrics = JobMetrics()
+    store = Instrumented(open_store(layout.root, redis_url(settings)), metrics)
     policy = PolicyFile(str(layout.access_policy)) if settings.auth_required else None
-    app = build_app(store, service_config(settings, layout), policy)
+
+    def scrape() -> bytes:
+        return exposition(metrics.snapshot(store, time.time()))
+
+    app = build_app(store, service_config(settings, layout), policy, metrics=scrape)
     stop = threading.Event()
     threads = []
     slots = job_slots(settings, found.slots, found.roles)
-    runner = make_runner(settings, layout, store, slots)
+    runner = make_runner(settings, layout, store, slots, metrics)
     if runner is not None:
         threads.append(threading.Thread(target=runner.run, args=(stop,), name="job-runner", daemon=True))
-    keeper = Retention(store, layout.root / "jobs" / "results", settings.job_max_age)
+    keeper = Retention(store, layout.root / "jobs" / "results", settings.job_max_age, outputs_budget(settings, layout))
     threads.append(threading.Thread(target=keeper.run, args=(stop,), name="job-retention", daemon=True))
+    reporter = Reporter(report_path(layout.run), metrics, store)
+    threads.append(threading.Thread(target=reporter.run, args=(stop,), name="job-report", daemon=True))
     for thread in threads:
         thread.start()
     socket_path = jobs_socket(layout)

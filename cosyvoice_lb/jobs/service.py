@@ -13,6 +13,11 @@ Routes (nginx sends ``/v1/audio/jobs`` here, on a unix socket in the private run
 - ``DELETE /v1/audio/jobs/{id}``: cancels a queued or running job, removes a finished one
   (and its audio).
 - ``GET /v1/audio/jobs?limit=&after=``: the caller's jobs, newest first, a page at a time.
+- ``GET /metrics``: the jobs' Prometheus metrics (:mod:`cosyvoice_lb.jobs.metrics`); nginx
+  does not route it here, only the box's own users reach the socket.
+
+A succeeded job whose audio ``--outputs-max-size`` removed (:mod:`cosyvoice_lb.jobs.budget`)
+reads as ``expired``, with the reason; its content answers 410.
 
 Every job has an owner, the caller the access policy names (``Policy.owner``): another
 owner's job reads as missing (404). Without a policy every caller is the one shared owner.
@@ -47,6 +52,7 @@ from cosyvoice_lb.instance.speech.validation import OPENAI_SPEEDS, BadRequest, c
 from cosyvoice_lb.instance.speech.voices import Registry, VoiceNotFound
 from cosyvoice_lb.jobs import model
 from cosyvoice_lb.jobs.base import JobStore, StoreError
+from cosyvoice_lb.jobs.budget import expired_reason
 from cosyvoice_lb.jobs.runner import segments_of
 
 PREFIX = "/v1/audio/jobs"
@@ -196,7 +202,17 @@ class Jobs:
         return await self.call(lambda: self._found(job_id, owner, lambda job: JSONResponse(self.public(job))))
 
     def public(self, job: model.Job) -> dict[str, Any]:
-        return model.public(job, self.config.max_age)
+        shown = model.public(job, self.config.max_age)
+        reason = self.expired(job)
+        if reason is not None:
+            shown.update(status="expired", bytes=None, error={"message": reason, "type": "job_expired"})
+        return shown
+
+    def expired(self, job: model.Job) -> str | None:
+        """Why a succeeded job's audio was removed to keep --outputs-max-size, or None."""
+        if job.status != model.SUCCEEDED:
+            return None
+        return expired_reason(self.config.results / job.id)
 
     def _found(self, job_id: str, owner: str, answer: Callable[[model.Job], Response]) -> Response:
         job = self.store.get(job_id, owner) if owner and model.is_job_id(job_id) else None
@@ -209,6 +225,9 @@ class Jobs:
     def _content(self, job: model.Job) -> Response:
         if job.status == model.FAILED and (job.error or "").startswith(DISK_FULL):
             return problem(507, f"job {job.id} failed: {job.error}")
+        reason = self.expired(job)
+        if reason is not None:
+            return problem(410, f"job {job.id} expired: {reason}")
         if job.status != model.SUCCEEDED:
             why = f": {job.error}" if job.error else ""
             progress = f" ({job.segments_done} of {job.segments_total} segments done)" if not job.finished else ""
@@ -258,7 +277,10 @@ class Jobs:
             page = self.store.list(owner, limit, after)
         except model.UnknownCursor as exc:
             raise BadRequest(str(exc), param="after") from None
-        return JSONResponse(model.public_page(page, self.config.max_age))
+        shown = model.public_page(model.Page([], page.has_more), self.config.max_age)
+        shown["data"] = [self.public(job) for job in page.data]
+        shown.update(first_id=page.data[0].id if page.data else None, last_id=page.data[-1].id if page.data else None)
+        return JSONResponse(shown)
 
 
 def missing(job_id: str) -> JSONResponse:
@@ -292,9 +314,10 @@ def build_app(
     policy: PolicyFile | None = None,
     segments: Callable[[str, int], int] = count_segments,
     clock: Callable[[], float] = time.time,
+    metrics: Callable[[], bytes] | None = None,
 ) -> ASGIApp:
     """The API over ``store``; behind the instances' gate when ``policy`` is given (the
-    cluster needs credentials)."""
+    cluster needs credentials). ``metrics`` gives ``GET /metrics``'s body (Prometheus' text)."""
     jobs = Jobs(store, config, owner_by(policy, clock), segments, clock)
     routes = [
         Route(PREFIX, jobs.create, methods=["POST"]),
@@ -303,8 +326,27 @@ def build_app(
         Route(PREFIX + "/{job_id}", jobs.delete, methods=["DELETE"]),
         Route(PREFIX + "/{job_id}/content", jobs.content, methods=["GET", "HEAD"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
-    return Gate(app, policy, clock) if policy is not None else app
+    api: ASGIApp = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    api = Gate(api, policy, clock) if policy is not None else api
+    if metrics is None:
+        return api
+    return metrics_beside(api, metrics)
+
+
+def metrics_beside(api: ASGIApp, metrics: Callable[[], bytes]) -> ASGIApp:
+    """``GET /metrics`` answered here (outside the gate: nginx never routes it to the
+    socket), everything else by ``api``."""
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path") == "/metrics" and scope.get("method") in ("GET", "HEAD"):
+            body = await asyncio.to_thread(metrics)
+            answer = Response(body, media_type=CONTENT_TYPE_LATEST, headers={"Cache-Control": "no-store"})
+            await answer(scope, receive, send)
+            return
+        await api(scope, receive, send)
+
+    return app
 
 
 async def not_found(request: Request, exc: Exception) -> Response:

@@ -27,7 +27,7 @@ from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import format_size
 from cosyvoice_lb.launcher.cluster import lifecycle
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.status import SERVICES, ClusterStatus, pool_line
+from cosyvoice_lb.launcher.cluster.status import SERVICES, ClusterStatus, jobs_line, pool_line
 from cosyvoice_lb.launcher.cluster.supervision import read_tail
 from cosyvoice_lb.launcher.plan.footprint import PlanReport
 from cosyvoice_lb.launcher.render.credentials import admin_token_path
@@ -251,6 +251,8 @@ def status_lines(current: ClusterStatus, root: Path) -> list[str]:
             )
     if pool_line(current.pool):
         lines.append(pool_line(current.pool))
+    if jobs_line(current.jobs):
+        lines.append(jobs_line(current.jobs))
     lines += current.warnings + current.report
     lines.append("ok" if current.exit_code == 0 else "problems: " + "; ".join(current.problems))
     return lines

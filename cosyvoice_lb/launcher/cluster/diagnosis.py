@@ -21,6 +21,7 @@ from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 
 SERVICES = ("nginx", "health", "admin", "jobs")
 ESSENTIAL = ("nginx", "health")  # the cluster does not serve (well) without them
+JOBS_STALE = 30.0  # seconds without a report from a running jobs process: hung, or its run dir unwritable
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Observation:
     staged: str = ""  # the digest of the instance code staged now
     admin_token_file: str = ""
     open_warning: str = ""  # the access warning of these settings, if any
+    jobs_report: dict | None = None  # the jobs process's last report (run/jobs.json); {}: none there; None: not read
     now: float = 0.0  # epoch seconds
 
 
@@ -160,6 +162,8 @@ def diagnose(seen: Observation) -> ClusterStatus:
         result.instances.append(item)
         instance_findings(result, item, seen.pings.get(slot.name, {}))
     service_findings(result, seen.programs)
+    jobs = seen.programs.get("jobs")
+    jobs_findings(result, seen.jobs_report, seen.now, jobs.uptime if jobs else 0.0)
     result.pool = pool_summary(seen.roles, seen.health.pool, result.instances)
     coming = sum(1 for i in result.instances if not i.parked and not i.serving and not i.spare and not i.failed)
     if result.pool["in_rotation"] + coming < result.pool["wanted"]:  # e.g. an instance stopped by hand
@@ -269,6 +273,50 @@ def service_findings(result: ClusterStatus, programs: dict[str, ProcessInfo]) ->
             result.daemons[name] = {"state": proc.state, "pid": proc.pid}
             if proc.state != "RUNNING":
                 result.problems.append(f"{name} (CUDA MPS) is {proc.state.lower()}: see 'cosyvoice-lb logs {name}'")
+
+
+def jobs_findings(result: ClusterStatus, report: dict | None, now: float, uptime: float) -> None:
+    """The long-form jobs from the jobs process's report (in place): queued and running
+    counts, the running jobs' progress. A report missing or stale past ``JOBS_STALE`` (once
+    the process has run that long: it reports within seconds of its start), or one that says
+    the store fails, is a "jobs: ..." problem; nothing here fails the status itself."""
+    if result.jobs.get("state") != "RUNNING" or report is None:
+        return
+    silent = uptime > JOBS_STALE
+    if not report:
+        if silent:
+            result.problems.append(
+                "jobs: the jobs process has not reported (run/jobs.json); see 'cosyvoice-lb logs jobs'"
+            )
+        return
+    try:
+        age = max(0.0, now - float(report.get("updated", 0)))
+        counts = report.get("counts")
+        known = {s: int(counts.get(s, 0)) for s in ("queued", "running")} if isinstance(counts, dict) else {}
+        running = [{"id": str(r["id"]), "done": int(r["done"]), "total": int(r["total"])} for r in report["running"]]
+    except (TypeError, ValueError, KeyError, AttributeError):
+        result.problems.append("jobs: its report (run/jobs.json) is not readable; see 'cosyvoice-lb logs jobs'")
+        return
+    result.jobs.update(known, updated_seconds_ago=round(age, 1), running_jobs=running)
+    # (the cluster's /metrics carries them: cosyvoice_lb.jobs.metrics.families)
+    result.jobs["metrics"] = {k: report[k] for k in ("counts", "segments_done", "retries", "durations") if k in report}
+    if age > JOBS_STALE and silent:
+        result.problems.append(
+            f"jobs: the jobs process has not reported for {age:.0f}s (hung?); see 'cosyvoice-lb logs jobs'"
+        )
+    if report.get("error"):
+        result.problems.append(f"jobs: {report['error']}")
+
+
+def jobs_line(jobs: dict) -> str:
+    """The jobs in words, for `status` ("" before the jobs process reported)."""
+    if "queued" not in jobs and not jobs.get("running_jobs"):
+        return ""
+    words = f"jobs: {jobs.get('queued', '?')} queued, {jobs.get('running', '?')} running"
+    shown = jobs.get("running_jobs") or []
+    if shown:
+        words += " (" + ", ".join(f"{r['id']} {r['done']}/{r['total']}" for r in shown) + ")"
+    return words
 
 
 def listener_findings(

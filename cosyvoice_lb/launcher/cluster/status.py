@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL
+from cosyvoice_lb.jobs.metrics import read_report as read_jobs_report
+from cosyvoice_lb.jobs.metrics import report_path as jobs_report_path
 from cosyvoice_lb.launcher.cluster import processes
 from cosyvoice_lb.launcher.cluster.diagnosis import (
     ESSENTIAL,
@@ -21,6 +23,7 @@ from cosyvoice_lb.launcher.cluster.diagnosis import (
     InstanceStatus,
     Observation,
     diagnose,
+    jobs_line,
     pool_summary,
     public_url,
 )
@@ -104,6 +107,7 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
             staged=staged_digest(layout.instance_lib),
             admin_token_file=str(admin_token_path(settings, layout)),
             open_warning=open_warning(settings),
+            jobs_report=(read_jobs_report(jobs_report_path(layout.run)) or {}) if "jobs" in programs else None,
             now=time.time(),
         )
     )
@@ -193,6 +197,7 @@ __all__ = [
     "ask_all",
     "failure_report",
     "last_lines",
+    "jobs_line",
     "pool_line",
     "pool_summary",
     "public_url",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cosyvoice_lb.jobs.metrics import families as job_families
 from cosyvoice_lb.launcher.cluster.health_report import HealthReport
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus
 from cosyvoice_lb.launcher.health.rules import restarts_by_reason
@@ -135,7 +136,20 @@ def families(view: ClusterView) -> list[Family]:
         out.append(age)
 
     out += nginx_families(view.nginx)
+    out += jobs_families(current.jobs)
     return out
+
+
+def jobs_families(jobs: dict) -> list[Family]:
+    """The long-form jobs' families, from the jobs process's report as ``status`` read it
+    (none before it reported, or without a jobs process)."""
+    report = jobs.get("metrics") if isinstance(jobs, dict) else None
+    if not isinstance(report, dict):
+        return []
+    try:
+        return job_families(report)
+    except (TypeError, ValueError, KeyError, AttributeError):  # (a report not of this version)
+        return []
 
 
 def gpu_families(current: ClusterStatus) -> list[Family]:
