@@ -193,6 +193,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
 
 
+QUICK_LOOP = "not integration"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The quick loop (``-m "not integration"``) spreads over the cores: pytest-xdist's workers,
+    a test file each at a time (its module fixtures built once), unless ``-n`` says otherwise
+    (``-n 0``: one process). The integration tests keep one process: their clusters and
+    timings assume the box to themselves."""
+    option = config.option
+    if config.getoption("markexpr", "") != QUICK_LOOP or not config.pluginmanager.hasplugin("xdist"):
+        return
+    if getattr(option, "numprocesses", None) is not None or option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores > 1:
+        option.numprocesses, option.dist = min(cores, 4), "loadfile"
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     """Leave the session's objects to the exiting process: the interpreter's last collections
