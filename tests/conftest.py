@@ -100,6 +100,25 @@ def http_server(handler: type) -> Iterator[int]:
         thread.join(5)
 
 
+@contextmanager
+def uvicorn_serving(app) -> Iterator[str]:
+    """An ASGI app on a real uvicorn on 127.0.0.1 (a client can go away for real); its URL."""
+    import uvicorn
+
+    port = free_port_block(1)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 def unexpected_tracebacks(log: str) -> list[str]:
     """The tracebacks in an instance log, less those of gr.Error: Gradio logs the error
     the UI shows the user (a refused input) with its traceback too."""

@@ -7,15 +7,13 @@ chunk runs on a real uvicorn (the client must see the connection end early)."""
 from __future__ import annotations
 
 import io
-import threading
 import time
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import requests
 import soundfile
-from conftest import free_port_block
+from conftest import uvicorn_serving
 from fastapi.testclient import TestClient
 
 from cosyvoice_lb.instance.audio.check import check_audio
@@ -156,24 +154,8 @@ class GoesBad:
         yield tone
 
 
-@contextmanager
 def serving(p: Pipeline):
-    import uvicorn
-
-    port = free_port_block(1)
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(p, p.engine.name, p.port, ui=False), host="127.0.0.1", port=port, log_level="error")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    return uvicorn_serving(build_app(p, p.engine.name, p.port, ui=False))
 
 
 @pytest.mark.parametrize("silent", [False, True])

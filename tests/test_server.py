@@ -7,13 +7,12 @@ import io
 import json
 import threading
 import time
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import requests
 import soundfile
-from conftest import free_port_block
+from conftest import uvicorn_serving
 from fastapi.testclient import TestClient
 
 from cosyvoice_lb.instance.audio.outputs import Outputs
@@ -423,23 +422,9 @@ def test_the_simulated_engine_waits_in_proportion_to_the_text_and_returns_a_quie
 # --- races ------------------------------------------------------------------------------------
 
 
-@contextmanager
 def serving(p: Pipeline):
     """The app on a real uvicorn on 127.0.0.1 (a client can go away for real); its URL."""
-    import uvicorn
-
-    port = free_port_block(1)
-    server = uvicorn.Server(uvicorn.Config(app(p), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    return uvicorn_serving(app(p))
 
 
 class PerChar:
