@@ -101,19 +101,26 @@ def http_server(handler: type) -> Iterator[int]:
 
 
 @contextmanager
-def uvicorn_serving(app) -> Iterator[str]:
-    """An ASGI app on a real uvicorn on 127.0.0.1 (a client can go away for real); its URL."""
+def uvicorn_serving(app, uds: str | None = None) -> Iterator[str]:
+    """An ASGI app on a real uvicorn on 127.0.0.1 (a client can go away for real), or on the
+    unix socket ``uds``; its URL (or the socket's path)."""
     import uvicorn
 
-    port = free_port_block(1)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    if uds is not None:
+        config, where = uvicorn.Config(app, uds=uds, log_level="warning"), uds
+    else:
+        port = free_port_block(1)
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        where = f"http://127.0.0.1:{port}"
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert server.started, "uvicorn did not start in 30 s"
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield where
     finally:
         server.should_exit = True
         thread.join(10)

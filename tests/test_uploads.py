@@ -8,7 +8,7 @@ import io
 import numpy as np
 import soundfile
 
-from cosyvoice_lb.instance.ui.uploads import GradioFiles, file_parts, is_audio
+from cosyvoice_lb.instance.ui.uploads import GradioFiles, file_parts, is_audio, is_text
 
 
 def encoded(fmt: str) -> bytes:
@@ -43,3 +43,25 @@ def test_the_temp_dir_goes_out_as_a_marker_and_comes_back_in_file_references_onl
     assert files.inward(out) == f'{{"path": "{inside}", "url": "http://h/gradio_api/file={inside}"}}'.encode()
     typed = f'{{"data": ["say {files.marker}abc"]}}'.encode()  # a user's text is left as typed
     assert files.inward(typed) == typed
+
+
+def test_a_txt_is_text_by_its_name_and_first_bytes():
+    assert is_text("chapter.TXT", "第一章".encode()[:7])  # a character cut at the end is fine
+    assert not is_text("chapter.txt", b"\xff\xfe\x00t\x00e")  # UTF-16: not UTF-8, has NULs
+    assert not is_text("chapter.txt", b"\x00\x01\x02")
+    assert not is_text("chapter.md", b"plain words")
+
+
+def test_which_files_a_ui_takes_follows_its_inputs(tmp_path):
+    both = GradioFiles(None, str(tmp_path), 2**20, uploads=True, texts=1024)  # type: ignore[arg-type]
+    assert both.refusal_of("a.wav", encoded("WAV")[:16], 2000) is None
+    assert both.refusal_of("a.txt", b"words", 2000) is None
+    status, message = both.refusal_of("a.txt", b"words", 1024 + 2**17)  # type: ignore[misc]
+    assert status == 413 and "split it into several jobs" in message
+    status, message = both.refusal_of("a.sh", b"#!/bin/sh", 10)  # type: ignore[misc]
+    assert status == 415 and "WAV" in message and "UTF-8 .txt" in message
+    audio_only = GradioFiles(None, str(tmp_path), 2**20, uploads=True)  # type: ignore[arg-type]
+    status, message = audio_only.refusal_of("a.txt", b"words", 10)  # type: ignore[misc]
+    assert status == 415 and "UTF-8" not in message
+    texts_only = GradioFiles(None, str(tmp_path), 2**20, uploads=False, texts=1024)  # type: ignore[arg-type]
+    assert texts_only.refusal_of("a.wav", encoded("WAV")[:16], 2000)[0] == 415  # type: ignore[index]

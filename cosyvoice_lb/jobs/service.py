@@ -15,6 +15,9 @@ Routes (nginx sends ``/v1/audio/jobs`` here, on a unix socket in the private run
 - ``GET /v1/audio/jobs?limit=&after=``: the caller's jobs, newest first, a page at a time.
 - ``GET /metrics``: the jobs' Prometheus metrics (:mod:`cosyvoice_lb.jobs.metrics`); nginx
   does not route it here, only the box's own users reach the socket.
+- ``GET /admin/jobs`` and ``DELETE /admin/jobs/{id}`` (cancel): every owner's jobs, for the
+  control panel. Like ``/metrics`` they are answered outside the gate, and nginx never
+  routes them: the socket, in the private run dir, is the admin's proof.
 
 A succeeded job whose audio ``--outputs-max-size`` removed (:mod:`cosyvoice_lb.jobs.budget`)
 reads as ``expired``, with the reason; its content answers 410.
@@ -44,7 +47,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from cosyvoice_lb.common.error_body import error_body, error_headers
-from cosyvoice_lb.instance.access.auth import SHARED_OWNER, PolicyFile
+from cosyvoice_lb.instance.access.auth import OWNER_HEX, SHARED_OWNER, PolicyFile
 from cosyvoice_lb.instance.access.gate import Gate
 from cosyvoice_lb.instance.api.openai import speech_request, voice_target
 from cosyvoice_lb.instance.audio.formats import CONTENT_TYPES
@@ -328,9 +331,95 @@ def build_app(
     ]
     api: ASGIApp = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
     api = Gate(api, policy, clock) if policy is not None else api
+    api = admin_beside(api, Admin(jobs, policy))
     if metrics is None:
         return api
     return metrics_beside(api, metrics)
+
+
+ADMIN_PREFIX = "/admin/jobs"
+ADMIN_LIMIT = 200  # the panel's list: the newest this many, every owner's together
+
+
+def owner_kind(owner: str) -> str:
+    """What the panel shows of an owner: ``token``, ``user`` or ``local``, never who."""
+    return owner.partition(":")[0] if ":" in owner else owner
+
+
+def known_owners(policy: PolicyFile | None) -> list[str]:
+    """Every owner a job can have under ``policy``: one per API token and per UI user, and
+    the shared owner (jobs made while the service asked no credentials)."""
+    if policy is None:
+        return [SHARED_OWNER]
+    current = policy.current()
+    owners = {"token:" + token[:OWNER_HEX] for token in current.tokens}
+    owners.update("user:" + user for user in current.users)
+    return sorted(owners) + [SHARED_OWNER]
+
+
+class Admin:
+    """The control panel's view of the jobs: every owner's, the owner shown by its kind.
+    The stores list one owner's jobs at a time, so this asks each owner the policy knows
+    (a job whose token was removed since is no longer listed here; it still runs or expires)."""
+
+    def __init__(self, jobs: Jobs, policy: PolicyFile | None):
+        self.jobs, self.policy = jobs, policy
+
+    def everyone(self, limit: int = ADMIN_LIMIT) -> list[tuple[str, model.Job]]:
+        found: list[tuple[str, model.Job]] = []
+        for owner in known_owners(self.policy):
+            found.extend((owner, job) for job in self.jobs.store.list(owner, model.MAX_LIMIT).data)
+        found.sort(key=lambda pair: model.newest_first(pair[1]), reverse=True)
+        return found[:limit]
+
+    def _list(self) -> Response:
+        shown = []
+        for owner, job in self.everyone():
+            entry = self.jobs.public(job)
+            entry["owner"] = owner_kind(owner)
+            shown.append(entry)
+        return JSONResponse({"object": "list", "data": shown}, headers={"Cache-Control": "no-store"})
+
+    def _cancel(self, job_id: str) -> Response:
+        owners = known_owners(self.policy) if model.is_job_id(job_id) else []
+        held = next(((o, j) for o in owners if (j := self.jobs.store.get(job_id, o)) is not None), None)
+        if held is None:
+            return missing(job_id)
+        owner, job = held
+        if job.finished:  # (the store's cancel of a finished job removes it: not the panel's to do)
+            return problem(409, f"job {job.id} is {job.status} already: only a queued or running job is cancelled")
+        done = self.jobs.store.cancel(job.id, owner, self.jobs.clock())
+        if done is None:
+            return missing(job_id)
+        return JSONResponse({**self.jobs.public(done.job), "owner": owner_kind(owner)})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path, method = scope["path"], scope["method"]
+        proxied = any(name == b"x-real-ip" for name, _ in scope.get("headers") or [])
+        if proxied:  # (nginx sets it on everything it passes: whatever the path, not through it)
+            answer: Response = problem(403, f"{ADMIN_PREFIX} is the control panel's, on the jobs socket only")
+        elif path == ADMIN_PREFIX and method in ("GET", "HEAD"):
+            answer = await self.jobs.call(self._list)
+        elif path.startswith(ADMIN_PREFIX + "/") and method == "DELETE":
+            job_id = path[len(ADMIN_PREFIX) + 1 :]
+            answer = await self.jobs.call(lambda: self._cancel(job_id))
+        else:
+            answer = problem(405, f"{method} is not taken here: GET {ADMIN_PREFIX}, DELETE {ADMIN_PREFIX}/{{id}}")
+        await answer(scope, receive, send)
+
+
+def admin_beside(api: ASGIApp, admin: Admin) -> ASGIApp:
+    """``/admin/jobs`` answered by ``admin`` (outside the gate: nginx never routes it to the
+    socket), everything else by ``api``."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/"):
+            await admin(scope, receive, send)
+            return
+        await api(scope, receive, send)
+
+    return app
 
 
 def metrics_beside(api: ASGIApp, metrics: Callable[[], bytes]) -> ASGIApp:

@@ -84,20 +84,21 @@ def wav(seconds: float, rate: int, silent: bool = False) -> bytes:
     "name, content",
     [
         pytest.param("prompt.wav", b"this is not audio at all\n" * 40, id="upload-text-named-wav"),
-        pytest.param("notes.txt", b"this is not audio at all\n" * 40, id="upload-txt-file"),
+        pytest.param("notes.txt", b"\x00\x01binary, named .txt" * 40, id="upload-binary-named-txt"),
+        pytest.param("notes.md", b"this is not audio at all\n" * 40, id="upload-text-not-named-txt"),
         pytest.param("prompt.wav", b"", id="upload-empty-file"),
         pytest.param("run.sh", b"#!/bin/sh\necho uploaded\n", id="upload-shell-script"),
     ],
 )
 def test_the_upload_route_takes_audio_only(cluster, name, content):
-    """Gradio's upload route takes prompt audio, not any file: the rest is a 4xx JSON
-    answer that says what to send, and never reaches the instance's disk."""
+    """Gradio's upload route takes prompt audio (and the long-form tab's UTF-8 .txt), not any
+    file: the rest is a 4xx JSON answer that says what to send, and never reaches the disk."""
     web = session()
     answer = web.post(cluster["url"] + "/gradio_api/upload", files={"files": (name, content)}, timeout=30)
     assert answer.status_code == 415, (answer.status_code, answer.text)
     error = answer.json()["error"]
-    assert set(error) >= {"message", "type", "param", "code"} and "not audio" in error["message"], error
-    assert "WAV" in error["message"]
+    assert set(error) >= {"message", "type", "param", "code"} and "not a file this UI takes" in error["message"]
+    assert "WAV" in error["message"] and "UTF-8 .txt" in error["message"], error
     stored = [f.name for f in (cluster["state_dir"] / "run" / "gradio").rglob("*") if f.is_file()]
     assert name not in stored, stored
 
@@ -106,6 +107,16 @@ def test_the_upload_route_refuses_a_prompt_over_the_size_limit(cluster):
     big = wav(4, 16000) + b"\0" * (11 * 2**20)  # audio by its first bytes, past --max-upload (10 MiB)
     answer = session().post(cluster["url"] + "/gradio_api/upload", files={"files": ("big.wav", big)}, timeout=60)
     assert answer.status_code == 413 and "larger than" in answer.json()["error"]["message"], answer.text
+
+
+def test_the_upload_route_takes_a_long_form_txt_up_to_its_own_limit(cluster):
+    chapter = "第一章 一个很长的故事。Chapter one, a long story.\n".encode() * 200
+    taken = session().post(cluster["url"] + "/gradio_api/upload", files={"files": ("chapter.txt", chapter)}, timeout=30)
+    assert taken.status_code == 200 and len(taken.json()) == 1, taken.text
+    big = b"a long line of text\n" * (2 * 2**20 // 20)  # text, past the .txt limit (1 MiB)
+    refused = session().post(cluster["url"] + "/gradio_api/upload", files={"files": ("book.txt", big)}, timeout=60)
+    assert refused.status_code == 413, refused.text
+    assert "split it into several jobs" in refused.json()["error"]["message"], refused.text
 
 
 def test_an_upload_is_served_back_to_its_session_only_and_no_answer_names_a_server_path(cluster):

@@ -25,6 +25,7 @@ from cosyvoice_lb.instance.speech.failures import describe
 from cosyvoice_lb.instance.speech.fanout import FanOut, blocking
 from cosyvoice_lb.instance.speech.pipeline import Pipeline
 from cosyvoice_lb.instance.speech.validation import MAX_SPEED, MIN_SPEED, BadRequest, prompt_span
+from cosyvoice_lb.instance.ui.long_form import MAX_TXT_BYTES, long_form_tab, voice_choices
 from cosyvoice_lb.instance.ui.uploads import GradioFiles
 
 MODE_LABELS = {
@@ -245,46 +246,51 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = No
 
     with gr.Blocks(title="cosyvoice-lb", delete_cache=(3600, 3600)) as ui:
         gr.Markdown(f"## Text to speech\nEngine `{engine.name}` · instance on port {port}")
-        text = gr.Textbox(
-            label="Text", lines=4, max_length=limits.text_chars, placeholder="Type what to say (English or 中文)"
-        )
-        voice = gr.Dropdown(
-            saved_voices(pipeline),
-            value=None,
-            label="Saved voice (instead of prompt audio; save one with POST /v1/audio/voices)",
-            visible=has_voices,
-            # (the list is read at each page load; a voice saved since is still taken by id)
-            allow_custom_value=True,
-        )
-        mode = gr.Radio([(MODE_LABELS[m], m) for m in modes], value=modes[0], label="Mode", visible=len(modes) > 1)
-        with gr.Row(visible=cloning):
-            prompt_audio = gr.Audio(
-                label=f"Prompt audio ({prompt_span(limits.max_prompt_seconds)}, 16 kHz or more)",
-                type="filepath",
-                sources=["upload", "microphone"],
+        with gr.Tab("Speech"):
+            text = gr.Textbox(
+                label="Text", lines=4, max_length=limits.text_chars, placeholder="Type what to say (English or 中文)"
             )
-            with gr.Column():
-                prompt_text = gr.Textbox(label="Prompt transcript (zero-shot: exactly what the prompt says)")
-                instruct_text = gr.Textbox(label="Instruction (instruct mode, e.g. 'Speak slowly and warmly')")
-        speaker = gr.Dropdown(engine.speakers(), value=None, label="Built-in speaker", visible=bool(engine.speakers()))
-        with gr.Row():
-            speed = gr.Slider(MIN_SPEED, MAX_SPEED, value=1.0, step=0.1, label="Speed (not with streaming)")
-            seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)")
-            stream = gr.Checkbox(value=False, label="Stream", visible=can_stream)
-        button = gr.Button("Generate", variant="primary")
-        # Streamed pieces play here as they come (Gradio sends them as HLS when ffmpeg is there);
-        # its own download would re-encode the stream, so the whole result gets a player of its own.
-        live = gr.Audio(label="Speech, as it is made", interactive=False, streaming=True, visible=False,
-                        **no_download(gr))  # fmt: skip
-        audio = gr.Audio(label="Speech", type="filepath", interactive=False, autoplay=False)
-        inputs = [text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed, seed, stream, voice]
-        if not cloning:
-            inputs = [text, speed, seed, stream]
-        if can_stream:
-            stream.change(lambda on: gr.update(visible=on), inputs=stream, outputs=live, **PRIVATE)
-        button.click(generate, inputs=inputs, outputs=[live, audio], **PRIVATE)
-        # gradio_client's "/generate": one output, the whole WAV (a hidden button's event).
-        gr.Button(visible=False).click(generate_file, inputs=inputs, outputs=audio, api_name="generate")
+            voice = gr.Dropdown(
+                saved_voices(pipeline),
+                value=None,
+                label="Saved voice (instead of prompt audio; save one with POST /v1/audio/voices)",
+                visible=has_voices,
+                # (the list is read at each page load; a voice saved since is still taken by id)
+                allow_custom_value=True,
+            )
+            mode = gr.Radio([(MODE_LABELS[m], m) for m in modes], value=modes[0], label="Mode", visible=len(modes) > 1)
+            with gr.Row(visible=cloning):
+                prompt_audio = gr.Audio(
+                    label=f"Prompt audio ({prompt_span(limits.max_prompt_seconds)}, 16 kHz or more)",
+                    type="filepath",
+                    sources=["upload", "microphone"],
+                )
+                with gr.Column():
+                    prompt_text = gr.Textbox(label="Prompt transcript (zero-shot: exactly what the prompt says)")
+                    instruct_text = gr.Textbox(label="Instruction (instruct mode, e.g. 'Speak slowly and warmly')")
+            speaker = gr.Dropdown(
+                engine.speakers(), value=None, label="Built-in speaker", visible=bool(engine.speakers())
+            )
+            with gr.Row():
+                speed = gr.Slider(MIN_SPEED, MAX_SPEED, value=1.0, step=0.1, label="Speed (not with streaming)")
+                seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)")
+                stream = gr.Checkbox(value=False, label="Stream", visible=can_stream)
+            button = gr.Button("Generate", variant="primary")
+            # Streamed pieces play here as they come (Gradio sends them as HLS when ffmpeg is there);
+            # its own download would re-encode the stream, so the whole result gets a player of its own.
+            live = gr.Audio(label="Speech, as it is made", interactive=False, streaming=True, visible=False,
+                            **no_download(gr))  # fmt: skip
+            audio = gr.Audio(label="Speech", type="filepath", interactive=False, autoplay=False)
+            inputs = [text, mode, prompt_audio, prompt_text, instruct_text, speaker, speed, seed, stream, voice]
+            if not cloning:
+                inputs = [text, speed, seed, stream]
+            if can_stream:
+                stream.change(lambda on: gr.update(visible=on), inputs=stream, outputs=live, **PRIVATE)
+            button.click(generate, inputs=inputs, outputs=[live, audio], **PRIVATE)
+            # gradio_client's "/generate": one output, the whole WAV (a hidden button's event).
+            gr.Button(visible=False).click(generate_file, inputs=inputs, outputs=audio, api_name="generate")
+        long_form_tab(gr, ui, fanout.balancer.url if fanout else "", voice_choices(saved_voices(pipeline),
+                      engine.speakers()), get_upload_folder())  # fmt: skip
 
         def refresh():
             """At each page load: what the loaded model offers (built-in speakers are only
@@ -308,5 +314,8 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = No
         return JSONResponse(body, status_code=404, headers=error_headers(404))
 
     app = gr.mount_gradio_app(app, ui, path="/")
-    app.add_middleware(GradioFiles, folder=get_upload_folder(), max_bytes=limits.max_upload_bytes, uploads=cloning)
+    texts = MAX_TXT_BYTES if fanout else 0  # (the long-form tab's .txt, where the tab has a balancer)
+    app.add_middleware(
+        GradioFiles, folder=get_upload_folder(), max_bytes=limits.max_upload_bytes, uploads=cloning, texts=texts
+    )
     return app

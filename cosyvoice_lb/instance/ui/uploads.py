@@ -4,8 +4,9 @@ Gradio would take any file at ``/gradio_api/upload``, serve it back to anyone at
 ``/gradio_api/file=<path>`` and name its absolute temp dir in every answer. This ASGI
 middleware, in front of the mounted UI:
 
-* takes uploads only where the UI has a prompt audio input, only audio (by its first bytes)
-  and only up to the prompt size limit; anything else is a 4xx JSON answer;
+* takes uploads only where the UI has a prompt audio input (only audio, by its first bytes,
+  up to the prompt size limit) or a long-form .txt input (only a .txt that starts as UTF-8
+  text, up to its own limit); anything else is a 4xx JSON answer;
 * serves an upload back only to the session that sent it (nginx's route cookie), for the
   prompt player's preview; results are served as Gradio serves them;
 * spells Gradio's temp dir as a short relative marker in what goes out, and back in what
@@ -16,6 +17,7 @@ Instance side: standard library and starlette.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -48,6 +50,18 @@ def is_audio(head: bytes) -> bool:
     )
 
 
+def is_text(name: str, head: bytes) -> bool:
+    """Whether an upload is a .txt whose first bytes are UTF-8 text (a character cut at the
+    end of ``head`` is fine; a NUL byte is not text)."""
+    if not name.lower().endswith(".txt") or b"\0" in head:
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def file_parts(body: bytes, content_type: str) -> list[tuple[str, bytes]] | None:
     """(file name, first bytes) of each file in a multipart body; None when it is not one."""
     found = re.search(r'boundary="?([^";]+)"?', content_type)
@@ -74,10 +88,10 @@ async def refuse(send: Send, status: int, message: str) -> None:
 class GradioFiles:
     """ASGI middleware for Gradio's file routes (see the module's docstring). ``folder``:
     Gradio's upload and cache dir; ``max_bytes``: the largest prompt audio; ``uploads``:
-    whether the UI takes prompt audio at all."""
+    whether the UI takes prompt audio at all; ``texts``: the largest .txt it takes (0: none)."""
 
-    def __init__(self, app: ASGIApp, folder: str, max_bytes: int, uploads: bool):
-        self.app, self.max_bytes, self.uploads = app, max_bytes, uploads
+    def __init__(self, app: ASGIApp, folder: str, max_bytes: int, uploads: bool, texts: int = 0):
+        self.app, self.max_bytes, self.uploads, self.texts = app, max_bytes, uploads, texts
         # (Gradio's folder and its resolved spelling: answers may name either)
         self.prefixes = sorted({os.path.join(os.path.abspath(folder), ""), os.path.join(os.path.realpath(folder), "")})
         self.marker = f"files-{secrets.token_hex(4)}/"  # (per process: it names nothing)
@@ -129,24 +143,24 @@ class GradioFiles:
         await self.app(scope, receive, send)
 
     async def upload(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]) -> None:
-        if not self.uploads:
+        if not self.uploads and not self.texts:
             return await refuse(send, 403, "this UI takes no files: its engine does not clone voices")
-        limit = self.max_bytes + MULTIPART_SLACK
-        mib = f"{self.max_bytes / 2**20:g} MiB"
+        largest = max(self.max_bytes if self.uploads else 0, self.texts)
+        limit = largest + MULTIPART_SLACK
         declared = headers.get("content-length", "")
+        too_large = self.too_large_message()
         if declared.isdigit() and int(declared) > limit:
-            return await refuse(send, 413, f"the upload is larger than {mib}: send a shorter prompt audio")
+            return await refuse(send, 413, too_large)
         body = await read_all(receive, limit)
         if body is None:
-            return await refuse(send, 413, f"the upload is larger than {mib}: send a shorter prompt audio")
+            return await refuse(send, 413, too_large)
         parts = file_parts(body, headers.get("content-type", ""))
         if not parts:
-            return await refuse(send, 400, "send the prompt audio as a multipart/form-data file named 'files'")
+            return await refuse(send, 400, "send the file as a multipart/form-data file named 'files'")
         for name, head in parts:
-            if not is_audio(head):
-                return await refuse(
-                    send, 415, f"{name or 'the file'} is not audio: upload the prompt as {FORMATS} (3-15 s of speech)"
-                )
+            refused = self.refusal_of(name, head, len(body))
+            if refused:
+                return await refuse(send, *refused)
         owner = route_of(headers)
         answer: list[Message] = []
 
@@ -167,6 +181,25 @@ class GradioFiles:
         data = self.outward(data)
         await send(dict(start, headers=set_length(start.get("headers", []), len(data))))
         await send({"type": "http.response.body", "body": data})
+
+    def too_large_message(self) -> str:
+        said = []
+        if self.uploads:
+            said.append(f"a prompt audio is at most {self.max_bytes / 2**20:g} MiB: send a shorter one")
+        if self.texts:
+            said.append(f"a .txt is at most {self.texts // 1024} KiB: split it into several jobs")
+        return "the upload is larger than this UI takes: " + "; ".join(said)
+
+    def refusal_of(self, name: str, head: bytes, size: int) -> tuple[int, str] | None:
+        """(status, message) when this UI does not take this file; None when it does."""
+        if self.uploads and is_audio(head):
+            return (413, self.too_large_message()) if size > self.max_bytes + MULTIPART_SLACK else None
+        if self.texts and is_text(name, head):
+            return (413, self.too_large_message()) if size > self.texts + MULTIPART_SLACK else None
+        what = name or "the file"
+        wanted = [f"prompt audio as {FORMATS} (3-15 s of speech)"] if self.uploads else []
+        wanted += ["a long text as a UTF-8 .txt"] if self.texts else []
+        return 415, f"{what} is not a file this UI takes: upload " + ", or ".join(wanted)
 
     def rewriting(self, send: Send) -> Send:
         """``send``, with Gradio's temp dir spelled as the marker in text and JSON answers."""

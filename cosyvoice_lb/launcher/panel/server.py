@@ -8,6 +8,7 @@ the panel's buttons send a header no other site's form can, and the cookie is Sa
 
 Routes: ``/admin`` (the page), ``/admin/login``, ``/admin/logout``, ``/admin/api/status``,
 ``POST /admin/api/instances/{name}/{restart|drain|undrain}``, ``/admin/api/logs/{name}``,
+``/admin/jobs`` (the long-form jobs' page), ``/admin/api/jobs``, ``POST /admin/api/jobs/{id}/cancel``,
 ``/metrics`` (the cluster's) and ``/metrics/{instance}`` (an instance's, relayed).
 """
 
@@ -38,9 +39,11 @@ from cosyvoice_lb.launcher.cluster import lifecycle
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.supervision import read_tail
 from cosyvoice_lb.launcher.health.probe import loopback_session
+from cosyvoice_lb.launcher.panel import jobs as panel_jobs
 from cosyvoice_lb.launcher.panel.control import Actions, gather
 from cosyvoice_lb.launcher.panel.metrics import ClusterView, ViewCollector
 from cosyvoice_lb.launcher.render import templates
+from cosyvoice_lb.launcher.render.cluster import jobs_socket
 from cosyvoice_lb.launcher.render.disk import recorded
 
 log = logging.getLogger("cosyvoice_lb.admin")
@@ -252,6 +255,27 @@ def build_app(
             return problem(502, f"{slot.name} did not answer its /metrics ({type(exc).__name__}): is it running?")
         return Response(answer.content, status_code=answer.status_code, media_type=answer.headers.get("content-type"))
 
+    async def jobs_page(request: Request) -> Response:
+        return HTMLResponse(panel_jobs.PAGE, headers={"cache-control": "no-store"})
+
+    async def jobs_list(request: Request) -> Response:
+        try:
+            found = await asyncio.to_thread(panel_jobs.list_jobs, jobs_socket(layout))
+        except panel_jobs.JobsUnavailable as exc:
+            return problem(503, str(exc), {"retry-after": "5"})
+        return JSONResponse({"object": "list", "data": found}, headers={"cache-control": "no-store"})
+
+    async def jobs_cancel(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        try:
+            status, body = await asyncio.to_thread(panel_jobs.cancel_job, jobs_socket(layout), job_id)
+        except panel_jobs.JobsUnavailable as exc:
+            return problem(503, str(exc), {"retry-after": "5"})
+        if status != 200:
+            return problem(status if status in (404, 409) else 502, panel_jobs.message_of(body, status))
+        log.info("job %s: cancelled from the control panel", job_id)
+        return JSONResponse(body)
+
     routes = [
         Route("/admin", admin_only(panel)),
         Route("/admin/", admin_only(panel)),
@@ -260,6 +284,9 @@ def build_app(
         Route("/admin/api/status", admin_only(api_status)),
         Route("/admin/api/instances/{name}/{action}", admin_only(act, changes=True), methods=["POST"]),
         Route("/admin/api/logs/{name}", admin_only(logs)),
+        Route("/admin/jobs", admin_only(jobs_page)),
+        Route("/admin/api/jobs", admin_only(jobs_list)),
+        Route("/admin/api/jobs/{job_id}/cancel", admin_only(jobs_cancel, changes=True), methods=["POST"]),
         Route("/metrics", metrics),
         Route("/metrics/{name}", instance_metrics),
     ]
