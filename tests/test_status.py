@@ -85,14 +85,16 @@ A10 = GpuReading(1, "NVIDIA A10", "GPU-bbbb", 2**30, 24 * 2**30, None, 41.0, Non
 
 
 class FakeSupervisor:
-    """supervisord as ``status`` asks it: two instances on gpu0 and gpu1, nginx, health."""
+    """supervisord as ``status`` asks it: two instances on gpu0 and gpu1, nginx, health
+    (``PIDS``: the programs it names, running)."""
+
+    PIDS = {"instance-0": 4242, "instance-1": 4343, "nginx": 50, "health": 51}
 
     def __init__(self, layout, timeout: float = 0.0):
         self.layout = layout
 
     def processes(self) -> dict[str, ProcessInfo]:
-        pids = {"instance-0": 4242, "instance-1": 4343, "nginx": 50, "health": 51}
-        return {name: ProcessInfo(name, "RUNNING", pid, 1000.0, 1060.0, "", 0) for name, pid in pids.items()}
+        return {name: ProcessInfo(name, "RUNNING", pid, 1000.0, 1060.0, "", 0) for name, pid in self.PIDS.items()}
 
     def tail(self, name: str, length: int = 4000) -> str:
         return ""
@@ -106,20 +108,22 @@ class Answering:
         return 200
 
 
-def running_cluster(monkeypatch, tmp_path) -> Layout:
+TWO_GPUS = (Slot(index=0, port=7860, gpu=0, memory=1), Slot(index=1, port=7861, gpu=1, memory=1))
+
+
+def running_cluster(monkeypatch, tmp_path, slots=TWO_GPUS, supervisor=FakeSupervisor) -> Layout:
     """A state dir whose supervisord is a fake (no process is started)."""
     from cosyvoice_lb.launcher.cluster import status as status_module
 
     layout = Layout(tmp_path)
     layout.socket.parent.mkdir(parents=True)
     layout.socket.touch()
-    slots = (Slot(index=0, port=7860, gpu=0, memory=1), Slot(index=1, port=7861, gpu=1, memory=1))
     monkeypatch.setattr(
         status_module,
         "read_record",
         lambda layout: ClusterRecord(Settings(port=8080), slots, Roles(serving=len(slots))),
     )
-    monkeypatch.setattr(status_module, "Supervisor", FakeSupervisor)
+    monkeypatch.setattr(status_module, "Supervisor", supervisor)
     return layout
 
 

@@ -8,57 +8,39 @@ import json
 import os
 import time
 
+import test_status
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_status import Answering, FakeSupervisor
 
-from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.instance.access.auth import SHARED_OWNER
 from cosyvoice_lb.jobs import model
 from cosyvoice_lb.jobs.metrics import Instrumented, JobMetrics, Reporter, report_path
 from cosyvoice_lb.jobs.store import SqliteStore
-from cosyvoice_lb.launcher.cluster import status as status_module
 from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.record import ClusterRecord
 from cosyvoice_lb.launcher.cluster.status import NO_TELEMETRY, status
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.panel.metrics import ClusterView, ViewCollector
-from cosyvoice_lb.launcher.plan.planner import Roles, Slot
+from cosyvoice_lb.launcher.plan.planner import Slot
 from cosyvoice_lb.launcher.views import status_lines
 
 TEXT = "One. Two. Three. Four. Five."
 
 
-class FakeSupervisor:
-    """supervisord as ``status`` asks it: one instance and every service, the jobs process too."""
+class WithJobs(FakeSupervisor):
+    """supervisord with one instance and every service, the jobs process too."""
 
-    def __init__(self, layout, timeout: float = 0.0):
-        self.layout = layout
-
-    def processes(self) -> dict[str, ProcessInfo]:
-        pids = {"instance-0": 4242, "nginx": 50, "health": 51, "admin": 52, "jobs": 53}
-        return {name: ProcessInfo(name, "RUNNING", pid, 1000.0, 1060.0, "", 0) for name, pid in pids.items()}
-
-    def tail(self, name: str, length: int = 4000) -> str:
-        return ""
+    PIDS = {"instance-0": 4242, "nginx": 50, "health": 51, "admin": 52, "jobs": 53}
 
 
-class Answering:
-    def ping(self, port: int, timeout: float) -> dict:
-        return {"ready": True}
-
-    def get_status(self, url: str, timeout: float) -> int:
-        return 200
+class WithoutJobs(FakeSupervisor):
+    PIDS = {"instance-0": 4242, "nginx": 50, "health": 51, "admin": 52}
 
 
-def running_cluster(monkeypatch, tmp_path) -> Layout:
-    layout = Layout(tmp_path)
-    layout.socket.parent.mkdir(parents=True)
-    layout.socket.touch()
-    slots = (Slot(index=0, port=7860, gpu=None, memory=1),)
-    record = ClusterRecord(Settings(port=8080), slots, Roles(serving=1))
-    monkeypatch.setattr(status_module, "read_record", lambda layout: record)
-    monkeypatch.setattr(status_module, "Supervisor", FakeSupervisor)
-    return layout
+ONE_SLOT = (Slot(index=0, port=7860, gpu=None, memory=1),)
+
+
+def running_cluster(monkeypatch, tmp_path, supervisor=WithJobs) -> Layout:
+    return test_status.running_cluster(monkeypatch, tmp_path, ONE_SLOT, supervisor)
 
 
 def jobs_under_way(layout: Layout) -> tuple[str, JobMetrics]:
@@ -129,14 +111,7 @@ def test_a_stale_or_failing_report_is_a_jobs_problem_and_status_goes_on(monkeypa
 
 
 def test_without_a_jobs_process_no_jobs_line(monkeypatch, tmp_path):
-    layout = running_cluster(monkeypatch, tmp_path)
-    monkeypatch.setattr(
-        FakeSupervisor,
-        "processes",
-        lambda self: {
-            n: ProcessInfo(n, "RUNNING", 7, 1000.0, 1060.0, "", 0) for n in ("instance-0", "nginx", "health", "admin")
-        },
-    )
+    layout = running_cluster(monkeypatch, tmp_path, WithoutJobs)
     jobs_under_way(layout)
     current = status(layout, Answering(), NO_TELEMETRY)  # type: ignore[arg-type]
     assert "jobs is missing" in current.problems and not any(p.startswith("jobs:") for p in current.problems)

@@ -161,6 +161,10 @@ def test_the_gate_and_the_secret_stay_where_they_belong(cluster):
         shown = cli("status", "--state-dir", str(cluster["state_dir"]), "--json").stdout
         for where in (" ".join(process.cmdline()), log, shown):
             assert PASSWORD not in where
+        holding = [p for p in cluster["state_dir"].rglob("*") if p.is_file() and PASSWORD.encode() in p.read_bytes()]
+        assert holding, "the record keeps the URL: a re-render (a roll-out, restart) must keep the same store"
+        for path in holding:  # (in the private run dir, and readable by the owner only)
+            assert path.parent == cluster["state_dir"] / "run" and path.stat().st_mode & 0o777 == 0o600, path
     else:
         anonymous = requests.post(cluster["url"] + "/v1/audio/jobs", json={"input": "Hello there."}, timeout=10)
         assert anonymous.status_code == 401 and anonymous.json()["error"]["status"] == 401

@@ -80,7 +80,7 @@ def render_to_disk(
         make_dirs(trial)
         write_segment_key(trial)  # (nginx.conf includes it)
         for relative, text in render(settings, result, trial, programs, out).items():
-            write_atomic(trial.root / relative, text)
+            write_atomic(trial.root / relative, text, mode=0o600)
         check_nginx(settings, trial)
     make_dirs(layout)
     write_policy(settings, layout)  # before the instances that read it (re)start
@@ -90,7 +90,7 @@ def render_to_disk(
     for relative, text in files.items():
         path = layout.root / relative
         if not path.exists() or path.read_text() != text:
-            write_atomic(path, text)
+            write_atomic(path, text, mode=0o600)  # (the private run dir's; some carry a secret: --jobs-redis)
             changed.append(path)
     if stage(layout.instance_lib)[1]:  # (new instance code: a path under run/lib says so)
         changed.append(layout.instance_lib / CODE_FILE)
