@@ -141,3 +141,15 @@ def test_a_txt_upload_becomes_the_jobs_text(cluster, tmp_path):
         refused = s.post(cluster["url"] + "/gradio_api/upload", files={"files": ("binary.txt", binary.read_bytes())},
                          cookies={"cvlb_session": cluster["cookie"]}, timeout=30)  # fmt: skip
     assert refused.status_code == 415 and "UTF-8 .txt" in refused.json()["error"]["message"], refused.text
+
+
+def test_the_tab_keeps_no_connection_open_on_a_quiet_page(cluster):
+    """The tab holds its job in hidden fields, not in a gr.State: any State makes Gradio keep a
+    heartbeat connection open per page, and a page that never goes quiet fails browsers' and
+    monitors' "network idle" (and costs each visitor a connection through nginx)."""
+    with session() as browser:
+        browser.cookies.set("cvlb_session", cluster["cookie"])
+        config = browser.get(cluster["url"] + "/config", timeout=30)
+    assert config.status_code == 200, config.text
+    assert "Long form" in config.text
+    assert config.json()["connect_heartbeat"] is False

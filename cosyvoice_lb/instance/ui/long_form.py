@@ -247,20 +247,24 @@ def _layout(gr: Any, ui: Any, url: str, voices: list[tuple[str, str]], folder: s
         except JobsError as exc:
             raise failed(exc) from None
 
-    def shown(job: dict, request: Any, held: dict) -> tuple[Any, ...]:
-        """The page's outputs for ``job``: the bar, the players, the error, the timer, the held file."""
+    def shown(job: dict, request: Any, held: str) -> tuple[Any, ...]:
+        """The page's outputs for ``job``: the bar, the players, the error, the timer, the job's id
+        and the id of the job whose audio the players hold (``held``: fetched once, then kept)."""
         status = job.get("status")
-        path = held.get(job["id"]) if held else None
-        if status == "succeeded" and path is None:
+        play: Any = None
+        path: Any = None
+        if status == "succeeded" and held == job["id"]:
+            play = path = gr.update()  # (the players already hold it)
+        elif status == "succeeded":
             path = audio_of(job, request)
-            held = {job["id"]: path}
+            play = path if extension_of(job) in PLAYABLE else None
         error = progress_text(job) if status in ("failed", "cancelled", "expired") else ""
-        play = path if path and extension_of(job) in PLAYABLE else None
+        held = job["id"] if status == "succeeded" else ""
         return (progress_html(job), play, path, error, gr.Timer(active=status in ACTIVE), job["id"], held)
 
     def submit(text, txt, voice, fmt, speed, request):
         job = start(text, txt, voice, fmt, speed, request)
-        return (*shown(job, request, {}), gr.update(choices=listed(request), value=job["id"]))
+        return (*shown(job, request, ""), gr.update(choices=listed(request), value=job["id"]))
 
     def watch(job_id, held, request):
         return shown(fetch_job(job_id, request), request, held)
@@ -273,7 +277,7 @@ def _layout(gr: Any, ui: Any, url: str, voices: list[tuple[str, str]], folder: s
         except JobsError as exc:
             raise failed(exc) from None
         if job.get("object") != "audio.job":  # (a finished job is removed by a DELETE)
-            return ("", None, None, f"{job_id}: removed", gr.Timer(active=False), "", {})
+            return ("", None, None, f"{job_id}: removed", gr.Timer(active=False), "", "")
         return shown(job, request, held)
 
     def refresh(request):
@@ -331,8 +335,10 @@ def _layout(gr: Any, ui: Any, url: str, voices: list[tuple[str, str]], folder: s
     error = gr.Markdown()
     audio = gr.Audio(label="Result", type="filepath", interactive=False)
     download = gr.File(label="Download", interactive=False)
-    job_id = gr.State("")
-    held = gr.State({})  # the watched job's downloaded file: {id: path}
+    # (hidden textboxes, not gr.State: a State makes Gradio hold a heartbeat connection open
+    # for every page, so a page never goes quiet)
+    job_id = gr.Textbox(visible=False)
+    held = gr.Textbox(visible=False)  # the id of the job whose audio the players hold
     timer = gr.Timer(POLL_SECONDS, active=False)
     outputs = [bar, audio, download, error, timer, job_id, held]
     submit_button.click(submit, inputs=[text, txt, voice, fmt, speed], outputs=[*outputs, jobs], **private)
