@@ -262,3 +262,26 @@ def test_retention_removes_finished_jobs_past_their_age_and_their_audio(open_cli
     assert keeper.sweep(time.time() + 3700) == 1
     assert store.get(old, SHARED_OWNER) is None and not (tmp_path / "jobs" / "results" / old).exists()
     assert store.get(new, SHARED_OWNER) is not None and (tmp_path / "jobs" / "results" / new).exists()
+
+
+def test_job_results_is_where_the_api_serves_and_removes_the_audio(tmp_path, store):
+    from cosyvoice_lb.common.settings import Settings
+    from cosyvoice_lb.jobs.__main__ import outputs_budget, results_root, service_config
+    from cosyvoice_lb.jobs.results import results_dir
+    from cosyvoice_lb.launcher.cluster.layout import Layout
+
+    assert results_dir(tmp_path) == results_dir(tmp_path, "") == tmp_path / "jobs" / "results"
+    shared = tmp_path / "volume" / ".jobs"
+    assert results_dir(tmp_path, str(shared)) == shared
+    settings, layout = Settings(job_results=str(shared)), Layout(tmp_path)
+    assert results_root(settings, layout) == service_config(settings, layout).results == shared
+    assert outputs_budget(settings, layout, {}).results == shared  # (--outputs-max-size counts it)
+    assert results_root(Settings(), layout) == tmp_path / "jobs" / "results"
+    with TestClient(build_app(store, service_config(settings, layout))) as client:
+        moved, left = (client.post("/v1/audio/jobs", json={"input": TEXT}).json()["id"] for _ in range(2))
+        finish_by_hand(store, moved, shared / moved / "audio.wav", b"RIFF" + b"\0" * 100)
+        finish_by_hand(store, left, tmp_path / "jobs" / "results" / left / "audio.wav", b"RIFF" + b"\0" * 100)
+        assert client.get(f"/v1/audio/jobs/{moved}/content").content == b"RIFF" + b"\0" * 100
+        assert client.get(f"/v1/audio/jobs/{left}/content").status_code == 404  # (outside the results dir)
+        assert client.delete(f"/v1/audio/jobs/{moved}").json()["deleted"] is True
+        assert not (shared / moved).exists()

@@ -72,3 +72,28 @@ def test_a_sweep_expires_the_oldest_results_never_a_running_job(tmp_path):
         assert not (results / old.id).exists()
     finally:
         store.close()
+
+
+def test_on_a_pods_shared_volume_the_budget_counts_the_volume_and_the_results_in_it_once(tmp_path):
+    from cosyvoice_lb.common.settings import Settings
+    from cosyvoice_lb.jobs.__main__ import outputs_budget
+    from cosyvoice_lb.launcher.cluster.layout import Layout
+
+    volume = tmp_path / "outputs"
+    environ = {"POD_NAME": "pod-a", "COSYVOICE_LB_OUTPUTS_DIR": str(volume / "pod-a")}
+    settings = Settings(job_results=str(volume / ".jobs"), outputs_max_size="10KiB")
+    budget = outputs_budget(settings, Layout(tmp_path / "state"), environ)
+    assert budget.outputs == volume and budget.results == volume / ".jobs"  # (every pod's dir, as the sweep)
+    assert outputs_budget(Settings(), Layout(tmp_path / "state"), {}).outputs == tmp_path / "state" / "outputs"
+    for pod in ("pod-a", "pod-b"):
+        (volume / pod).mkdir(parents=True)
+        (volume / pod / "20260101-000000-7860-abc.wav").write_bytes(b"o" * 2000)
+    store = SqliteStore(tmp_path / "jobs.sqlite3")
+    try:
+        job = make(store, budget.results, 100.0, 5000)
+        # 2000 + 2000 + 5000 (+ its plan) is within 10 KiB: counted twice, it would not be
+        assert budget.enforce(store, 300.0) == []
+        (volume / "pod-b" / "20260101-000001-7860-abd.wav").write_bytes(b"o" * 2000)  # now past it
+        assert budget.enforce(store, 300.0) == [job.id]
+    finally:
+        store.close()

@@ -406,6 +406,12 @@ class Settings(EngineSettings):
         "it reaches the jobs process through its environment, never a command line or a log.",
         metavar="URL",
     )
+    job_results: str = setting(
+        "",
+        "Where long-form jobs keep their audio (default: jobs/results in the state dir); pods that share "
+        "--jobs-redis need one directory they all mount.",
+        metavar="DIR",
+    )
 
     @property
     def staggered(self) -> bool:

@@ -7,7 +7,9 @@ Its metrics are ``GET /metrics`` on the socket, and ``run/jobs.json`` (kept fres
 
 It reads the cluster's settings from its record (``run/cluster.json``), as the health loop
 does. The store is the state dir's SQLite file, or Redis when ``COSYVOICE_LB_JOBS_REDIS``
-is in its environment (the URL may hold a password: never on a command line). SIGTERM stops
+is in its environment (the URL may hold a password: never on a command line); the jobs'
+audio is in ``--job-results`` (:func:`results_root`), by default ``jobs/results`` in the state
+dir: pods that share Redis share that directory too, on a volume. SIGTERM stops
 it: the API closes, the runner leaves its segments in flight (a later start makes them
 again; those done are kept) and the process exits.
 """
@@ -29,9 +31,11 @@ from cosyvoice_lb.common.checks import parse_voice_map
 from cosyvoice_lb.common.settings import Settings, envvar
 from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.instance.access.auth import PolicyFile
+from cosyvoice_lb.instance.audio.sweep import pod_volume
 from cosyvoice_lb.jobs.base import JobStore, StoreError
 from cosyvoice_lb.jobs.budget import Budget
 from cosyvoice_lb.jobs.metrics import Instrumented, JobMetrics, Reporter, counting_send, exposition, report_path
+from cosyvoice_lb.jobs.results import results_dir
 from cosyvoice_lb.jobs.service import Config, build_app
 from cosyvoice_lb.jobs.store import open_store
 from cosyvoice_lb.launcher.cluster import record
@@ -76,7 +80,13 @@ def service_config(settings: Settings, layout: Layout) -> Config:
         max_age=settings.job_max_age,
         voices_dir=settings.voices_dir,
         voice_map=parse_voice_map(settings.openai_voices),
+        job_results=settings.job_results,
     )
+
+
+def results_root(settings: Settings, layout: Layout) -> Path:
+    """--job-results, else jobs/results in the state dir (:func:`cosyvoice_lb.jobs.results.results_dir`)."""
+    return results_dir(layout.root, settings.job_results)
 
 
 def read_token(layout: Layout, settings: Settings) -> str:
@@ -105,7 +115,7 @@ def make_runner(settings: Settings, layout: Layout, store: JobStore, slots: int,
     return runner.Runner(
         store,
         counting_send(send, metrics),
-        results.Results(results.results_dir(layout.root)),
+        results.Results(results_root(settings, layout)),
         worker=f"{socket.gethostname()}:{os.getpid()}",
         slots=slots,
         segment_chars=job_segment_chars(settings),
@@ -149,11 +159,12 @@ class Retention:
 
 
 def outputs_budget(settings: Settings, layout: Layout, environ: Mapping[str, str] = os.environ) -> Budget:
-    """--outputs-max-size over the instances' outputs dir and the jobs' results."""
-    outputs = environ.get(envvar("outputs_dir"), "") or settings.outputs_dir or str(layout.outputs)
+    """--outputs-max-size over the instances' outputs dir (on Kubernetes the shared volume, every
+    pod's dir, as the instances sweep it) and the jobs' results."""
+    outputs = Path(environ.get(envvar("outputs_dir"), "") or settings.outputs_dir or str(layout.outputs))
     return Budget(
-        Path(outputs),
-        layout.root / "jobs" / "results",
+        pod_volume(outputs, environ) or outputs,
+        results_root(settings, layout),
         parse_size(settings.outputs_max_size),
         shown=settings.outputs_max_size,
     )
@@ -177,7 +188,7 @@ def serve(layout: Layout, found: record.ClusterRecord) -> None:
     runner = make_runner(settings, layout, store, slots, metrics)
     if runner is not None:
         threads.append(threading.Thread(target=runner.run, args=(stop,), name="job-runner", daemon=True))
-    keeper = Retention(store, layout.root / "jobs" / "results", settings.job_max_age, outputs_budget(settings, layout))
+    keeper = Retention(store, results_root(settings, layout), settings.job_max_age, outputs_budget(settings, layout))
     threads.append(threading.Thread(target=keeper.run, args=(stop,), name="job-retention", daemon=True))
     reporter = Reporter(report_path(layout.run), metrics, store)
     threads.append(threading.Thread(target=reporter.run, args=(stop,), name="job-report", daemon=True))

@@ -82,7 +82,8 @@ def expire(folder: Path, reason: str) -> None:
 
 @dataclass
 class Budget:
-    """``--outputs-max-size`` over ``outputs`` (the instances' dir) and ``results`` (the jobs')."""
+    """``--outputs-max-size`` over ``outputs`` (the instances' dir) and ``results`` (the jobs'; counted
+    once when they lie inside ``outputs``, as on a pod's shared volume)."""
 
     outputs: Path
     results: Path
@@ -91,7 +92,7 @@ class Budget:
 
     def enforce(self, store: JobStore, now: float) -> list[str]:
         """Expire the oldest finished jobs' audio while past the budget; the ids expired."""
-        used = tree_size(self.outputs) + tree_size(self.results)
+        used = tree_size(self.outputs) + (0 if self.results.is_relative_to(self.outputs) else tree_size(self.results))
         if used <= self.max_bytes:
             return []
         held = [Held(job.id, files_size(self.results / job.id)) for job in store.expired(now)]

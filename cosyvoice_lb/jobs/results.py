@@ -1,6 +1,6 @@
 """The results dir of long-form jobs: one folder per job, its segments' audio and its result.
 
-Layout (``<state_dir>/jobs/results``)::
+Layout (:func:`results_dir`: ``--job-results``, by default ``<state_dir>/jobs/results``)::
 
     <job_id>/plan.json        the segment size the job was split with (a resume splits alike)
     <job_id>/seg-00001.wav    each segment's audio as the balancer answered it (1-based)
@@ -55,8 +55,10 @@ class DiskFull(ResultsError):
     """The results' disk (or its quota) is full."""
 
 
-def results_dir(state_dir: str | Path) -> Path:
-    return Path(state_dir).expanduser() / "jobs" / "results"
+def results_dir(state_dir: str | Path, configured: str = "") -> Path:
+    """The results dir: ``configured`` (--job-results) when given, else ``jobs/results`` in the
+    state dir. Every reader and writer of jobs' audio asks here."""
+    return Path(configured).expanduser() if configured else Path(state_dir).expanduser() / "jobs" / "results"
 
 
 class Results:

@@ -56,6 +56,7 @@ from cosyvoice_lb.instance.speech.voices import Registry, VoiceNotFound
 from cosyvoice_lb.jobs import model
 from cosyvoice_lb.jobs.base import JobStore, StoreError
 from cosyvoice_lb.jobs.budget import expired_reason
+from cosyvoice_lb.jobs.results import results_dir
 from cosyvoice_lb.jobs.runner import segments_of
 
 PREFIX = "/v1/audio/jobs"
@@ -77,6 +78,7 @@ class Config:
     voices_dir: str = ""  # --voices-dir (default: voices/ in the state dir)
     voice_map: dict[str, str] = field(default_factory=dict)  # --openai-voices
     speakers: tuple[str, ...] = ()  # built-in speakers the engine has (CosyVoice3: none)
+    job_results: str = ""  # --job-results (default: jobs/results in the state dir)
 
     @property
     def voices(self) -> Path:
@@ -84,7 +86,7 @@ class Config:
 
     @property
     def results(self) -> Path:
-        return self.state_dir / "jobs" / "results"
+        return results_dir(self.state_dir, self.job_results)
 
 
 def problem(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -46,6 +46,7 @@ def absolute(settings: Settings) -> Settings:
         "cosyvoice_root",
         "outputs_dir",
         "voices_dir",
+        "job_results",
         "api_token_file",
         "ui_auth",
         "admin_token_file",

@@ -1,7 +1,8 @@
 """Long-form jobs on a real cluster: supervisord, nginx, two instances of the simulated engine,
 the jobs process (its API on a unix socket behind nginx, its runner sending the segments back
 through nginx), over each store: SQLite in the state dir (with an API token: the runner's own
-token passes the instances' gate) and a real redis-server on loopback (no credentials).
+token passes the instances' gate) and a real redis-server on loopback (no credentials), whose
+cluster keeps the jobs' audio outside its state dir (--job-results), as pods sharing it do.
 
 For each: a job of a few thousand characters is posted, polled and fetched (a WAV of the
 text's length, Range too); an instance SIGKILLed mid-job (the job still succeeds); the cluster
@@ -57,7 +58,10 @@ def cluster(request, tmp_path_factory):
 
         client.Redis(host="127.0.0.1", port=redis.port).config_set("requirepass", PASSWORD)
         redis_url = f"redis://:{PASSWORD}@127.0.0.1:{redis.port}/0"
-    env = clean_env(**({"COSYVOICE_LB_JOBS_REDIS": redis_url} if redis else {}))
+    results = tmp_path_factory.mktemp("shared-results") if redis else state_dir / "jobs" / "results"
+    env = clean_env(
+        **({"COSYVOICE_LB_JOBS_REDIS": redis_url, "COSYVOICE_LB_JOB_RESULTS": str(results)} if redis else {})
+    )
     token_file = None
     if request.param == "sqlite":
         token_file = tmp_path_factory.mktemp("tokens") / "tokens"
@@ -74,6 +78,7 @@ def cluster(request, tmp_path_factory):
         "base": base,
         "http": http,
         "redis": redis_url,
+        "results": results,
         "start": lambda: up(state_dir, port, base, env, token_file),
     }
     try:
@@ -144,6 +149,7 @@ def test_a_long_job_through_nginx_succeeds_with_its_whole_audio(cluster):
     done = finished(cluster, job["id"])
     assert done["progress"] == {"done": job["progress"]["total"], "total": job["progress"]["total"]}
     data = check_audio(cluster, done)
+    assert (cluster["results"] / job["id"] / "audio.wav").read_bytes() == data  # (--job-results with redis)
     assert speech_posts(cluster) - before == job["progress"]["total"]  # each segment once
     ranged = cluster["http"].get(
         f"{cluster['url']}/v1/audio/jobs/{job['id']}/content", headers={"Range": "bytes=0-43"}, timeout=30

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.k8s.jobs import jobs_fields, jobs_options, per_pod_warning
 from cosyvoice_lb.launcher.k8s.options import keda_fields, keda_options, pod_fields, pod_options
 from cosyvoice_lb.launcher.options import CLUSTER_OPTIONS, fail, options
 
@@ -43,6 +44,7 @@ def k8s_group() -> None:
 )
 @pod_options
 @keda_options
+@jobs_options
 def k8s_render_command(
     out_dir: str,
     k8s_name: str,
@@ -83,7 +85,11 @@ def k8s_render_command(
         monitor_labels=parse_monitor_labels(monitor_label),  # (refuses a malformed one)
         **pod_fields(kwargs),  # TLS, client addresses, the pod's size and place (k8s/options.py)
         **keda_fields(kwargs),  # --timezone, --prometheus-url: --schedule's KEDA ScaledObject
+        **jobs_fields(kwargs),  # --jobs-redis-secret: the Secret the pods read the jobs' Redis from
     )
     for path in write_manifests(settings, deployment, out_dir):
         click.echo(str(path))
+    warning = per_pod_warning(settings, deployment)
+    if warning:
+        click.echo(warning, err=True)
     click.echo(f"apply with: kubectl apply -f {shlex.quote(out_dir)}   (secret.yaml holds tokens: keep it private)")

@@ -31,6 +31,7 @@ from cosyvoice_lb.common.timeouts import Timeouts
 from cosyvoice_lb.launcher.cluster.layout import layout_for
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.k8s.ingress import api_ingress, tls_problem, ui_ingress
+from cosyvoice_lb.launcher.k8s.jobs import jobs_problem, written_url
 from cosyvoice_lb.launcher.k8s.monitoring import prometheus_rule, service_monitor
 from cosyvoice_lb.launcher.k8s.objects import (
     PRE_STOP_SECONDS,
@@ -156,11 +157,13 @@ def manifests(settings: Settings, deployment: Deployment) -> dict[str, str]:
     size = pod_size(settings, per_pod, deployment.cpu_per_instance)
     grace, arithmetic = grace_seconds(settings)
     api, admin, scrape = _secrets(deployment)
+    url = written_url(settings, deployment)
     return {
         "secret.yaml": _dump(
-            token_secret(deployment, api, admin, scrape),
-            "# The API tokens, the control panel's admin tokens and the token Prometheus scrapes with.\n"
-            "# A secret: this file is written 0600; keep it out of version control.",
+            token_secret(deployment, api, admin, scrape, url),
+            "# The API tokens, the control panel's admin tokens and the token Prometheus scrapes with"
+            + (";\n# jobs-redis: --jobs-redis's URL, which the pods read as COSYVOICE_LB_JOBS_REDIS" if url else ".")
+            + "\n# A secret: this file is written 0600; keep it out of version control.",
         ),
         "volumes.yaml": _dump(
             volume_claim(deployment, "voices", deployment.voices_size),
@@ -226,7 +229,7 @@ def write_manifests(settings: Settings, deployment: Deployment, out_dir: str) ->
     found = [p for p in setting_errors(settings) if "--api-token-file" not in p and "--admin-token-file" not in p]
     if found:
         raise ClusterError(found[0])
-    problem = deployment_problem(deployment)
+    problem = deployment_problem(deployment) or jobs_problem(settings, deployment)
     if problem:
         raise ClusterError(problem)
     try:  # (the same reading, and refusals, as `up`'s)

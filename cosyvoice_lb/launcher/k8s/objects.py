@@ -22,6 +22,7 @@ OUTPUTS = "/srv/outputs"  # results, a dir per pod on a shared volume
 USER_ID = 10001  # the image's non-root user (Dockerfile)
 PRE_STOP_SECONDS = 5  # for the pod's removal from the Service to reach every ingress controller
 PROBE_PERIOD = 10
+JOBS_REDIS_KEY = "jobs-redis"  # secret.yaml's key for --jobs-redis's URL (k8s/jobs.py)
 # Settings the pod sets itself: where things are, who may get in, how it listens.
 OWN = (
     "state_dir",
@@ -36,6 +37,8 @@ OWN = (
     "python",
     "nginx",
     "schedule",  # (the pods' count follows it: KEDA's ScaledObject, k8s/scaling.py; a pod serves its plan)
+    "jobs_redis",  # (from a Secret, never a plain value: k8s/jobs.py)
+    "job_results",  # (on the shared volume with --jobs-redis, else the state dir's: k8s/jobs.py)
 )
 
 
@@ -74,6 +77,8 @@ class Deployment:
     # --schedule's KEDA ScaledObject (k8s/scaling.py): its cron windows' zone, and the Prometheus it asks
     timezone: str = "UTC"
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
+    # --jobs-redis-secret NAME[:KEY] as (name, key): the Secret the pods read --jobs-redis from (k8s/jobs.py)
+    jobs_redis_secret: tuple[str, ...] = ()
 
 
 def labels(deployment: Deployment) -> dict[str, str]:
@@ -108,15 +113,16 @@ def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
-def token_secret(deployment: Deployment, api: str, admin: str, scrape: str) -> dict[str, Any]:
+def token_secret(deployment: Deployment, api: str, admin: str, scrape: str, jobs_redis: str = "") -> dict[str, Any]:
     """The Secret: the API tokens, the control panel's admin tokens and the token Prometheus
-    scrapes with, each a file's text (a token a line)."""
+    scrapes with, each a file's text (a token a line); and --jobs-redis's URL when given."""
+    data = {"api-tokens": _b64(api), "admin-tokens": _b64(admin), "scrape-token": _b64(scrape)}
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _meta(deployment, secret_name(deployment)),
         "type": "Opaque",
-        "data": {"api-tokens": _b64(api), "admin-tokens": _b64(admin), "scrape-token": _b64(scrape)},
+        "data": {**data, **({JOBS_REDIS_KEY: _b64(jobs_redis)} if jobs_redis else {})},
     }
 
 

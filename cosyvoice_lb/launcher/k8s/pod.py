@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from cosyvoice_lb.common.settings import Settings, envvar
+from cosyvoice_lb.launcher.k8s.jobs import jobs_env
 from cosyvoice_lb.launcher.k8s.objects import (
     OUTPUTS,
     OWN,
@@ -97,7 +98,7 @@ def container_command() -> str:
 
 def pod_container(settings: Settings, deployment: Deployment, size: PodSize) -> dict[str, Any]:
     """The pod's one container: the launcher (`up --foreground`) on one GPU, given the settings
-    as its environment (:func:`pod_settings`), with ``size``'s CPU and memory as both its
+    as its environment (:func:`pod_settings`; --jobs-redis from its Secret), with ``size``'s CPU and memory as both its
     requests and its limits, probed through nginx, and mounting the model only when
     --model-volume and --model-dir are both given."""
     probe = {"httpGet": {"path": "/ping", "port": "http"}, "periodSeconds": PROBE_PERIOD, "timeoutSeconds": 3}
@@ -108,7 +109,7 @@ def pod_container(settings: Settings, deployment: Deployment, size: PodSize) -> 
         "imagePullPolicy": deployment.image_pull_policy,
         "command": ["sh", "-c", container_command()],
         "ports": [{"name": "http", "containerPort": PORT}],
-        "env": [*downward, *pod_env(pod_settings(settings, deployment))],
+        "env": [*downward, *pod_env(pod_settings(settings, deployment)), *jobs_env(settings, deployment)],
         "resources": size.resources(),
         # Loading: --startup-timeout plus a minute, never under 5 minutes (the seeds measured ~240 s).
         "startupProbe": {**probe, "failureThreshold": startup_failures(settings)},
