@@ -32,6 +32,7 @@ from cosyvoice_lb.common.settings import Settings, envvar
 from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.instance.access.auth import PolicyFile
 from cosyvoice_lb.instance.audio.sweep import pod_volume
+from cosyvoice_lb.instance.speech.fanout import KEY_HEADER
 from cosyvoice_lb.jobs.base import JobStore, StoreError
 from cosyvoice_lb.jobs.budget import Budget
 from cosyvoice_lb.jobs.metrics import Instrumented, JobMetrics, Reporter, counting_send, exposition, report_path
@@ -100,6 +101,17 @@ def read_token(layout: Layout, settings: Settings) -> str:
     raise ValueError(f"{path} holds no token: run cosyvoice-lb up again")
 
 
+def segment_key(layout: Layout) -> str:
+    """The cluster's segment key ("" before a render made one). With it nginx knows a job's
+    segments from a client's requests: --rate-limit, paid by the job's own POST, does not count
+    them again (a chapter's hundreds of segments would meet 429s), and they are balanced in
+    the segments' pool. Without X-Cvlb-Segment they are ordinary requests to an instance."""
+    try:
+        return layout.segment_key.read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""
+
+
 def make_runner(settings: Settings, layout: Layout, store: JobStore, slots: int, metrics: JobMetrics) -> Any:
     """The runner over the store, sending through nginx with its own credentials; None in a
     build without it."""
@@ -110,6 +122,9 @@ def make_runner(settings: Settings, layout: Layout, store: JobStore, slots: int,
         return None
     token = read_token(layout, settings)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    key = segment_key(layout)
+    if key:  # (the job paid the rate limit once, when it was submitted: its segments pass)
+        headers[KEY_HEADER] = key
     # (nginx answers within --request-timeout, retries included: a little more is the bound)
     send = sender.Sender(balancer_url(settings), headers=headers, timeout=settings.request_timeout + 30.0)
     return runner.Runner(
