@@ -34,10 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import load  # noqa: E402  (bench/load.py: the load, SIGTERM as Ctrl-C, the shield)
 from cosyvoice_lb.launcher.cluster.ports import free_port_block  # noqa: E402
-from long_text import text_of  # noqa: E402  (the same seeded mix of sentence lengths)
+from long_text import spread, text_of  # noqa: E402  (the same seeded mix of sentence lengths)
 
 SHORT = "Your order has shipped."  # a common short text: many clients send the same one
 MAX_JOB_CHARS = 200_000  # the default --max-job-chars: the fairness part's jobs are this big
@@ -75,18 +72,11 @@ class Cluster:
         self.http.trust_env = False
 
     def __enter__(self) -> Cluster:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_LB_")}
-        done = subprocess.run(self.command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-        if done.returncode != 0:
-            self.__exit__()
-            raise SystemExit(f"cosyvoice-lb up failed:\n{done.stdout}\n{done.stderr}")
+        load.cluster_up(self.command, self.state, ROOT)
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        with load.shielded():
-            subprocess.run([*load.cli_command(), "down", "--state-dir", str(self.state)],
-                           capture_output=True, timeout=120, cwd=ROOT)  # fmt: skip
-            shutil.rmtree(self.state, ignore_errors=True)
+        load.cluster_down(self.state, ROOT)
 
     def post(self, text: str) -> dict:
         answer = self.http.post(self.url + "/v1/audio/jobs", json={"input": text, "response_format": "wav"}, timeout=60)
@@ -139,10 +129,6 @@ def percentiles(results: list[load.Result]) -> tuple[float, float, float]:
         return (math.nan,) * 3
     p50, p90, p99 = np.percentile(good, [50, 90, 99])
     return float(p50), float(p90), float(p99)
-
-
-def spread(values: list[float], digits: int = 2) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def main() -> int:

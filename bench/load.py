@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -95,6 +98,31 @@ def shielded() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def cluster_up(command: list[str], state: Path, cwd: Path, timeout: float = 300) -> None:
+    """Run a bench's `cosyvoice-lb up` (no COSYVOICE_LB_ settings from this environment);
+    when it fails (or is interrupted), take down what it started and stop the run with its
+    output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_LB_")}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+    except BaseException:
+        cluster_down(state, cwd)
+        raise
+    if done.returncode != 0:
+        cluster_down(state, cwd)
+        raise SystemExit(f"cosyvoice-lb up failed:\n{done.stdout}\n{done.stderr}")
+
+
+def cluster_down(state: Path, cwd: Path, timeout: float = 120) -> None:
+    """`cosyvoice-lb down` of a bench's cluster and its state dir removed, shielded from a
+    second Ctrl-C or SIGTERM."""
+    with shielded():
+        subprocess.run(
+            [*cli_command(), "down", "--state-dir", str(state)], capture_output=True, timeout=timeout, cwd=cwd
+        )
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def loopback_only(url: str) -> str:

@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,17 +65,11 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> Cluster:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_LB_")}
-        done = subprocess.run(self.command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-        if done.returncode != 0:
-            self.__exit__()
-            raise SystemExit(f"cosyvoice-lb up failed:\n{done.stdout}\n{done.stderr}")
+        load.cluster_up(self.command, self.state, ROOT)
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        subprocess.run([sys.executable, "-m", "cosyvoice_lb.launcher.cli", "down", "--state-dir", str(self.state)],
-                       capture_output=True, timeout=120, cwd=ROOT)  # fmt: skip
-        shutil.rmtree(self.state, ignore_errors=True)
+        load.cluster_down(self.state, ROOT)
 
 
 def streamed(http: requests.Session, url: str, text: str) -> tuple[float, float]:
