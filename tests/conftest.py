@@ -126,6 +126,23 @@ def uvicorn_serving(app, uds: str | None = None) -> Iterator[str]:
         thread.join(10)
 
 
+@contextmanager
+def simulated_cluster(*args: str, instances: int = 2, env: dict[str, str] | None = None) -> Iterator[dict]:
+    """A real cluster of ``instances`` simulated-engine instances (`up` with ``args`` added, on
+    free ports, in a fresh state dir under /tmp); always taken down and removed after."""
+    state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
+    port, base = free_port_block(1), free_port_block(instances)
+    command = ["up", "--engine", "simulated", "--instances", str(instances), "--port", str(port)]
+    command += ["--base-port", str(base), "--state-dir", str(state_dir), *args]
+    try:
+        done = cli(*command, env=env, timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+        yield {"state_dir": state_dir, "url": f"http://127.0.0.1:{port}", "port": port, "base": base}
+    finally:
+        cli("down", "--state-dir", str(state_dir), timeout=120)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
 def unexpected_tracebacks(log: str) -> list[str]:
     """The tracebacks in an instance log, less those of gr.Error: Gradio logs the error
     the UI shows the user (a refused input) with its traceback too."""

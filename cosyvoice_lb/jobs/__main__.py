@@ -44,7 +44,7 @@ from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.render.addresses import balancer_url
 from cosyvoice_lb.launcher.render.cluster import jobs_socket
-from cosyvoice_lb.launcher.render.credentials import jobs_token_path
+from cosyvoice_lb.launcher.render.credentials import jobs_token_path, read_segment_key
 
 log = logging.getLogger("cosyvoice_lb.jobs")
 
@@ -101,17 +101,6 @@ def read_token(layout: Layout, settings: Settings) -> str:
     raise ValueError(f"{path} holds no token: run cosyvoice-lb up again")
 
 
-def segment_key(layout: Layout) -> str:
-    """The cluster's segment key ("" before a render made one). With it nginx knows a job's
-    segments from a client's requests: --rate-limit, paid by the job's own POST, does not count
-    them again (a chapter's hundreds of segments would meet 429s), and they are balanced in
-    the segments' pool. Without X-Cvlb-Segment they are ordinary requests to an instance."""
-    try:
-        return layout.segment_key.read_text(encoding="utf-8").strip()
-    except OSError:
-        return ""
-
-
 def make_runner(settings: Settings, layout: Layout, store: JobStore, slots: int, metrics: JobMetrics) -> Any:
     """The runner over the store, sending through nginx with its own credentials; None in a
     build without it."""
@@ -122,8 +111,12 @@ def make_runner(settings: Settings, layout: Layout, store: JobStore, slots: int,
         return None
     token = read_token(layout, settings)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    key = segment_key(layout)
-    if key:  # (the job paid the rate limit once, when it was submitted: its segments pass)
+    # The cluster's segment key: nginx then knows a job's segments from a client's requests.
+    # --rate-limit, paid by the job's own POST, does not count them again (a chapter's hundreds
+    # of segments would meet 429s), and they are balanced in the segments' pool. Without
+    # X-Cvlb-Segment they are ordinary requests to an instance.
+    key = read_segment_key(layout)
+    if key:
         headers[KEY_HEADER] = key
     # (nginx answers within --request-timeout, retries included: a little more is the bound)
     send = sender.Sender(balancer_url(settings), headers=headers, timeout=settings.request_timeout + 30.0)

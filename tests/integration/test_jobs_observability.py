@@ -6,15 +6,13 @@ and `status --json` / `status` say the jobs from the jobs process's report."""
 from __future__ import annotations
 
 import json
-import shutil
 import socket
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import requests
-from conftest import clean_env, cli, free_port_block, wait_for
+from conftest import cli, simulated_cluster, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.integration
@@ -25,20 +23,11 @@ POLL_SECONDS = 120
 
 @pytest.fixture(scope="module")
 def cluster():
-    state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
-    port, base = free_port_block(1), free_port_block(2)
-    args = ["up", "--engine", "simulated", "--simulated-ms-per-char", "1", "--simulated-base-ms", "20"]
-    args += ["--instances", "2", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir)]
-    args += ["--segment-chars", "200", "--job-slots", "2"]
+    args = ["--simulated-ms-per-char", "1", "--simulated-base-ms", "20", "--segment-chars", "200", "--job-slots", "2"]
     http = requests.Session()
     http.trust_env = False
-    try:
-        done = cli(*args, env=clean_env(), timeout=240)
-        assert done.returncode == 0, done.stdout + done.stderr
-        yield {"state_dir": state_dir, "url": f"http://127.0.0.1:{port}", "http": http}
-    finally:
-        cli("down", "--state-dir", str(state_dir), timeout=120)
-        shutil.rmtree(state_dir, ignore_errors=True)
+    with simulated_cluster(*args) as cluster:
+        yield {**cluster, "http": http}
 
 
 def unix_get(path: Path, target: str) -> tuple[int, str]:

@@ -7,14 +7,11 @@ and the job succeeds. The limit itself still holds for a client's own burst."""
 from __future__ import annotations
 
 import concurrent.futures
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import requests
-from conftest import cli, free_port_block
+from conftest import simulated_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -26,18 +23,10 @@ POLL_SECONDS = 120
 
 @pytest.fixture(scope="module")
 def cluster():
-    state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
-    port, base = free_port_block(1), free_port_block(2)
-    args = ["up", "--engine", "simulated", "--simulated-ms-per-char", "1", "--simulated-base-ms", "10"]
-    args += ["--instances", "2", "--port", str(port), "--base-port", str(base), "--state-dir", str(state_dir)]
-    args += ["--job-slots", "2", "--segment-chars", "100", "--rate-limit", RATE, "--rate-burst", "4"]
-    done = cli(*args, timeout=240)
-    try:
-        assert done.returncode == 0, done.stdout + done.stderr
-        yield {"url": f"http://127.0.0.1:{port}", "state_dir": state_dir}
-    finally:
-        cli("down", "--state-dir", str(state_dir), timeout=120)
-        shutil.rmtree(state_dir, ignore_errors=True)
+    args = ["--simulated-ms-per-char", "1", "--simulated-base-ms", "10", "--job-slots", "2"]
+    args += ["--segment-chars", "100", "--rate-limit", RATE, "--rate-burst", "4"]
+    with simulated_cluster(*args) as cluster:
+        yield cluster
 
 
 def speech_answers(cluster) -> list[str]:

@@ -149,17 +149,21 @@ def _write_policy_file(path: Path, tokens: list[str], users: dict[str, str] | No
         write_atomic(path, text, mode=PRIVATE)
 
 
+def read_segment_key(layout: Layout) -> str:
+    """The cluster's segment key as :func:`write_segment_key` made it ("" before it did)."""
+    try:
+        return layout.segment_key.read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""
+
+
 def write_segment_key(layout: Layout) -> str:
     """The cluster's segment key: made once (0600), reused by every render. Instances send
     it with the segments of a long text; nginx (from a 0600 include, never from nginx.conf)
     then skips the rate limit, already paid by the client's request, and balances segments
     in a pool of their own. Without it a client cannot pass for a segment: nginx strips the
     segment headers of every other request."""
-    key = ""
-    try:
-        key = layout.segment_key.read_text(encoding="utf-8").strip()
-    except OSError:
-        pass
+    key = read_segment_key(layout)
     if not (len(key) == 64 and all(c in "0123456789abcdef" for c in key)):
         key = secrets.token_hex(32)
         write_atomic(layout.segment_key, key + "\n", mode=PRIVATE)
