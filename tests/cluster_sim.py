@@ -39,6 +39,7 @@ class Program:
     ready_in: int = 0  # steps until ready (0: ready, or not running)
     signalled: float = 0.0  # a HOLD drain took it out and let it go idle at this time
     bad_seen: float = 0.0  # the health loop saw its warm-up make bad audio at this time
+    starting_for: int = 0  # steps supervisord still calls it STARTING (its startsecs)
 
 
 @dataclass
@@ -72,7 +73,16 @@ class World:
 
     def processes(self) -> dict[str, ProcessInfo]:
         return {
-            name: ProcessInfo(name, p.state, p.pid, self.now - 10, self.now, "", 0) for name, p in self.programs.items()
+            name: ProcessInfo(
+                name,
+                "STARTING" if p.starting_for and p.state == "RUNNING" else p.state,
+                p.pid,
+                self.now - 10,
+                self.now,
+                "",
+                0,
+            )
+            for name, p in self.programs.items()
         }
 
     def start(self, name: str, wait: bool = False) -> None:
@@ -136,6 +146,7 @@ class World:
         self.now += max(seconds, 0.01)
         for program in self.programs.values():
             program.ready_in = max(0, program.ready_in - 1)
+            program.starting_for = max(0, program.starting_for - 1)
         if self.programs.get("health", Program()).state == "RUNNING":
             self.health_step()
         self.serving_seen.append(sum(1 for i in self.read_status().instances if i.serving))

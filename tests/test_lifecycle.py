@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from cluster_sim import world
+from cluster_sim import LOAD_STEPS, world
 
 from cosyvoice_lb.launcher.cluster import lifecycle
 from cosyvoice_lb.launcher.cluster.markers import drain_by_hand
@@ -173,6 +173,17 @@ def test_a_wait_for_instances_that_cannot_start_says_so(tmp_path):
     w.start("instance-1")
     with pytest.raises(ClusterError, match="instance-1 could not start"):
         wait_serving(w.cluster(), ["instance-1"])
+
+
+def test_a_wait_ends_only_once_supervisord_counts_nginx_running(tmp_path):
+    """nginx answers /ping before its startsecs pass: `up` waits them out, so that `status`
+    right after it finds nginx RUNNING, not "starting"."""
+    w = world(tmp_path, instances=2, parked=1)
+    w.start("instance-1")
+    w.programs["nginx"].starting_for = LOAD_STEPS + 3
+    current = wait_serving(w.cluster(), ["instance-1"])
+    assert current.nginx["state"] == "RUNNING" and not current.problems
+    assert w.programs["nginx"].starting_for == 0 and w.serving_seen[LOAD_STEPS] == 2
 
 
 def test_settling_starts_parked_slots_up_to_the_count_asked(tmp_path):

@@ -90,7 +90,8 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
     running = [s for s in slots if s.name in programs and programs[s.name].state == "RUNNING"]
     pings, answer = ask_all(prober or Prober(len(slots) + 1), running, settings.probe_timeout, url)
     nginx = programs.get("nginx")
-    procs = nginx_processes(nginx.pid) if nginx and nginx.state == "RUNNING" else []
+    # (a STARTING nginx listens already: what it listens on is read, not "nothing")
+    procs = nginx_processes(nginx.pid) if nginx and nginx.state in ("RUNNING", "STARTING") else []
     result = diagnose(
         Observation(
             settings=settings,

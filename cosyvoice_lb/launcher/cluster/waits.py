@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from cosyvoice_lb.common.timeouts import SUPERVISOR_SILENT
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress
-from cosyvoice_lb.launcher.cluster.diagnosis import ESSENTIAL, ClusterStatus, InstanceStatus
+from cosyvoice_lb.launcher.cluster.diagnosis import ESSENTIAL, SERVICES, ClusterStatus, InstanceStatus
 from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.markers import (
     DrainAction,
@@ -170,12 +170,16 @@ def wait_serving(
         if not waiting and start.failed and len(start.failed) == len(names):
             first = "no instance could start:" if len(names) > 1 else f"{names[0]} could not start:"
             raise ClusterError("\n".join([first] + failure_report(c.layout, current, names, c.supervisor)))
-        if not waiting and current.nginx.get("answers") == 200:
+        # (a service supervisord still calls STARTING, nginx above all, is not up yet: its
+        # startsecs have not passed; `status` would say so, so `up` waits them out too)
+        settling = [s for s in SERVICES if getattr(current, s).get("state") == "STARTING"]
+        if not waiting and current.nginx.get("answers") == 200 and not settling:
             failed = start.failed
             done = "all ready" if not failed else f"{len(failed)} failed: {', '.join(failed)}"
             c.progress(Progress(len(names) - len(failed), len(names), done))
             return current
-        detail = ", ".join(i.name + (f" ({i.reason})" if i.reason else "") for i in waiting) or "nginx"
+        detail = ", ".join(i.name + (f" ({i.reason})" if i.reason else "") for i in waiting)
+        detail = detail or (", ".join(f"{s} (starting)" for s in settling) if settling else "nginx")
         c.progress(Progress(len(names) - len(waiting) - len(start.failed), len(names), "waiting for " + detail))
         if c.clock() > deadline:
             return timed_out(c, start, current, waiting)
