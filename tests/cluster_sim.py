@@ -54,6 +54,7 @@ class World:
     serving_seen: list[int] = field(default_factory=list)  # instances serving after each step
     crashing: set[str] = field(default_factory=set)  # these fail to start (FATAL)
     bad_audio: set[str] = field(default_factory=set)  # these load, then their warm-up makes bad audio
+    given_up: dict[str, float] = field(default_factory=dict)  # the health loop gave up on these, when
     reload_answer: tuple[list[str], list[str], list[str]] = ([], [], [])
     room: int = 99  # parked slots there is memory for
     now: float = 1000.0
@@ -181,12 +182,14 @@ class World:
         for slot in self.slots:
             program = self.programs[slot.name]
             failed = "failed: supervisord gave up" if program.state == "FATAL" else ""
+            if slot.name in self.given_up:
+                failed = "failed: it was started 2 times without getting ready (--start-retries 0)"
             tracks[slot.name] = Track(
                 in_rotation=slot.name in self.rotation,
                 pid=program.pid,
                 signalled_at=program.signalled,
                 failed=failed,
-                failed_at=self.now if failed else 0.0,
+                failed_at=self.given_up.get(slot.name, self.now) if failed else 0.0,
                 bad_audio=BAD_AUDIO if program.bad_seen else "",
                 bad_audio_at=program.bad_seen,
             )

@@ -175,6 +175,21 @@ def test_a_wait_for_instances_that_cannot_start_says_so(tmp_path):
         wait_serving(w.cluster(), ["instance-1"])
 
 
+def test_an_instance_given_up_on_before_the_wait_but_after_its_start_fails_the_wait_at_once(tmp_path):
+    """--stagger'd: the first wait saw the instance fail; the wait for all that follows must
+    count that failure (it happened after the start), not wait out --startup-timeout."""
+    w = world(tmp_path, instances=2, parked=1)
+    started = w.now
+    w.now += 20
+    w.given_up["instance-1"] = w.now  # (started twice, never ready: stopped, given up on)
+    w.health_step()
+    w.now += 5
+    before = w.now
+    with pytest.raises(ClusterError, match="instance-1 could not start"):
+        wait_serving(w.cluster(), ["instance-1"], since=started)
+    assert w.now - before < 1  # (at once)
+
+
 def test_a_wait_ends_only_once_supervisord_counts_nginx_running(tmp_path):
     """nginx answers /ping before its startsecs pass: `up` waits them out, so that `status`
     right after it finds nginx RUNNING, not "starting"."""

@@ -87,6 +87,7 @@ def start(c: Cluster) -> ClusterStatus:
     starting = [s.name for s in result.slots[: result.roles.started]]
     try:
         c.supervisor.start_daemon()
+        since = c.wall()  # (a --stagger'd one that failed before the last wait still failed)
         for index, name in enumerate(starting):
             if settings.staggered:  # one model load at a time: each instance serves before the next starts
                 c.progress(Progress(index, len(starting), f"starting {name} (--stagger)"))
@@ -97,7 +98,7 @@ def start(c: Cluster) -> ClusterStatus:
                 except ClusterError:  # this one failed: the others may still serve (checked below)
                     pass
         # Serving with some instances failed is still serving: they are reported, not fatal.
-        return wait_serving(c, starting)
+        return wait_serving(c, starting, since=since)
     except BaseException as exc:  # never a half-started cluster, whatever went wrong (Ctrl-C too)
         down(layout)
         raise ClusterError(f"{what_failed(exc)}\nThe cluster was stopped; logs are in {layout.logs}") from None

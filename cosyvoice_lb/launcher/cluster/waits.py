@@ -139,6 +139,7 @@ def wait_serving(
     poll: float = 0.25,
     replacing: dict[str, int] | None = None,
     bad_audio_fails: bool = False,
+    since: float | None = None,
 ) -> ClusterStatus:
     """Wait until each named instance serves (ready and in rotation; for ``replacing``,
     a process other than the pid given) or has failed, and nginx answers.
@@ -148,7 +149,7 @@ def wait_serving(
     done, even if it is recycled while the others are waited for. The others are still
     waited for; :class:`ClusterError` only when none of them serves.
     """
-    start = Start(names, replacing or {}, since=c.wall(), bad_audio_fails=bad_audio_fails)
+    start = Start(names, replacing or {}, since=c.wall() if since is None else since, bad_audio_fails=bad_audio_fails)
     deadline = c.clock() + c.timeouts.serving
     answered = c.clock()
     while True:
