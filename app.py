@@ -8,6 +8,11 @@ supervisord runs ``python app.py --port 7860 --engine espeak ...`` once per slot
 import os
 import sys
 
+if __name__ == "__mp_main__":  # a process the instance spawned (vLLM's engine): it ends with the instance
+    from cosyvoice_lb.instance.lineage import follow_parent
+
+    follow_parent()
+
 if __name__ == "__main__":
     # Run from a checkout, the package sits beside this file.
     # (realpath: a staged tree is reached through a symlink that a roll-out swaps; keep this one)

@@ -128,7 +128,8 @@ def test_v2_and_v1_model_dirs():
 
 @pytest.fixture
 def vllm(monkeypatch):
-    """vLLM cannot run here (it needs a GPU): a stand-in with its ModelRegistry calls."""
+    """A stand-in for vLLM that records its ModelRegistry calls (vLLM itself runs in the
+    tests marked vllm: tests/integration/test_vllm_cluster.py)."""
     import sys
     import types
 
@@ -141,17 +142,45 @@ def vllm(monkeypatch):
     return registry
 
 
-def test_vllm_gets_cosyvoices_architecture_registered_before_loading(vllm):
+def test_vllm_learns_cosyvoice2s_architecture_and_cosyvoice3_needs_none(vllm, monkeypatch):
+    """Upstream exports a CosyVoice2 LLM as CosyVoice2ForCausalLM (registered from upstream's
+    module), a CosyVoice3 one as vLLM's own Qwen2ForCausalLM: nothing to import or register."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "cosyvoice.vllm.cosyvoice2", raising=False)
     engine = loaded("Fun-CosyVoice3-0.5B", load_vllm=True, fp16=True)
     assert engine.model.options == {"load_trt": False, "load_vllm": True, "fp16": True, "trt_concurrent": 1}
-    assert "CosyVoice2ForCausalLM" in vllm
+    assert vllm == {} and "cosyvoice.vllm.cosyvoice2" not in sys.modules
+    loaded("CosyVoice2-0.5B", load_vllm=True)
+    assert vllm["CosyVoice2ForCausalLM"].__module__ == "cosyvoice.vllm.cosyvoice2"
+
+
+def test_upstreams_cosyvoice2_module_loads_with_the_union_it_forgets(tmp_path, monkeypatch):
+    """Upstream's cosyvoice/vllm/cosyvoice2.py annotates with Union and imports only
+    Optional: imported as it is, defining its class raises NameError on vLLM >= 0.11."""
+    import sys
+
+    from cosyvoice_lb.instance.engines.upstream_vllm import _load_with_union
+
+    package = tmp_path / "forgetful"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "model.py").write_text(
+        "from typing import Optional\n\n\nclass Model:\n    def forward(self, x: Optional[int]) -> Union[int, str]:\n"
+        "        return x\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(NameError, match="Union"):
+        __import__("forgetful.model")
+    module = _load_with_union("forgetful.model")
+    assert module.Model().forward(3) == 3 and sys.modules["forgetful.model"] is module
 
 
 def test_vllm_missing_is_a_clear_error(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
-    with pytest.raises(EngineError, match="--load-vllm needs vllm"):
+    with pytest.raises(EngineError, match="--load-vllm needs vLLM"):
         loaded("Fun-CosyVoice3-0.5B", load_vllm=True)
 
 

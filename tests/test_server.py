@@ -162,7 +162,7 @@ def test_a_stop_signal_drains_syntheses_in_flight_before_the_server_exits():
 
     import uvicorn
 
-    from cosyvoice_lb.instance.server import draining_server
+    from cosyvoice_lb.instance.lifetime import draining_server
 
     admission = Admission()
     admission.become_ready()
@@ -185,7 +185,7 @@ def test_the_drain_is_bounded():
 
     import uvicorn
 
-    from cosyvoice_lb.instance.server import draining_server
+    from cosyvoice_lb.instance.lifetime import draining_server
 
     admission = Admission()
     admission.become_ready()
@@ -492,7 +492,7 @@ def test_an_instance_drained_during_its_warm_up_never_turns_ready():
 
     import uvicorn
 
-    from cosyvoice_lb.instance.server import draining_server
+    from cosyvoice_lb.instance.lifetime import draining_server
 
     engine = WarmUpGate()
     p = pipeline(engine, ready=False)

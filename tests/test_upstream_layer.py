@@ -146,7 +146,7 @@ def test_shared_turns_run_side_by_side():
 def test_vllm_engine_args_made_during_the_load_reserve_the_planned_share(monkeypatch):
     """vLLM cannot run here (it needs a GPU): a module in its place records what upstream's
     load_vllm asks of it, the way upstream asks (``from vllm import EngineArgs`` at the call)."""
-    from cosyvoice_lb.instance.engines.cosyvoice import vllm_share
+    from cosyvoice_lb.instance.engines.upstream_vllm import share as vllm_share
 
     made: list[dict] = []
     fake = types.ModuleType("vllm")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cosyvoice_lb.common.checks import fraction, not_negative
+from cosyvoice_lb.common.checks import at_least, fraction, not_negative
 from cosyvoice_lb.common.declaration import setting
 
 ENGINES = ("auto", "espeak", "cosyvoice3", "simulated")
@@ -93,6 +93,23 @@ class EngineSettings:
         "synchronize per request, which stalls the other syntheses of the instance); off: the "
         "memory stays with the process for the next one.",
         is_flag=True,
+        instance="cosyvoice3",
+    )
+    token2wav_batch: int = setting(
+        8,
+        "CosyVoice3: at most this many syntheses of one instance share one run of the flow and "
+        "one of HiFT (their token2wav work, gathered for --token2wav-window; each one's audio as "
+        "alone); 1: each runs its own, as upstream does. At most --instance-concurrency.",
+        type=int,
+        check=at_least(1),
+        instance="cosyvoice3",
+    )
+    token2wav_window: float = setting(
+        20.0,
+        "CosyVoice3: milliseconds the first synthesis at the flow or HiFT waits for others to "
+        "join its run (none once every synthesis in the instance's token2wav has joined).",
+        type=float,
+        check=not_negative,
         instance="cosyvoice3",
     )
     simulated_fault_dir: str = setting(

@@ -8,6 +8,11 @@ real path, so a roll-out that swaps the ``run/lib`` link changes no running inst
 import os
 import sys
 
+if __name__ == "__mp_main__":  # a process the instance spawned (vLLM's engine): it ends with the instance
+    from cosyvoice_lb.instance.lineage import follow_parent
+
+    follow_parent()
+
 if __name__ == "__main__":
     if not __package__:  # (run as a file: the staged app.py)
         sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))

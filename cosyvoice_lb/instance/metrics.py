@@ -45,6 +45,8 @@ AUDIO_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 90.0)
 SYNTHESIS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 COMPUTE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+BATCH_STAGES = ("llm", "flow", "hift")
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
@@ -121,6 +123,15 @@ class Metrics:
             buckets=COMPUTE_BUCKETS,
             registry=self.registry,
         )
+        self.batch = Histogram(
+            "cosyvoice_batch_size",
+            "Syntheses in one batched step of the model: stage=llm, the sequences of one vLLM engine step "
+            "(--load-vllm); stage=flow and stage=hift, the token2wav work of one batched flow or HiFT run "
+            "(--token2wav-batch).",
+            ["stage"],
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
         self.requests = Counter(
             "cosyvoice_requests",
             "Speech requests answered, by route and outcome.",
@@ -144,6 +155,8 @@ class Metrics:
                 self.requests.labels(route, outcome)
         for part in ("llm", "audio"):
             self.first_chunk_compute.labels(part)
+        for stage in BATCH_STAGES:
+            self.batch.labels(stage)
         for reason in REASONS:
             for during in CHECKS:
                 self.bad.labels(reason, during)
@@ -220,6 +233,11 @@ class Metrics:
         if self.enabled:
             self.first_chunk_compute.labels("llm").observe(max(0.0, llm))
             self.first_chunk_compute.labels("audio").observe(max(0.0, audio))
+
+    def batched(self, stage: str, size: int) -> None:
+        """One batched step of the model (``stage``: llm, flow, hift) ran ``size`` syntheses."""
+        if self.enabled and stage in BATCH_STAGES:
+            self.batch.labels(stage).observe(size)
 
     def completed(self, route: str, audio_seconds: float, engine_seconds: float) -> None:
         if not self.enabled:

@@ -25,7 +25,6 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from cosyvoice_lb.instance.api.streams import AudioStream, audio_source, collect
 from cosyvoice_lb.instance.audio.outputs import Outputs
 from cosyvoice_lb.instance.audio.wav import pcm16, wav_header
 from cosyvoice_lb.instance.engines import create_engine
+from cosyvoice_lb.instance.lifetime import close_engine, draining_server, outlive_uvicorns_signal
 from cosyvoice_lb.instance.metrics import MISSING, Metrics, RequestMetrics
 from cosyvoice_lb.instance.routing.board import Opener
 from cosyvoice_lb.instance.routing.router import Router
@@ -272,15 +272,15 @@ def build_app(
         deadline = pipeline.deadline(request.headers.get("x-request-start"))
         source = audio_source(pipeline, fanout, job, payload, prompt_data, request.headers, deadline)
         if job.request.stream:
-            first = await first_of(source)
+            first = await first_of(source, request)
             header = [wav_header(engine.sample_rate, None)]
 
             def encode(chunk: np.ndarray) -> bytes:
                 return (header.pop() if header else b"") + pcm16(chunk)
 
             return AudioStream(pipeline, first, source, encode, bytes, "audio/wav", streaming_headers(headers))
-        # (a long text is stopped when its client goes; one synthesis here runs to its end)
-        wav = await collect_wav(source, engine.sample_rate, request if pipeline.limits.long(job.request.text) else None)
+        # (stopped when its client goes: a long text's segments, or the synthesis here)
+        wav = await collect_wav(source, engine.sample_rate, request)
         headers["X-Audio-Seconds"] = f"{wav.seconds:.3f}"
         if not segment:
             headers["X-Output-File"] = await pipeline.run(None, pipeline.keep, wav)
@@ -323,46 +323,6 @@ def build_app(
     return app
 
 
-def draining_server(
-    config: Any, admission: Admission, drain_timeout: float, coordinating: Callable[[], int] = lambda: 0
-) -> Any:
-    """A uvicorn server that, on SIGTERM/SIGINT, first stops taking work and lets the
-    syntheses in flight finish (at most ``drain_timeout``), then shuts down.
-
-    Waiting for syntheses rather than for connections matters: a browser tab keeps
-    Gradio's heartbeat stream open forever, and that must not hold a stop for the full
-    drain time.
-    """
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            if not admission.drain():  # a second signal: stop now
-                return super().handle_exit(sig, frame)
-            log.info(
-                "stopping: draining %d synthesis(es) in flight (at most %gs)",
-                admission.snapshot().inflight,
-                drain_timeout,
-            )
-
-            def drain() -> None:
-                deadline = time.monotonic() + drain_timeout
-                # (and the long texts this instance coordinates: their segments run elsewhere)
-                while (admission.snapshot().inflight or coordinating()) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                if admission.snapshot().inflight or coordinating():
-                    log.warning(
-                        "drain timeout: %d synthesis(es) and %d long text(s) still running",
-                        admission.snapshot().inflight,
-                        coordinating(),
-                    )
-                super(DrainingServer, self).handle_exit(sig, frame)
-
-            threading.Thread(target=drain, name="drain", daemon=True).start()
-
-    return DrainingServer(config)
-
-
 def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipeline:
     """The instance's pipeline for its settings (as parsed from its command line)."""
     # (the launcher passes a number; ``auto`` here: an instance started by hand, pinned to a
@@ -394,6 +354,8 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
         log.warning("no metrics: %s", MISSING)
     if hasattr(engine, "on_first_chunk"):  # an engine that times its first chunk's parts
         setattr(engine, "on_first_chunk", metrics.first_chunk_parts)  # noqa: B010
+    if hasattr(engine, "on_batch"):  # an engine that batches syntheses
+        setattr(engine, "on_batch", metrics.batched)  # noqa: B010
     return Pipeline(
         engine,
         admission,
@@ -460,7 +422,9 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as exc:  # the instance cannot serve: exit so supervision sees it
             error = f"{type(exc).__name__}: {exc}"
             pipeline.admission.fail(error)
-            log.error("engine %s failed to load: %s", settings.resolved_engine, error)
+            # (with its traceback: where in upstream's code, or vLLM's, it failed)
+            log.error("engine %s failed to load: %s", settings.resolved_engine, error, exc_info=True)
+            close_engine(pipeline.engine)
             logging.shutdown()
             os._exit(3)
 
@@ -474,11 +438,13 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
         access_log=False,
     )
+    outlive_uvicorns_signal()
     draining_server(config, pipeline.admission, settings.drain_timeout, lambda: pipeline.coordinating).run()
     if pipeline.ledger is not None and not pipeline.admission.snapshot().inflight:
         pipeline.ledger.clear_own()  # a graceful stop: what it cut short harmed nothing
     # (a synthesis still running past the drain timeout may be stuck: its mark stays as evidence)
     # Drained: leave now. A synthesis stuck in the engine must not keep the process (its
-    # worker thread would be joined at interpreter exit).
+    # worker thread would be joined at interpreter exit); what the engine started goes first.
+    close_engine(pipeline.engine)
     logging.shutdown()
     os._exit(0)

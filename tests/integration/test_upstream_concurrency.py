@@ -11,13 +11,11 @@ copy of the small model (top-1 sampling) makes a synthesis a function of its inp
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import numpy as np
 import pytest
 import soundfile
 from conftest import ROOT
+from upstream_support import probe
 
 pytestmark = [pytest.mark.integration, pytest.mark.upstream]
 
@@ -43,27 +41,13 @@ def facts(upstream, tmp_path_factory):
     other = here / "other.wav"
     t = np.arange(16000 * 4) / 16000
     soundfile.write(other, (0.3 * np.sign(np.sin(2 * np.pi * 120 * t))).astype(np.float32), 16000)
-    done = subprocess.run(
-        [
-            str(upstream.python),
-            str(PROBE),
-            "--cosyvoice-root",
-            str(upstream.root),
-            "--model-dir",
-            str(upstream.model_dir),
-            "--greedy-dir",
-            str(greedy_copy(upstream.model_dir, here / "greedy")),
-            "--prompt",
-            str(PROMPT),
-            "--other-prompt",
-            str(other),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    greedy = greedy_copy(upstream.model_dir, here / "greedy")
+    return probe(
+        upstream,
+        PROBE,
+        *("--model-dir", str(upstream.model_dir), "--greedy-dir", str(greedy)),
+        *("--prompt", str(PROMPT), "--other-prompt", str(other)),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_the_layer_runs_upstreams_model_at_the_commit_the_tests_pin(facts):

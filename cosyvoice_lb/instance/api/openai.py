@@ -169,7 +169,7 @@ def add_openai_routes(
         job.background = is_background(request.headers)  # (a job's segment: interactive requests first)
         deadline = pipeline.deadline(request.headers.get("x-request-start"))
         source = audio_source(pipeline, fanout, job, payload, None, request.headers, deadline)
-        first = await first_of(source)
+        first = await first_of(source, request)
         headers = streaming_headers({"X-Instance-Port": str(port)})
         usage = {"input_tokens": len(payload["text"]), "output_tokens": 0, "total_tokens": len(payload["text"])}
         media = "text/event-stream" if sse else CONTENT_TYPES[fmt]

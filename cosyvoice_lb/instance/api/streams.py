@@ -26,8 +26,8 @@ import base64
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 from starlette.responses import Response
@@ -43,6 +43,8 @@ from cosyvoice_lb.instance.speech.fanout import SEGMENT_HEADER, FanOut, forwarde
 from cosyvoice_lb.instance.speech.memory import release
 from cosyvoice_lb.instance.speech.pipeline import Job, Pipeline
 from cosyvoice_lb.instance.speech.validation import WORD, BadRequest
+
+T = TypeVar("T")
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -106,7 +108,9 @@ async def local_audio(pipeline: Pipeline, job: Job, deadline: float | None, stre
     ended = False
     try:
         if not stream:
-            audio = await pipeline.run(deadline, lambda: pipeline.synthesize(job, bounded=True, deadline=deadline))
+            audio = await pipeline.run(
+                deadline, lambda: pipeline.synthesize(job, bounded=True, deadline=deadline, cancelled=cancelled)
+            )
             if audio.size == 0:
                 raise NoAudio()
             ended = True
@@ -155,10 +159,26 @@ async def joined(source: AsyncIterator[np.ndarray], rate: int) -> AsyncIterator[
         await source.aclose()  # type: ignore[attr-defined]
 
 
+async def while_connected(work: Awaitable[T], request: Any = None, poll: float = 0.5) -> T:
+    """``work``, unless the client of ``request`` goes away first: then it is cancelled (a
+    synthesis stops at once, its slot freed; a long text's segments are not made for nobody)
+    and Cancelled (499) raised. Without a request: ``work`` as it is."""
+    if request is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=poll)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise Cancelled()
+    return task.result()
+
+
 async def collect_wav(source: AsyncIterator[np.ndarray], rate: int, request: Any = None) -> WavBuilder:
     """The whole audio as a WAV file, encoded chunk by chunk (never held as float). With
-    the client's ``request``, a client that goes away stops it (a long text's segments are
-    cancelled, not made for nobody): Cancelled (499). No audio at all: NoAudio."""
+    the client's ``request``, a client that goes away stops it (:func:`while_connected`).
+    No audio at all: NoAudio."""
     wav = WavBuilder(rate)
 
     async def gather() -> WavBuilder:
@@ -169,23 +189,17 @@ async def collect_wav(source: AsyncIterator[np.ndarray], rate: int, request: Any
         finally:
             await source.aclose()  # type: ignore[attr-defined]
 
-    work = asyncio.ensure_future(gather())
-    while request is not None and not work.done():
-        await asyncio.wait({work}, timeout=0.5)
-        if not work.done() and await request.is_disconnected():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            raise Cancelled()
-    await work
+    await while_connected(gather(), request)
     if wav.samples == 0:  # e.g. text of punctuation only: the model says nothing
         raise NoAudio()
     return wav
 
 
-async def first_of(source: AsyncIterator[np.ndarray]) -> np.ndarray:
-    """The first chunk (made before answering); the source is closed if that fails."""
+async def first_of(source: AsyncIterator[np.ndarray], request: Any = None) -> np.ndarray:
+    """The first chunk (made before answering; with the client's ``request``, stopped if
+    the client goes away meanwhile); the source is closed if that fails."""
     try:
-        return await source.__anext__()
+        return await while_connected(source.__anext__(), request)
     except StopAsyncIteration:
         raise NoAudio() from None
     except BaseException:

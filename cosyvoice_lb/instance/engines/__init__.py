@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -31,6 +31,9 @@ class SynthesisRequest:
     seed: int | None = None
     stream: bool = False
     voice_id: str = ""  # a saved voice (prompt_wav/prompt_text hold its prompt): engines may cache it
+    # set (a threading.Event) once the client went away: an engine may stop at once, even
+    # inside a step that makes no chunk (the whole of a non-streamed synthesis)
+    cancel: Any = field(default=None, compare=False, repr=False)
 
 
 class EngineError(RuntimeError):

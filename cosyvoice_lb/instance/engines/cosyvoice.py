@@ -8,7 +8,6 @@ imports only what that environment has (torch, numpy, soundfile, the checkout).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import os
@@ -21,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest
+from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest, upstream_batch, upstream_vllm
 from cosyvoice_lb.instance.engines.turns import Turns
-from cosyvoice_lb.instance.engines.upstream_tts import install, serialize_frontend
+from cosyvoice_lb.instance.engines.upstream_tts import drive, install, llm_seed, serialize_frontend
 
 log = logging.getLogger("cosyvoice_lb.cosyvoice")
 
@@ -86,6 +85,8 @@ class CosyVoiceEngine:
         empty_cache: bool = False,
         vllm_memory: float = 0.0,
         concurrency: int = 1,
+        token2wav_batch: int = 8,
+        token2wav_window: float = 20.0,
     ):
         if not model_dir:
             raise EngineError("the cosyvoice3 engine needs --model-dir")
@@ -95,7 +96,13 @@ class CosyVoiceEngine:
         self.empty_cache = empty_cache
         self.vllm_memory = vllm_memory
         self.concurrency = max(1, concurrency)
+        # flow and HiFT batched across this many syntheses at most (``upstream_batch``)
+        self.batching = upstream_batch.Settings(
+            size=max(1, min(token2wav_batch, self.concurrency)), window=max(0.0, token2wav_window) / 1000
+        )
+        self.batch_off = "not loaded"  # "" once the flow and HiFT are batched; else why not
         self.turns = Turns()  # seeded requests run alone (see ``turns``)
+        self.vllm = False  # the model's LLM runs on vLLM (loaded with --load-vllm)
         # "" once our layer runs upstream's model (``upstream_tts``); else why upstream's own
         # ``tts`` does, whose streams share one chunk size: they then run one at a time.
         self.own_path = "not loaded"
@@ -117,6 +124,9 @@ class CosyVoiceEngine:
         # Hears (llm seconds, audio seconds) of each stream's first chunk, on our layer (the
         # instance sets it to its metrics; see ``upstream_tts.install``).
         self.on_first_chunk: Callable[[float, float], None] | None = None
+        # Hears (stage, syntheses) of each batched step: llm (vLLM), flow, hift (the instance
+        # sets it to its metrics).
+        self.on_batch: Callable[[str, int], None] | None = None
 
     def _modes(self, speakers: list[str]) -> tuple[str, ...]:
         modes = ["zero_shot", "cross_lingual"]
@@ -157,16 +167,21 @@ class CosyVoiceEngine:
         if "trt_concurrent" in accepted:  # a TensorRT context for each synthesis at once
             kwargs["trt_concurrent"] = self.concurrency
         if self.flags["load_vllm"] and "load_vllm" in accepted:
-            register_vllm()
+            register_vllm(self.version, self.model_dir)
         log.info(
             "loading %s from %s (%s)", cls_name, self.model_dir, ", ".join(f"{k}={v}" for k, v in self.flags.items())
         )
-        with vllm_share(self.vllm_memory if self.flags["load_vllm"] else 0.0):
+        with upstream_vllm.share(self.vllm_memory if self.flags["load_vllm"] else 0.0):
             model = self.model = AutoModel(**kwargs)
+        self.vllm = upstream_vllm.uses_vllm(getattr(model, "model", None))
+        if self.vllm:
+            upstream_vllm.seed_requests(llm_seed)
+            upstream_vllm.count_steps(model.model, lambda size: self._batched("llm", size))
         self.sample_rate = int(model.sample_rate)
         self.stream_hop = getattr(getattr(model, "model", None), "token_hop_len", None)
         self.modes = self._modes(self.speakers())
         self.layer(model)
+        self.batch(model)
 
     def layer(self, model: Any) -> None:
         """Run upstream's model through ``upstream_tts`` (v2 and v3), or say once why not."""
@@ -188,6 +203,22 @@ class CosyVoiceEngine:
             self.own_path,
             "; streams one at a time, since they share its chunk size" if self.concurrency > 1 else "",
         )
+
+    def batch(self, model: Any) -> None:
+        """Batch the flow and HiFT of concurrent syntheses (``upstream_batch``), or say once why not."""
+        self.batch_off = upstream_batch.install(model.model, self.batching, self._batched)
+        if not self.batch_off:
+            log.info(
+                "flow and HiFT run batched: up to %d syntheses a run, gathered for %g ms",
+                self.batching.size,
+                self.batching.window * 1000,
+            )
+        elif self.batching.size > 1:
+            log.warning("flow and HiFT run one synthesis at a time: %s", self.batch_off)
+
+    def _batched(self, stage: str, size: int) -> None:
+        if self.on_batch is not None:
+            self.on_batch(stage, size)
 
     def _first_chunk(self, llm: float, audio: float) -> None:
         if self.on_first_chunk is not None:
@@ -221,10 +252,19 @@ class CosyVoiceEngine:
         mode = request.mode or self.modes[0]
         if mode not in self.modes:
             raise EngineError(f"mode {mode} is not available with this model ({', '.join(self.modes)})")
-        # Seeded: alone (torch's one random generator). Upstream's own path: streams alone too.
+        # Seeded: alone. On upstream's own sampling the seed sets torch's one random generator,
+        # which every synthesis draws from; on vLLM the request's sampling gets the seed in
+        # the engine, but a batch of other requests moves its logits by rounding (vLLM is not
+        # batch-invariant), which can change near-tie tokens. Upstream's own path: streams
+        # alone too.
         alone = request.seed is not None or (request.stream and bool(self.own_path) and self.version >= 2)
         with self.turns.turn(alone):
             yield from self._synthesize(mode, request)
+
+    def close(self) -> None:
+        """Stop what outlives the process unless stopped: vLLM's engine process."""
+        if self.vllm and self.model is not None:
+            upstream_vllm.shutdown(self.model.model)
 
     def _synthesize(self, mode: str, request: SynthesisRequest) -> Iterator[np.ndarray]:
         assert self.model is not None
@@ -261,6 +301,8 @@ class CosyVoiceEngine:
         else:
             speaker = request.speaker or self.speakers()[0]
             outputs = model.inference_instruct(text, speaker, instruct_text, **common)
+        if not self.own_path:  # (our layer: the seed and the client's cancel reach each sentence group)
+            outputs = drive(outputs, request.seed, request.cancel)
         for output in outputs:
             yield output["tts_speech"].detach().cpu().numpy().reshape(-1).astype(np.float32)
 
@@ -293,43 +335,19 @@ class CosyVoiceEngine:
                     spk2info.pop(gone, None)
 
 
-def register_vllm() -> None:
-    """What upstream's vllm_example.py does before loading with load_vllm=True: make
-    vLLM know CosyVoice's LLM architecture."""
+def register_vllm(version: int, model_dir: str) -> None:
+    """Before loading with load_vllm=True: vLLM importable, upstream's earlier export whole,
+    and CosyVoice's LLM architecture known to vLLM (see ``upstream_vllm.register``)."""
     try:
-        from cosyvoice.vllm.cosyvoice2 import CosyVoice2ForCausalLM
-        from vllm import ModelRegistry
-    except ImportError as exc:
+        upstream_vllm.register(version)
+    except upstream_vllm.VllmMissing as exc:
         raise EngineError(
-            f"--load-vllm needs vllm in the instances' Python ({exc}): pip install vllm "
-            "(the version upstream's README names)"
+            f"--load-vllm needs vLLM in the instances' Python ({exc}): on a GPU box 'pip install vllm' (a "
+            "version upstream CosyVoice's README names); on a CPU box see docs/vllm.md"
         ) from None
-    ModelRegistry.register_model("CosyVoice2ForCausalLM", CosyVoice2ForCausalLM)
-
-
-@contextlib.contextmanager
-def vllm_share(fraction: float) -> Iterator[None]:
-    """While upstream loads: every vLLM ``EngineArgs`` it makes reserves ``fraction`` of the
-    card (--vllm-memory) instead of the 0.2 that upstream's ``load_vllm`` hard-codes; 0:
-    upstream's own. vLLM is imported by name at the call (``from vllm import EngineArgs``),
-    so the module's attribute is what it gets; restored after the load."""
-    if not fraction:
-        yield
-        return
-    import vllm
-
-    made = vllm.EngineArgs
-
-    def engine_args(*args: Any, **kwargs: Any) -> Any:
-        kwargs["gpu_memory_utilization"] = fraction
-        return made(*args, **kwargs)
-
-    vllm.EngineArgs = engine_args
-    try:
-        yield
-    finally:
-        vllm.EngineArgs = made
-    log.info("vLLM reserves %.3f of the card (--vllm-memory)", fraction)
+    problem = upstream_vllm.export_problem(model_dir)
+    if problem:
+        raise EngineError(problem)
 
 
 def seed_everything(seed: int) -> None:

@@ -17,9 +17,15 @@ in one process, but:
 no upstream file changes) with :func:`_synthesis`, which calls upstream's own ``llm_job``,
 ``vc_job`` and ``token2wav`` in upstream's order, with each stream's hop its own, a condition
 that wakes the caller at each token, the LLM thread's error raised in the caller, a client
-that leaves stopping its LLM at the next token, and the cache flush only when asked. A
+that leaves stopping its LLM at the next token (on vLLM: its request aborted in the engine),
+and the cache flush only when asked. A
 stream's first chunk is timed (``on_first_chunk``): the seconds until its tokens were there
 (the LLM's share, frontend work before ``tts`` left out) and the seconds of its ``token2wav``.
+
+What a synthesis brings besides upstream's inputs (its seed, its client's cancel event)
+reaches the layer through :func:`drive`, which the engine wraps around upstream's
+``inference_*`` generator: set for the thread that runs each step of it, read when ``tts``
+starts, handed to the LLM thread (:func:`llm_seed`, which vLLM's sampling reads).
 
 It relies on upstream's internals, so :func:`shape_problem` checks at load time that they are
 the shape it was written against (upstream ace7c47, the commit the tests run); otherwise the
@@ -29,13 +35,19 @@ Runs in the user's CosyVoice environment: standard library and torch (through th
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import math
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from cosyvoice_lb.instance.engines import upstream_vllm
+
+log = logging.getLogger("cosyvoice_lb.upstream")
 
 # What the layer calls, with the parameters it passes (upstream ace7c47, cosyvoice/cli/model.py).
 CALLS = {
@@ -68,6 +80,7 @@ CALLS = {
 NUMBERS = ("token_hop_len", "token_max_hop_len", "stream_scale_factor")
 DICTS = ("tts_speech_token_dict", "llm_end_dict", "hift_cache_dict")
 FLOW_NUMBERS = ("pre_lookahead_len", "token_mel_ratio")
+VLLM_PARTS = ("lock", "vllm_output_queue")  # what abort needs of upstream's LLM on vLLM
 
 
 def shape_problem(model: Any) -> str:
@@ -96,6 +109,13 @@ def shape_problem(model: Any) -> str:
     for name in FLOW_NUMBERS:
         if not _number(getattr(flow, name, None)):
             return f"the model's flow has no number {name}"
+    llm = getattr(model, "llm", None)
+    if upstream_vllm.uses_vllm(model):
+        if not callable(getattr(getattr(llm, "vllm", None), "abort_request", None)):
+            return "the model's vLLM engine has no abort_request()"
+        for name in VLLM_PARTS:
+            if getattr(llm, name, None) is None:
+                return f"the model's LLM on vLLM has no {name}"
     return ""
 
 
@@ -154,17 +174,60 @@ class Stopped(Exception):
     """Raised inside the LLM thread at its next token once nobody reads the synthesis."""
 
 
-class Tokens(list):
-    """One request's speech tokens: every append wakes the reader; once ``stopped``, the
-    next append ends the LLM thread that makes them."""
+class Cancelled(Exception):
+    """The synthesis's client went away (its cancel event is set): raised to the reader."""
 
-    def __init__(self, ready: threading.Condition):
+
+class Call(threading.local):
+    """What the thread running a step of a synthesis brings (see :func:`drive`)."""
+
+    seed: int | None = None
+    cancel: threading.Event | None = None
+
+
+CALL = Call()
+LLM = Call()  # in an LLM thread: its synthesis's seed
+
+
+@contextlib.contextmanager
+def calling(seed: int | None, cancel: threading.Event | None) -> Iterator[None]:
+    CALL.seed, CALL.cancel = seed, cancel
+    try:
+        yield
+    finally:
+        CALL.seed, CALL.cancel = None, None
+
+
+def drive(outputs: Iterator[Any], seed: int | None = None, cancel: threading.Event | None = None) -> Iterator[Any]:
+    """``outputs`` (upstream's ``inference_*`` generator), each step run with ``seed`` and
+    ``cancel`` set for the thread that runs it: a step may start a ``tts`` (a sentence group)
+    and the steps of one synthesis may run in different threads."""
+    while True:
+        with calling(seed, cancel):
+            try:
+                output = next(outputs)
+            except StopIteration:
+                return
+        yield output
+
+
+def llm_seed() -> int | None:
+    """The seed of the synthesis whose LLM thread calls (None: unseeded, or not an LLM thread)."""
+    return LLM.seed
+
+
+class Tokens(list):
+    """One request's speech tokens: every append wakes the reader; once ``stopped`` (or its
+    client's ``cancel`` is set), the next append ends the LLM thread that makes them."""
+
+    def __init__(self, ready: threading.Condition, cancel: threading.Event | None = None):
         super().__init__()
         self.ready = ready
         self.stopped = False
+        self.cancel = cancel
 
     def append(self, token: Any) -> None:
-        if self.stopped:
+        if self.stopped or (self.cancel is not None and self.cancel.is_set()):
             raise Stopped()
         with self.ready:
             super().append(token)
@@ -174,17 +237,21 @@ class Tokens(list):
 class Run:
     """What the reader and the LLM thread of one request share."""
 
-    def __init__(self) -> None:
+    def __init__(self, cancel: threading.Event | None = None) -> None:
         self.ready = threading.Condition()
         self.ended = False
         self.error: BaseException | None = None
         self.abandoned = False  # the reader left first: the LLM thread clears the dicts
+        self.cancel = cancel
 
     def wait(self, tokens: Callable[[], list], count: float) -> list:
-        """The tokens, once there are ``count`` or the LLM ended."""
+        """The tokens, once there are ``count`` or the LLM ended; :class:`Cancelled` when the
+        client left (the LLM thread stops at its next token, which wakes this)."""
         with self.ready:
             while len(tokens()) < count and not self.ended:
                 self.ready.wait()
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled()
         if self.error is not None:
             raise self.error
         return tokens()
@@ -203,8 +270,9 @@ def _synthesis(
 
     started = clock()
     key = str(uuid.uuid1())
-    run = Run()
-    tokens = Tokens(run.ready)
+    seed, cancel = CALL.seed, CALL.cancel
+    run = Run(cancel)
+    tokens = Tokens(run.ready, cancel)
     with model.lock:
         model.tts_speech_token_dict[key], model.llm_end_dict[key] = tokens, False
         model.hift_cache_dict[key] = None
@@ -227,10 +295,8 @@ def _synthesis(
         )
     else:
         job, args = model.vc_job, (source, key)
-    thread = threading.Thread(target=_produce, args=(model, key, run, job, args), daemon=True)
+    thread = threading.Thread(target=_produce, args=(model, key, run, job, args, seed), daemon=True)
     thread.start()
-    # vLLM's requests cannot be taken back mid-way: those run to their end, then clear up.
-    stoppable = not hasattr(getattr(model, "llm", None), "vllm")
     prompt = inputs["flow_prompt_speech_token"]
     common = {
         "prompt_token": prompt,
@@ -279,8 +345,7 @@ def _synthesis(
         yield {"tts_speech": speech.cpu()}
     finally:
         with run.ready:
-            if stoppable:
-                tokens.stopped = True
+            tokens.stopped = True
             left_first = run.abandoned = not run.ended
         if not left_first:
             _clear(model, key)
@@ -288,12 +353,23 @@ def _synthesis(
             flush()
 
 
-def _produce(model: Any, key: str, run: Run, job: Callable[..., None], args: tuple) -> None:
-    """The LLM thread: upstream's job, its error kept for the reader."""
+def _produce(model: Any, key: str, run: Run, job: Callable[..., None], args: tuple, seed: int | None = None) -> None:
+    """The LLM thread: upstream's job (its sampling seeded with ``seed`` on vLLM), its error
+    kept for the reader; stopped, its request leaves vLLM's engine at once."""
+    LLM.seed = seed
     try:
         job(*args)
     except Stopped:
-        pass
+        if upstream_vllm.uses_vllm(model):
+            try:
+                upstream_vllm.abort(model.llm, key)
+                log.info(
+                    "the client left: its request %s left vLLM's engine after %d tokens",
+                    key,
+                    len(run_tokens(model, key)),
+                )
+            except Exception as exc:  # noqa: BLE001 - the reader is gone; the engine ends it at max_tokens
+                log.warning("could not abort a vLLM request: %s", exc)
     except BaseException as exc:  # noqa: BLE001 - the reader raises it
         run.error = exc
     finally:
@@ -303,6 +379,10 @@ def _produce(model: Any, key: str, run: Run, job: Callable[..., None], args: tup
             abandoned = run.abandoned
         if abandoned:
             _clear(model, key)
+
+
+def run_tokens(model: Any, key: str) -> list:
+    return model.tts_speech_token_dict.get(key) or []
 
 
 def _clear(model: Any, key: str) -> None:

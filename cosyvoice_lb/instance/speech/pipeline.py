@@ -369,7 +369,8 @@ class Pipeline:
         made: Iterator[Any] | None = None
         check = AudioCheck(job.request.text, job.request.speed, self.engine.sample_rate)
         try:
-            made = iter(self.engine.synthesize(job.request))
+            request = job.request if cancelled is None else replace(job.request, cancel=cancelled)
+            made = iter(self.engine.synthesize(request))
             resumed = clock()
             for chunk in made:
                 working += clock() - resumed
@@ -402,6 +403,8 @@ class Pipeline:
         except GeneratorExit:
             raise
         except Exception:
+            if cancelled is not None and cancelled.is_set():
+                return  # (the engine stopped because the client left: neither served nor failed)
             outcome = False
             raise
         finally:
@@ -439,10 +442,19 @@ class Pipeline:
         return None
 
     def synthesize(
-        self, job: Job, *, bounded: bool = False, deadline: float | None = None, count: bool = True
+        self,
+        job: Job,
+        *,
+        bounded: bool = False,
+        deadline: float | None = None,
+        count: bool = True,
+        cancelled: Any = None,
     ) -> np.ndarray:
-        """The whole audio (stops at the first chunk past ``deadline``)."""
-        chunks = list(self.chunks(job, bounded=bounded, deadline=deadline, chunk_deadline=True, count=count))
+        """The whole audio (stops at the first chunk past ``deadline``; ``cancelled``: see
+        :meth:`chunks`, the audio so far then)."""
+        chunks = list(
+            self.chunks(job, bounded=bounded, deadline=deadline, chunk_deadline=True, count=count, cancelled=cancelled)
+        )
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
     async def run(self, deadline: float | None, fn: Callable[..., Any], *args: Any) -> Any:

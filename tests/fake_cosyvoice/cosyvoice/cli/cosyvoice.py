@@ -146,7 +146,7 @@ class CosyVoice2(CosyVoice):
     def __init__(self, model_dir, load_jit=False, load_trt=False, load_vllm=False, fp16=False, trt_concurrent=1):
         super().__init__(model_dir, load_jit=load_jit, load_trt=load_trt, fp16=fp16, trt_concurrent=trt_concurrent)
         self.options["load_vllm"] = load_vllm
-        _check_vllm(load_vllm)
+        _check_vllm(load_vllm, "CosyVoice2ForCausalLM")
 
     def inference_instruct2(self, tts_text, instruct_text, prompt_wav, zero_shot_spk_id="", stream=False, speed=1.0,
                             text_frontend=True):
@@ -165,21 +165,23 @@ class CosyVoice3(CosyVoice2):
         CosyVoice.__init__(self, model_dir, load_jit=False, load_trt=load_trt, fp16=fp16,
                            trt_concurrent=trt_concurrent)
         self.options = dict(load_trt=load_trt, load_vllm=load_vllm, fp16=fp16, trt_concurrent=trt_concurrent)
-        _check_vllm(load_vllm)
+        _check_vllm(load_vllm, "Qwen2ForCausalLM")
 
     def _check_prompt(self, text):
         # upstream (cosyvoice/llm/llm.py) checks the token id of <|endofprompt|>
         assert ENDOFPROMPT in text, "<|endofprompt|> not detected in CosyVoice3 text or prompt_text, check your input!"
 
 
-def _check_vllm(load_vllm):
-    # Upstream's vLLM engine only finds the LLM's architecture once it is registered
-    # (vllm_example.py does ModelRegistry.register_model before loading).
+def _check_vllm(load_vllm, architecture):
+    # Upstream exports the LLM for vLLM (export_cosyvoice2_vllm): CosyVoice2's (its decoder
+    # has a bias) as CosyVoice2ForCausalLM, which vLLM finds only once it is registered
+    # (vllm_example.py does ModelRegistry.register_model before loading); CosyVoice3's as
+    # vLLM's own Qwen2ForCausalLM.
     if load_vllm:
         from vllm import ModelRegistry
 
-        assert "CosyVoice2ForCausalLM" in ModelRegistry.get_supported_archs(), \
-            "Model architectures ['CosyVoice2ForCausalLM'] are not supported for now"
+        assert architecture == "Qwen2ForCausalLM" or architecture in ModelRegistry.get_supported_archs(), \
+            f"Model architectures ['{architecture}'] are not supported for now"
 
 
 def AutoModel(**kwargs):
