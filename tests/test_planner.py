@@ -531,7 +531,7 @@ def test_one_more_synthesis_costs_its_activations_and_with_tensorrt_its_context_
     "engine, flags, on_gpu, on_cpu",
     [
         ("cosyvoice3", {}, 2, 1),
-        ("cosyvoice3", {"load_vllm": True}, 8, 1),
+        ("cosyvoice3", {"load_vllm": True}, 8, 8),
         ("cosyvoice3", {"load_trt": True}, 2, 1),
         ("cosyvoice3", {"fp16": True}, 2, 1),
         ("espeak", {}, 1, 1),
@@ -553,11 +553,14 @@ def flags_of(flags: dict) -> dict:
 
 def test_auto_and_its_reasons_are_the_documented_table():
     assert [auto_concurrency("cosyvoice3", vllm, gpu) for vllm, gpu in ((False, True), (True, True))] == [2, 8]
-    assert auto_concurrency("cosyvoice3", True, gpu=False) == auto_concurrency("espeak") == 1
+    assert auto_concurrency("cosyvoice3", True, gpu=False) == 8  # (vLLM batches on a CPU too)
+    assert auto_concurrency("cosyvoice3", False, gpu=False) == auto_concurrency("espeak") == 1
     assert explain("auto", "cosyvoice3", True) == "--instance-concurrency auto = 8 with --load-vllm"
     assert explain("auto", "cosyvoice3") == "--instance-concurrency auto = 2 for cosyvoice3 on a GPU"
     assert explain("auto", "cosyvoice3", gpu=False) == "--instance-concurrency auto = 1 without a GPU"
     assert explain("auto", "espeak") == "--instance-concurrency auto = 1 for espeak"
+    assert explain("auto", "espeak", gpu=False) == "--instance-concurrency auto = 1 without a GPU"
+    assert explain("auto", "cosyvoice3", True, gpu=False) == "--instance-concurrency auto = 8 with --load-vllm"
     assert explain(" 4 ", "cosyvoice3", True) == "--instance-concurrency 4"
 
 

@@ -37,6 +37,7 @@ from cosyvoice_lb.launcher.render.cluster import (
     Programs,
     RenderError,
     check,
+    instance_env,
     render,
     render_upstreams,
 )
@@ -1088,6 +1089,29 @@ def test_each_instance_gets_its_slots_concurrency_and_vllm_share(tmp_path):
         assert flag_value(argv, "--vllm-memory") == f"{slot.vllm_memory:g}" and slot.vllm_memory > 0
         parsed, _ = parse_instance_args(argv[2:])  # (what the instance reads back)
         assert (parsed.instance_concurrency, parsed.vllm_memory) == (str(slot.concurrency), slot.vllm_memory)
+
+
+def test_a_cpu_slot_with_vllm_gets_its_planned_kv_cache_and_a_gpu_slot_none(tmp_path):
+    from cosyvoice_lb.launcher.plan.figures import VLLM_CPU_ENGINE
+    from cosyvoice_lb.launcher.plan.footprint import budget_for, vllm_cpu_kv_space
+
+    settings = Settings(engine="cosyvoice3", model_dir="/m", load_vllm=True, state_dir=str(tmp_path))
+    budget = budget_for(settings, Layout(tmp_path))[0]
+    cpu = Inventory(gpus=(), cpu_cores=8, ram_total=64 * GiB, ram_available=64 * GiB)
+    cpu_plan = plan(cpu, budget)
+    slot = cpu_plan.slots[0]
+    assert slot.concurrency == 8 and slot.vllm_memory == 0.0
+    env = instance_env(Layout(tmp_path), slot, settings)
+    # Qwen2-0.5B's 12 KiB a token for a 32,768-token sequence, or 8 x 4,096: 384 MiB, plus a tenth: 1 GiB
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" == str(vllm_cpu_kv_space(8))
+    assert vllm_cpu_kv_space(64) == 4  # (64 x 4,096 tokens x 12 KiB x 1.1 = 3.3 GiB)
+    # its engine process and that cache are planned in host RAM beside the instance
+    assert budget.on_host(1) == 6 * GiB + VLLM_CPU_ENGINE + 1 * GiB
+    gpu = Inventory(gpus=(Gpu(0, 80 * GiB, 80 * GiB),), cpu_cores=8, ram_total=64 * GiB, ram_available=64 * GiB)
+    gpu_slot = plan(gpu, budget).slots[0]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in instance_env(Layout(tmp_path), gpu_slot, settings)
+    plain = Settings(engine="cosyvoice3", model_dir="/m", state_dir=str(tmp_path))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in instance_env(Layout(tmp_path), slot, plain)
 
 
 def test_a_given_vllm_share_and_a_plan_without_vllm_render_as_such():

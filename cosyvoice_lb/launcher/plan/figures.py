@@ -72,6 +72,12 @@ VLLM_HEADROOM = 0.1
 # Outside the reservation, beside the rest of the model: vLLM's engine process has a CUDA
 # context of its own, and the CUDA graphs it captures are not in its budget in every version.
 VLLM_OUTSIDE = 1 * GiB
+# On a CPU slot (a CPU build of vLLM) there is no card: the engine process holds the LLM and
+# vLLM's compiled graphs in host RAM, measured on this kind of box at 2.3 GB RSS with the
+# small test model and 4.2 GB with Qwen2-0.5B's dimensions (random weights), rounded up;
+VLLM_CPU_ENGINE = 9 * GiB // 2
+# and its KV cache is VLLM_CPU_KVCACHE_SPACE whole GiB (vLLM's own default, unset, is 4),
+# planned as on a card: a synthesis' sequence each, at least one of the model's whole length.
 # (The rest of the model keeps the plain footprint: upstream loads the whole LLM in torch
 # first and drops its layers only once vLLM runs, so the load peaks with both — reported
 # ~8 GB with TRT + vLLM + fp16, spiking to 14 GB as vLLM starts.)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from cosyvoice_lb.common import checks
 from cosyvoice_lb.common.concurrency import concurrency, explain
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.common.sizes import parse_size
+from cosyvoice_lb.common.sizes import GiB, parse_size
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.plan import figures
 from cosyvoice_lb.launcher.plan.explain import device_lines
@@ -61,6 +61,17 @@ def calibrated(layout: Layout, settings: Settings) -> dict | None:
         return json.loads(layout.footprint_json.read_text()).get(flags_key(settings))
     except (OSError, ValueError):
         return None
+
+
+def vllm_cpu_kv_bytes(concurrency: int) -> int:
+    """vLLM's KV cache on a CPU slot for ``concurrency`` syntheses (before rounding to GiB)."""
+    tokens = max(figures.VLLM_MAX_MODEL_LEN, max(1, concurrency) * figures.VLLM_TOKENS_PER_SYNTHESIS)
+    return int(tokens * figures.VLLM_KV_PER_TOKEN * (1 + figures.VLLM_HEADROOM))
+
+
+def vllm_cpu_kv_space(concurrency: int) -> int:
+    """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) for an instance on a CPU slot with --load-vllm."""
+    return max(1, -(-vllm_cpu_kv_bytes(concurrency) // GiB))
 
 
 def vllm_share(settings: Settings) -> VllmShare | None:
@@ -125,6 +136,8 @@ def budget_for(settings: Settings, layout: Layout) -> tuple[Budget, str]:
     gpu += figures.VLLM_OUTSIDE if share else 0
     per = figures.GPU_PER_SYNTHESIS + (figures.TRT_PER_CONTEXT if trt else 0)
     host, host_per, at, source = parse_size(defaults["host"]), figures.HOST_PER_SYNTHESIS[engine], 1, "default"
+    if share:  # (a CPU slot: vLLM's engine process and its KV cache in host RAM)
+        host += figures.VLLM_CPU_ENGINE + vllm_cpu_kv_space(1) * GiB
     measured = measured_rest(calibrated(layout, settings), share is not None)
     if measured:
         gpu, at, source = measured.rest, measured.concurrency, measured.source

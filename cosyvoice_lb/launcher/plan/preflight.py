@@ -16,6 +16,7 @@ from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster import processes
 from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.plan import vllm_env
 from cosyvoice_lb.launcher.plan.host_memory import CGROUP_ROOT, cgroup_memory_limit, limit_problem, per_instance
 from cosyvoice_lb.launcher.plan.planner import Slot
 
@@ -67,9 +68,9 @@ if read is not None and adapter is not None:
         read(written)
     except Exception as exc:
         schema = f"{type(exc).__name__}: {exc}"[:300]
-print(json.dumps({"missing": missing, "broken": broken, "python": sys.version.split()[0], "versions": versions,
-                  "schema": schema}))
+report = {"missing": missing, "broken": broken, "python": sys.version.split()[0], "versions": versions, "schema": schema}
 """
+PRINT_REPORT = "print(json.dumps(report))\n"
 UPSTREAM_MODULE = "cosyvoice.cli.cosyvoice"
 # module -> what to pip install
 INSTANCE_NEEDS = {
@@ -119,23 +120,26 @@ def env_problem(report: dict, needs: dict[str, str], python: str) -> str:
     return ""
 
 
-def check_instance_env(settings: Settings) -> dict:
-    """Ask the instances' Python what it lacks; refuse with the exact install command."""
+def check_instance_env(settings: Settings, gpu: bool = True, cpuinfo: str = "") -> dict:
+    """Ask the instances' Python what it lacks; refuse with the exact install command (for
+    vLLM, the one for this box: ``gpu``, and the CPU's ``/proc/cpuinfo``)."""
     engine = settings.resolved_engine
+    vllm = engine == "cosyvoice3" and settings.load_vllm
     needs = {
         **{m: p for m, p in INSTANCE_NEEDS.items() if not (settings.no_ui and m == "gradio")},  # (--no-ui: none)
         **ENGINE_NEEDS[engine],
         **({"bcrypt": "bcrypt"} if settings.ui_auth else {}),
         **({"httpx": "httpx"} if settings.max_long_chars else {}),  # long texts' segments (gradio brings it)
     }
-    modules = list(needs) + ([UPSTREAM_MODULE] if engine == "cosyvoice3" else [])
+    modules = list(needs) + ([UPSTREAM_MODULE] if engine == "cosyvoice3" else []) + (["vllm"] if vllm else [])
+    script = ENV_PROBE + (vllm_env.VLLM_PROBE if vllm else "") + PRINT_REPORT
     roots = []
     if settings.cosyvoice_root:
         root = Path(settings.cosyvoice_root)
         roots = [str(root), str(root / "third_party" / "Matcha-TTS")]
     try:  # from a neutral dir: with -c the current one is on sys.path, and could shadow a package
         done = subprocess.run(
-            [settings.python, "-c", ENV_PROBE, ",".join(modules), *roots],
+            [settings.python, "-c", script, ",".join(modules), *roots],
             capture_output=True,
             text=True,
             timeout=180,
@@ -154,10 +158,23 @@ def check_instance_env(settings: Settings) -> dict:
         ) from None
     if settings.no_ui:  # (no UI: whatever its gradio makes of pydantic's schema does not matter)
         report.pop("schema", None)
-    problem = env_problem(report, needs, settings.python)
+    problem = vllm_problem(report, settings.python, gpu, cpuinfo) if vllm else ""
+    problem = problem or env_problem(report, needs, settings.python)
     if problem:
         raise ClusterError(f"{problem} (nothing was started or changed)")
     return report
+
+
+def vllm_problem(report: dict, python: str, gpu: bool, cpuinfo: str) -> str:
+    """What keeps --load-vllm from working in the instances' Python ("" when nothing)."""
+    where = f"--load-vllm: the instances' Python ({python})"
+    if "vllm" in report.get("missing", []):
+        return f"{where} lacks vllm: {vllm_env.install_advice(python, gpu, cpuinfo)}"
+    broken = (report.get("broken") or {}).get("vllm")
+    if broken:
+        return f"{where} cannot import vllm ({broken}): {vllm_env.install_advice(python, gpu, cpuinfo)}"
+    found = vllm_env.platform_problem(report.get("vllm") or {}, python, gpu)
+    return f"{where}: {found}" if found else ""
 
 
 def check_settings(settings: Settings) -> None:
@@ -200,7 +217,13 @@ def check_tools(settings: Settings) -> None:
         problem = mps_problem()
         if problem:
             raise ClusterError(problem)
-    check_instance_env(settings)
+    if settings.resolved_engine == "cosyvoice3" and settings.load_vllm:  # (which vLLM this box takes)
+        from cosyvoice_lb.launcher.plan.gpu import inventory
+
+        cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").is_file() else ""
+        check_instance_env(settings, gpu=bool(inventory(settings.gpus).gpus), cpuinfo=cpuinfo)
+    else:
+        check_instance_env(settings)
 
 
 def check_model(settings: Settings) -> None:

@@ -21,6 +21,7 @@ from cosyvoice_lb.common.timeouts import Timeouts
 from cosyvoice_lb.launcher.cluster import record
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.mps import client_env
+from cosyvoice_lb.launcher.plan.footprint import vllm_cpu_kv_space
 from cosyvoice_lb.launcher.plan.planner import Plan, Slot
 from cosyvoice_lb.launcher.render.addresses import balancer_url, listen_address
 from cosyvoice_lb.launcher.render.monitoring import monitoring_files
@@ -99,9 +100,13 @@ def instance_env(layout: Layout, slot: Slot, settings: Settings | None = None) -
         if settings is not None and settings.mps and slot.gpu is not None
         else {}
     )
+    # A CPU slot with --load-vllm: vLLM's KV cache in host RAM, as planned (unset, vLLM takes 4 GiB)
+    cpu_vllm = settings is not None and settings.load_vllm and settings.resolved_engine == "cosyvoice3"
+    kv = {"VLLM_CPU_KVCACHE_SPACE": str(vllm_cpu_kv_space(slot.concurrency))} if cpu_vllm and slot.gpu is None else {}
     return {
         **slot.env,
         **mps,
+        **kv,
         "PYTHONUNBUFFERED": "1",
         "GRADIO_ANALYTICS_ENABLED": "False",
         "GRADIO_TEMP_DIR": str(layout.gradio_tmp / slot.name),
