@@ -184,10 +184,26 @@ def invoked_as() -> str:
 
 @main.command("calibrate")
 @options(*CLUSTER_OPTIONS)
-def calibrate_command(**kwargs: Any) -> None:
-    """Measure one instance's peak GPU memory (NVML) and keep it as the footprint to plan with."""
+@click.option(
+    "--up-to",
+    type=click.IntRange(min=1, max=64),
+    default=calibration.MOST,
+    show_default=True,
+    help="The most syntheses at once to measure (1, 2, 4, ... up to it).",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1, max=20),
+    default=calibration.ROUNDS,
+    show_default=True,
+    help="Rounds of each.",
+)
+def calibrate_command(up_to: int, rounds: int, **kwargs: Any) -> None:
+    """Measure one instance of this box's engine: throughput against syntheses at once (the
+    knee becomes --instance-concurrency auto), memory per synthesis, and on a GPU its peak
+    GPU memory (NVML) as the footprint to plan with."""
     settings = settings_from(kwargs)
-    entry = calibration.calibrate(settings, views.line_reporter(time.monotonic()))
+    entry = calibration.calibrate(settings, views.line_reporter(time.monotonic()), most=up_to, rounds=rounds)
     click.echo(views.calibrated_line(footprint.flags_key(settings), entry, layout_for(settings).footprint_json))
 
 

@@ -75,10 +75,23 @@ def print_plan(report: PlanReport, engine: str) -> None:
 
 def calibrated_line(flags: str, entry: dict, path: Path) -> str:
     """What `calibrate` measured (``entry``, kept in ``path``) and plans with from now on."""
-    return (
-        f"peak GPU memory of one {flags} instance: {format_size(entry['peak_bytes'])}; "
-        f"planning with {format_size(entry['gpu_bytes'])} (+10 %) from now on ({path})"
-    )
+    rates = ", ".join(f"{n} at once {x:g}" for n, x in entry.get("throughput", {}).items())
+    lines = [
+        f"audio seconds a second of one {flags} instance: {rates}; --instance-concurrency auto = "
+        f"{entry['knee']} from now on (the fewest at once within 10 % of the best)"
+    ]
+    each = format_size(entry.get("per_synthesis_bytes", 0))
+    if "peak_bytes" in entry:
+        lines.append(
+            f"peak GPU memory: {format_size(entry['peak_bytes'])}; planning with {format_size(entry['gpu_bytes'])} "
+            f"(+10 %), and {each} for each synthesis more"
+        )
+    else:
+        lines.append(
+            f"peak host memory (its longest text): {format_size(entry['host_peak_bytes'])}; planning with "
+            f"{format_size(entry['host_bytes'])} (+10 %), and {each} for each synthesis more"
+        )
+    return "\n".join([*lines, f"kept in {path}"])
 
 
 def warn(message: str) -> None:

@@ -313,11 +313,3 @@ def test_up_says_what_the_instances_python_lacks(state_dir, tmp_path):
     assert "lacks numpy, soundfile, fastapi, uvicorn, gradio, multipart, prometheus_client, torch" in done.stderr
     assert f"{bare / 'bin/python'} -m pip install" in done.stderr and "torch" in done.stderr
     assert not (state_dir / "run" / "supervisor.sock").exists()
-
-
-def test_calibrate_without_a_gpu_says_it_cannot_and_why(state_dir):
-    done = cli(
-        "calibrate", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE), "--state-dir", str(state_dir), timeout=60
-    )
-    assert done.returncode != 0
-    assert "cannot calibrate" in done.stderr and "no GPU" in done.stderr

@@ -19,6 +19,7 @@ from cosyvoice_lb.launcher.plan import figures
 from cosyvoice_lb.launcher.plan.explain import device_lines
 from cosyvoice_lb.launcher.plan.figures import ENGINE_FOOTPRINTS
 from cosyvoice_lb.launcher.plan.gpu import inventory
+from cosyvoice_lb.launcher.plan.knee import measured_knee
 from cosyvoice_lb.launcher.plan.planner import (
     Budget,
     Plan,
@@ -101,7 +102,7 @@ class Measured:
 def measured_rest(entry: dict | None, vllm: bool) -> Measured | None:
     """A calibration entry as a footprint; None when there is none, or (with vLLM) when it
     predates --vllm-memory: it holds upstream's 0.2 of a card it does not name."""
-    if not entry:
+    if not entry or "gpu_bytes" not in entry:  # (none, or a calibration on a CPU box)
         return None
     at = max(1, int(entry.get("concurrency", 1)))  # (entries without it ran one request at a time)
     source = f"calibrated {entry.get('when', '')}".strip() + f" at {at} at once"
@@ -138,23 +139,33 @@ def budget_for(settings: Settings, layout: Layout) -> tuple[Budget, str]:
     host, host_per, at, source = parse_size(defaults["host"]), figures.HOST_PER_SYNTHESIS[engine], 1, "default"
     if share:  # (a CPU slot: vLLM's engine process and its KV cache in host RAM)
         host += figures.VLLM_CPU_ENGINE + vllm_cpu_kv_space(1) * GiB
-    measured = measured_rest(calibrated(layout, settings), share is not None)
+    entry = calibrated(layout, settings)
+    measured = measured_rest(entry, share is not None)
     if measured:
         gpu, at, source = measured.rest, measured.concurrency, measured.source
+    if entry and "per_synthesis_bytes" in entry:  # (what each synthesis more held, measured)
+        if entry.get("device") == "gpu":
+            per = int(entry["per_synthesis_bytes"])
+        else:
+            host_per = int(entry["per_synthesis_bytes"])
+    if entry and entry.get("device") == "cpu" and "host_bytes" in entry:
+        host, source = int(entry["host_bytes"]), f"calibrated {entry.get('when', '')} on this CPU"
     if settings.footprint:
         gpu = host = parse_size(settings.footprint)
         per = host_per = 0
         share = dataclasses.replace(share, inside=True) if share else None
         source = "--footprint"
     asked = settings.instance_concurrency
+    auto = str(asked).strip() == "auto"
+    knees = {device: measured_knee(entry, device) if auto else None for device in ("gpu", "cpu")}
     return Budget(
         gpu_footprint=gpu,
         host_footprint=host,
         reserve=parse_size(settings.reserve),
         max_instances=settings.max_instances or None,
-        concurrency=concurrency(asked, engine, settings.load_vllm, gpu=True),
-        auto=str(asked).strip() == "auto",
-        cpu_concurrency=concurrency(asked, engine, settings.load_vllm, gpu=False),
+        concurrency=knees["gpu"] or concurrency(asked, engine, settings.load_vllm, gpu=True),
+        auto=auto,
+        cpu_concurrency=knees["cpu"] or concurrency(asked, engine, settings.load_vllm, gpu=False),
         gpu_per_synthesis=per,
         host_per_synthesis=host_per,
         footprint_at=at,
@@ -217,12 +228,20 @@ class PlanReport:
 
 
 def concurrency_reasons(settings: Settings) -> dict[str, str]:
-    """What --instance-concurrency stands for on a GPU and on a CPU slot, in words."""
+    """What --instance-concurrency stands for on a GPU and on a CPU slot, in words (a knee
+    `calibrate` measured on this box, or the documented default)."""
     engine, value = settings.resolved_engine, settings.instance_concurrency
-    return {
-        "gpu": explain(value, engine, settings.load_vllm, gpu=True),
-        "cpu": explain(value, engine, settings.load_vllm, gpu=False),
-    }
+    entry = calibrated(layout_for(settings), settings) if str(value).strip() == "auto" else None
+    reasons = {}
+    for device in ("gpu", "cpu"):
+        knee = measured_knee(entry, device)
+        if knee and entry:
+            reasons[device] = (
+                f"--instance-concurrency auto = {knee} measured by calibrate {entry.get('when', '')}".strip()
+            )
+        else:
+            reasons[device] = explain(value, engine, settings.load_vllm, gpu=device == "gpu")
+    return reasons
 
 
 def plan_report(settings: Settings) -> PlanReport:
