@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from upstream_support import upstream  # noqa: F401 - the session fixture for tests marked upstream
+from upstream_support import upstream, upstream_vllm  # noqa: F401 - the session fixtures (marked upstream, vllm)
 
 from cosyvoice_lb.launcher.cluster.ports import free_port_block, port_free  # noqa: F401 - the tests' port picker
 

