@@ -88,6 +88,36 @@ def test_tokens_wake_the_reader_and_a_stopped_run_ends_its_producer():
     assert list(tokens) == [5, 6, 7]
 
 
+def test_while_held_the_llm_thread_waits_at_its_next_token_and_a_stop_ends_it_there():
+    run = Run()
+    tokens = Tokens(run.ready)
+    made = threading.Event()
+    outcome: list = []
+
+    def llm(count: int) -> None:
+        try:
+            for token in range(count):
+                tokens.append(token)
+            made.set()
+        except Stopped:
+            outcome.append("stopped")
+
+    with tokens.holding():
+        producer = threading.Thread(target=llm, args=(3,))
+        producer.start()
+        assert not made.wait(0.1) and list(tokens) == []  # (held at its first token)
+    producer.join(5)
+    assert made.is_set() and list(tokens) == [0, 1, 2]
+    with tokens.holding():
+        producer = threading.Thread(target=llm, args=(1,))
+        producer.start()
+        with run.ready:
+            tokens.stopped = True
+            run.ready.notify_all()
+        producer.join(5)
+    assert outcome == ["stopped"] and list(tokens) == [0, 1, 2]
+
+
 def test_a_run_that_ended_short_returns_what_it_has_and_an_error_is_raised_to_the_reader():
     run = Run()
     run.ended = True
