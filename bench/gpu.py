@@ -12,7 +12,9 @@ while the audio is noise (the LLM is set to end its utterances as a trained one 
 a length that follows the text). Every row runs on a real cluster that ``cosyvoice-lb up
 --engine cosyvoice3 --no-ui`` starts on 127.0.0.1 and ``down`` takes down, also on Ctrl-C.
 
-The grid: per setup (plain, --fp16, each without and with --mps, then --load-vllm) ONE
+The grid: per setup (plain, --fp16, each without and with --mps, then --load-vllm, then
+--load-vllm with the flow and HiFT of each instance's syntheses batched; every other setup
+runs them one synthesis at a time, --token2wav-batch 1, as upstream does) ONE
 cluster of 4 instances with --instance-concurrency 4; its rows take 1, 2 or 4 of them in
 nginx's rotation (the others drained by hand: idle, they take no GPU time) and keep c = 1
 or 4 streamed syntheses per serving instance in flight (a closed loop through nginx,
@@ -24,8 +26,9 @@ first row at c=4 one per client, none of them timed.
 
 Time on one H200 (16 cores), planned: the model build about 40 s (once per --work dir);
 per setup `up` about 40 s (the 4 instances load at once), the warm-up and 6 rows × about
-8 s, `down` about 5 s: ~95 s; 4 setups ~380 s; about 7 minutes in all. vLLM's rows come
-last and only where vllm imports in the instances' Python. --budget (450 s, counted from
+8 s, `down` about 5 s: ~95 s; 6 setups ~570 s (the 4 without vLLM ~380 s); about 10
+minutes in all. vLLM's rows come last and only where vllm imports in the instances' Python.
+--budget (560 s, counted from
 the start) bounds the run: a setup that would not finish inside it (judged by the last
 one's time) is not started, nor a row with under --seconds + 20 s left, and the table says
 so (rerun with --only to fill them in); only the last `down` runs past it.
@@ -86,7 +89,7 @@ class Plan:
     full: bool  # the full-size model (else the small test model)
 
 
-FULL = Plan(processes=(1, 2, 4), concurrency=(1, 4), seconds=6.0, budget=450.0, full=True)
+FULL = Plan(processes=(1, 2, 4), concurrency=(1, 4), seconds=6.0, budget=560.0, full=True)
 SMOKE = Plan(processes=(1, 2), concurrency=(1, 2), seconds=3.0, budget=400.0, full=False)
 
 
@@ -94,17 +97,26 @@ SMOKE = Plan(processes=(1, 2), concurrency=(1, 2), seconds=3.0, budget=400.0, fu
 class Setup:
     precision: str  # plain, fp16, vllm
     mps: bool
+    batched: bool = False  # the flow and HiFT of an instance's syntheses batched (--token2wav-batch)
 
     @property
     def name(self) -> str:
-        return self.precision + (" + MPS" if self.mps else "")
+        return self.precision + (" + batched flow/HiFT" if self.batched else "") + (" + MPS" if self.mps else "")
 
     def flags(self) -> list[str]:
         extra = {"plain": [], "fp16": ["--fp16"], "vllm": ["--load-vllm"]}[self.precision]
-        return extra + (["--mps"] if self.mps else [])
+        # (without: one synthesis at a time through the flow and HiFT, as upstream runs them)
+        return extra + ([] if self.batched else ["--token2wav-batch", "1"]) + (["--mps"] if self.mps else [])
 
 
-SETUPS = (Setup("plain", False), Setup("fp16", False), Setup("plain", True), Setup("fp16", True), Setup("vllm", False))
+SETUPS = (
+    Setup("plain", False),
+    Setup("fp16", False),
+    Setup("plain", True),
+    Setup("fp16", True),
+    Setup("vllm", False),
+    Setup("vllm", False, batched=True),
+)
 
 
 def setups(gpu: bool, mps_problem: str, vllm_problem: str) -> list[tuple[Setup, str]]:

@@ -41,6 +41,7 @@ def test_on_a_cpu_only_plain_runs_and_every_other_setup_says_why():
         "plain + MPS": "no GPU",
         "fp16 + MPS": "no GPU (upstream runs float32 on a CPU)",
         "vllm": "no GPU",
+        "vllm + batched flow/HiFT": "no GPU",
     }
 
 
@@ -53,17 +54,20 @@ def test_on_a_gpu_mps_and_vllm_run_where_they_can():
         "plain + MPS": "no nvidia-cuda-mps-control",
         "fp16 + MPS": "no nvidia-cuda-mps-control",
         "vllm": "vllm does not import",
+        "vllm + batched flow/HiFT": "vllm does not import",
     }
 
 
 def test_setups_run_in_order_of_importance_with_their_flags():
     order = [(s.name, s.flags()) for s, _ in gpu.setups(True, "", "")]
+    one = ["--token2wav-batch", "1"]
     assert order == [
-        ("plain", []),
-        ("fp16", ["--fp16"]),
-        ("plain + MPS", ["--mps"]),
-        ("fp16 + MPS", ["--fp16", "--mps"]),
-        ("vllm", ["--load-vllm"]),
+        ("plain", one),
+        ("fp16", ["--fp16", *one]),
+        ("plain + MPS", [*one, "--mps"]),
+        ("fp16 + MPS", ["--fp16", *one, "--mps"]),
+        ("vllm", ["--load-vllm", *one]),
+        ("vllm + batched flow/HiFT", ["--load-vllm"]),
     ]
 
 

@@ -71,7 +71,9 @@ def test_the_planner_plans_a_cpu_box_with_what_calibrate_measured_there(tmp_path
     budget, source = budget_for(settings, layout)
     assert budget.cpu_concurrency == 2 and budget.host_footprint == 700 * MiB and budget.host_per_synthesis == 300 * MiB
     assert source == "calibrated 2026-12-06 12:00 on this CPU"
-    assert concurrency_reasons(settings)["cpu"] == "--instance-concurrency auto = 2 measured by calibrate 2026-12-06 12:00"
+    assert (
+        concurrency_reasons(settings)["cpu"] == "--instance-concurrency auto = 2 measured by calibrate 2026-12-06 12:00"
+    )
     assert budget.concurrency == 1  # (on a GPU: not measured there, the documented default)
     given = budget_for(Settings(engine="espeak", state_dir=str(tmp_path), instance_concurrency="3"), layout)[0]
     assert given.cpu_concurrency == 3  # (a number given is used as given)

@@ -35,7 +35,9 @@ def test_calibrate_measures_the_knee_here_and_plan_takes_it(state_dir):
     planned = cli("plan", "--engine", "espeak", "--json", "--state-dir", str(state_dir))
     assert planned.returncode == 0, planned.stderr
     report = json.loads(planned.stdout)
-    assert report["concurrency"]["cpu"].startswith(f"--instance-concurrency auto = {entry['knee']} measured by calibrate")
+    assert report["concurrency"]["cpu"].startswith(
+        f"--instance-concurrency auto = {entry['knee']} measured by calibrate"
+    )
     assert {slot["concurrency"] for slot in report["slots"]} == {entry["knee"]}
     assert report["footprint_source"].startswith("calibrated") and report["footprint_source"].endswith("on this CPU")
     trial = str(state_dir / "calibrate")

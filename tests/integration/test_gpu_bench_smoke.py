@@ -56,7 +56,7 @@ def test_the_smoke_run_measures_every_row_it_can_and_says_why_not_the_others(smo
         assert count == ok and float(p99.split()[0]) >= float(p50)
         assert memory == "—" or memory.lstrip("≈").isdigit()
     skipped = {r[0]: r[3] for r in rows(table) if r[3].startswith("skipped")}
-    assert set(skipped) == {"fp16", "plain + MPS", "fp16 + MPS", "vllm"}
+    assert set(skipped) == {"fp16", "plain + MPS", "fp16 + MPS", "vllm", "vllm + batched flow/HiFT"}
     assert all(len(why) > len("skipped: ") for why in skipped.values())
     assert "`python bench/gpu.py --smoke" in table
 
