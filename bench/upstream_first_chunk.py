@@ -9,7 +9,7 @@ the transcript in CosyVoice3's form), prints one JSON line ``{"ready": ...}`` (t
 threads, the model's hop, what upstream's tqdm and logging cost per call), then reads one JSON
 request a line on stdin and answers one JSON line each, until stdin ends:
 
-    {"text": "...", "variant": "own" | "own_hop_reset" | "layer"}
+    {"text": "...", "variant": "own" | "own_hop_reset" | "layer" | "floor"}
     -> {"first": s, "total": s, "chunks": n, "hop_before": n, "frontend": s}
 
 ``own``: ``inference_zero_shot(text, '', '', zero_shot_spk_id=ID, stream=True)`` as it is, the
@@ -18,6 +18,14 @@ the hop set back to its loaded value first (what the first call of a fresh proce
 ``layer``: the same call with cosyvoice-lb's layer (``upstream_tts``) in place of
 ``model.tts``. ``first``: seconds from the call to its first yielded chunk; ``frontend``:
 seconds of upstream's frontend calls (text normalisation, token and prompt features) in it.
+
+``floor``: no serving code at all, cosyvoice-lb's or upstream's ``tts``: the frontend's inputs
+made first (not timed), then upstream's modules called directly for the first chunk, timed
+from the LLM's prefill: ``model.llm.inference`` until the first chunk's tokens are there
+(the loaded hop, the prompt's pad and the flow's lookahead), then ``token2wav`` on them
+(flow and HiFT). ``first`` is that whole; ``llm`` its LLM part. The compute floor of a first
+chunk, measured outside the layer whose own timer (``cosyvoice_first_chunk_compute_seconds``)
+the cluster reports.
 """
 
 from __future__ import annotations
@@ -79,8 +87,53 @@ def per_call_noise(count: int = 200) -> float:
     return (time.monotonic() - began) / count
 
 
+def floor(model, hop: int, request: dict) -> dict:
+    """The first chunk on upstream's modules alone (see the module's doc)."""
+    import torch
+
+    m = model.model
+    text = next(iter(model.frontend.text_normalize(request["text"], split=True, text_frontend=True)))
+    inputs = model.frontend.frontend_zero_shot(text, "", "", model.sample_rate, SPEAKER)
+    prompt = inputs["flow_prompt_speech_token"]
+    pad = -(-prompt.shape[1] // hop) * hop - prompt.shape[1]
+    need = hop + pad + int(m.flow.pre_lookahead_len)
+
+    def length(t):
+        return torch.tensor([t.shape[1]], dtype=torch.int32)
+
+    began = time.monotonic()
+    tokens: list[int] = []
+    with torch.inference_mode():
+        for token in m.llm.inference(
+            text=inputs["text"],
+            text_len=length(inputs["text"]),
+            prompt_text=inputs["prompt_text"],
+            prompt_text_len=length(inputs["prompt_text"]),
+            prompt_speech_token=inputs["llm_prompt_speech_token"],
+            prompt_speech_token_len=length(inputs["llm_prompt_speech_token"]),
+            embedding=inputs["llm_embedding"],
+        ):
+            tokens.append(token)
+            if len(tokens) >= need:
+                break
+        llm = time.monotonic() - began
+        m.hift_cache_dict["floor"] = None
+        try:
+            m.token2wav(token=torch.tensor(tokens).unsqueeze(dim=0), prompt_token=prompt,
+                        prompt_feat=inputs["prompt_speech_feat"], embedding=inputs["flow_embedding"],
+                        token_offset=0, uuid="floor", stream=True, finalize=False)  # fmt: skip
+        finally:
+            m.hift_cache_dict.pop("floor", None)
+    first = time.monotonic() - began
+    return {"variant": "floor", "first": first if len(tokens) >= need else None, "total": first, "chunks": 1,
+            "hop_before": hop, "frontend": 0.0, "llm": llm, "tokens": len(tokens)}  # fmt: skip
+
+
 def one(model, layered, own, hop: int, frontend: Frontend, request: dict) -> dict:
     variant = request.get("variant", "own")
+    if variant == "floor":
+        model.model.tts = own
+        return floor(model, hop, request)
     model.model.tts = layered if variant == "layer" else own
     if variant == "own_hop_reset":
         model.model.token_hop_len = hop

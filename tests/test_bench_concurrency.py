@@ -108,17 +108,28 @@ def test_shapes_parse_and_refuse_zero():
         shapes_of("2")
 
 
-def test_tables_are_markdown_with_the_floor_subtracted_from_the_means():
+def test_tables_are_markdown_with_the_floor_measured_apart_subtracted_from_the_means():
     floor = Floor(llm=0.4, audio=0.3, count=12, first_package=0.72)
-    rows = first_chunk_rows({"cluster": Spread(12, 0, 0.75, 0.8, 0.76), "own": Spread(11, 1, 1.6, 1.9, 1.5)}, floor)
-    text = table(["path", "count", "failed", "p50 s", "p90 s", "mean s", "mean − floor s"], rows)
+    spreads = {
+        "cluster": Spread(12, 0, 0.75, 0.8, 0.76),
+        "own": Spread(11, 1, 1.6, 1.9, 1.5),
+        "floor": Spread(12, 0, 0.68, 0.71, 0.69),
+    }
+    text = table(
+        ["path", "count", "failed", "p50 s", "p90 s", "mean s", "mean − floor s"], first_chunk_rows(spreads, floor)
+    )
     lines = text.splitlines()
     assert lines[0] == "| path | count | failed | p50 s | p90 s | mean s | mean − floor s |"
     assert lines[1] == "|---|---|---|---|---|---|---|"
     assert lines[2].startswith("| cluster: nginx → instance")
-    assert lines[2].endswith("| 12 | 0 | 0.750 | 0.800 | 0.760 | 0.060 |")
-    assert lines[3].endswith("| 11 | 1 | 1.600 | 1.900 | 1.500 | 0.800 |")
-    assert lines[4] == "| compute floor (instance: llm + audio) | 12 | 0 | – | – | 0.700 | 0.000 |"
+    assert lines[2].endswith("| 12 | 0 | 0.750 | 0.800 | 0.760 | 0.070 |")
+    assert lines[3].endswith("| 11 | 1 | 1.600 | 1.900 | 1.500 | 0.810 |")
+    assert lines[4].startswith("| the floor, measured apart: upstream's modules alone") and lines[4].endswith(
+        "| 0.000 |"
+    )
+    assert lines[5] == "| compute floor, the instance's own timer (llm + audio) | 12 | 0 | – | – | 0.700 | 0.010 |"
+    # without the floor measured apart, the instance's timer is the reference
+    assert first_chunk_rows({"cluster": Spread(12, 0, 0.75, 0.8, 0.76)}, floor)[0][-1] == pytest.approx(0.06)
 
 
 def test_a_throughput_row_is_audio_seconds_per_wall_second():

@@ -89,3 +89,9 @@ def test_a_cpu_build_without_its_name_is_found_and_the_line_given_fixes_it(pytho
     with pytest.raises(ClusterError) as still:  # (now only what an instance itself needs is missing)
         check_instance_env(settings, gpu=False, cpuinfo=AVX512)
     assert "vllm" not in str(still.value).split("lacks")[1].split(":")[0]
+
+
+def test_the_docs_give_the_metadata_line_the_preflight_gives():
+    from conftest import ROOT
+
+    assert f'-c "{vllm_env.VLLM_METADATA}"' in (ROOT / "docs" / "vllm.md").read_text()
