@@ -161,3 +161,14 @@ def test_lengths_too_far_apart_run_as_separate_groups(waste):
     batcher = Batcher(run, size=8, window=60.0, waste=waste, expected=lambda: 3)
     assert together(batcher, [10, 11, 400], length=lambda p: p) == [20, 22, 800]
     assert sorted(sorted(r) for r in run.runs) == ([[10], [11], [400]] if waste == 0.0 else [[10, 11], [400]])
+
+
+def test_auto_batches_the_flow_and_hift_on_a_gpu_and_not_on_a_cpu():
+    import types
+
+    from cosyvoice_lb.instance.engines.upstream_batch import batch_size
+
+    assert batch_size("auto", types.SimpleNamespace(type="cuda")) == 8
+    assert batch_size("auto", types.SimpleNamespace(type="cpu")) == 1
+    assert batch_size("auto", None) == 1
+    assert batch_size("6", types.SimpleNamespace(type="cpu")) == 6

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cosyvoice_lb.common.checks import at_least, fraction, not_negative
+from cosyvoice_lb.common.checks import concurrency, fraction, not_negative
 from cosyvoice_lb.common.declaration import setting
 
 ENGINES = ("auto", "espeak", "cosyvoice3", "simulated")
@@ -95,13 +95,13 @@ class EngineSettings:
         is_flag=True,
         instance="cosyvoice3",
     )
-    token2wav_batch: int = setting(
-        8,
+    token2wav_batch: str = setting(
+        "auto",
         "CosyVoice3: at most this many syntheses of one instance share one run of the flow and "
         "one of HiFT (their token2wav work, gathered for --token2wav-window; each one's audio as "
-        "alone); 1: each runs its own, as upstream does. At most --instance-concurrency.",
-        type=int,
-        check=at_least(1),
+        "alone); 1: each runs its own, as upstream does; auto: 8 on a GPU, 1 on a CPU (measured: "
+        "no gain there, docs/vllm.md). At most --instance-concurrency.",
+        check=concurrency,
         instance="cosyvoice3",
     )
     token2wav_window: float = setting(

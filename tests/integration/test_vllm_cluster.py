@@ -62,6 +62,8 @@ def up(upstream, state_dir: Path, model_dir: Path, *extra: str):
         str(state_dir),
         "--max-chars",
         "400",
+        "--token2wav-batch",  # (auto is 1 on a CPU, where it buys nothing: batched here to test it)
+        str(AT_ONCE),
         *extra,
         env=clean_env(),
         timeout=600,

@@ -43,7 +43,9 @@ class Warnings(logging.Handler):
 def engine(args, model_dir: str, concurrency: int = 4):
     from cosyvoice_lb.instance.engines.cosyvoice import CosyVoiceEngine
 
-    made = CosyVoiceEngine(model_dir=model_dir, cosyvoice_root=args.cosyvoice_root, concurrency=concurrency)
+    made = CosyVoiceEngine(  # (the flow and HiFT batched too: outputs must not cross there either)
+        model_dir=model_dir, cosyvoice_root=args.cosyvoice_root, concurrency=concurrency, token2wav_batch=concurrency
+    )
     made.load()
     return made
 

@@ -8,6 +8,7 @@ imports only what that environment has (torch, numpy, soundfile, the checkout).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -85,7 +86,7 @@ class CosyVoiceEngine:
         empty_cache: bool = False,
         vllm_memory: float = 0.0,
         concurrency: int = 1,
-        token2wav_batch: int = 8,
+        token2wav_batch: str | int = "auto",
         token2wav_window: float = 20.0,
     ):
         if not model_dir:
@@ -96,10 +97,10 @@ class CosyVoiceEngine:
         self.empty_cache = empty_cache
         self.vllm_memory = vllm_memory
         self.concurrency = max(1, concurrency)
-        # flow and HiFT batched across this many syntheses at most (``upstream_batch``)
-        self.batching = upstream_batch.Settings(
-            size=max(1, min(token2wav_batch, self.concurrency)), window=max(0.0, token2wav_window) / 1000
-        )
+        # flow and HiFT batched across this many syntheses at most (``upstream_batch``; auto:
+        # decided at load, where the model's device is known)
+        self.batch_asked = str(token2wav_batch).strip()
+        self.batching = upstream_batch.Settings(size=1, window=max(0.0, token2wav_window) / 1000)
         self.batch_off = "not loaded"  # "" once the flow and HiFT are batched; else why not
         self.turns = Turns()  # seeded requests run alone (see ``turns``)
         self.vllm = False  # the model's LLM runs on vLLM (loaded with --load-vllm)
@@ -206,6 +207,8 @@ class CosyVoiceEngine:
 
     def batch(self, model: Any) -> None:
         """Batch the flow and HiFT of concurrent syntheses (``upstream_batch``), or say once why not."""
+        size = upstream_batch.batch_size(self.batch_asked, getattr(model.model, "device", None))
+        self.batching = dataclasses.replace(self.batching, size=max(1, min(size, self.concurrency)))
         self.batch_off = upstream_batch.install(model.model, self.batching, self._batched)
         if not self.batch_off:
             log.info(
@@ -215,6 +218,8 @@ class CosyVoiceEngine:
             )
         elif self.batching.size > 1:
             log.warning("flow and HiFT run one synthesis at a time: %s", self.batch_off)
+        else:
+            log.info("flow and HiFT run one synthesis at a time: %s", self.batch_off)
 
     def _batched(self, stage: str, size: int) -> None:
         if self.on_batch is not None:

@@ -69,6 +69,18 @@ class Settings:
     waste: float = 0.25  # at most this share of a group's work is padding (groups by length)
 
 
+AUTO_GPU, AUTO_CPU = 8, 1  # --token2wav-batch auto (bench/README.md: batching on 2 CPU cores buys nothing)
+
+
+def batch_size(asked: str, device: Any) -> int:
+    """What --token2wav-batch stands for on the model's ``device`` (upstream's ``model.device``):
+    ``auto`` is 8 on a GPU and 1 on a CPU, where the flow's DiT is bound by compute (the same
+    milliseconds per utterance at 1 and 8 a run) and HiFT is slower per utterance in a batch."""
+    if asked != "auto":
+        return max(1, int(asked))
+    return AUTO_GPU if getattr(device, "type", str(device)) == "cuda" else AUTO_CPU
+
+
 def shape_problem(model: Any) -> str:
     """What about upstream's model object (``AutoModel(...).model``) is not the shape this
     layer knows ("" when all of it is)."""
@@ -148,7 +160,7 @@ def install(model: Any, settings: Settings, heard: Callable[[str, int], None] = 
     """Put the flow's and HiFT's hand-offs on this model object; returns what stopped it
     ("" when installed). ``heard(stage, n)`` hears each group's size."""
     if settings.size <= 1:
-        return "--token2wav-batch 1"
+        return "one synthesis a run (--token2wav-batch 1, or auto on a CPU, or --instance-concurrency 1)"
     problem = shape_problem(model)
     if problem:
         return problem
