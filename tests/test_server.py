@@ -694,7 +694,7 @@ def test_a_stream_that_breaks_off_is_cut_not_ended_and_not_kept(tmp_path):
 
 def test_a_busy_instance_declines_for_a_freer_one_at_once_and_the_last_resort_is_served(tmp_path):
     """A real board: slot 1 (this process, as a peer) is idle; the instance (slot 0) holds a
-    0.8 s synthesis. A request nginx marked as a try is declined with a fast 503 before its
+    4 s synthesis (long enough to outlast a loaded machine's pauses). A request nginx marked as a try is declined with a fast 503 before its
     body is even read (and not counted as a request); the same request marked "last"
     (nginx's last resort) is served; one straight at the port is never declined."""
     import os
@@ -708,14 +708,14 @@ def test_a_busy_instance_declines_for_a_freer_one_at_once_and_the_last_resort_is
     board.configure(True, 0.05)
     board.set_rotation([0, 1])
     board.publish(1, os.getpid(), True, Backlog(0.0, False), 0.004)
-    p = pipeline(SimulatedEngine(simulated_ms_per_char=4), max_queue=8)
+    p = pipeline(SimulatedEngine(simulated_ms_per_char=4), max_queue=8, limits=Limits(max_chars=1000))
     a = p.admission
     p.router = Router(0, os.getpid(), a.load, lambda: a.snapshot().ready, p.rate, a.clock, lambda: board, a.reserve)
     a.on_change = p.router.publish
     with TestClient(app(p), raise_server_exceptions=False) as c:
         assert c.post("/v1/tts", json={"text": "a" * 10}).status_code == 200  # idle: taken
         assert c.get("/ping").json()["routing"]["seconds_per_char"] == pytest.approx(0.004, rel=0.2)
-        long = threading.Thread(target=lambda: c.post("/v1/tts", json={"text": "a" * 200}))
+        long = threading.Thread(target=lambda: c.post("/v1/tts", json={"text": "a" * 1000}))
         long.start()
         deadline = time.monotonic() + 5
         while not snap(p).inflight and time.monotonic() < deadline:
