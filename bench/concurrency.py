@@ -18,7 +18,9 @@ a. first chunk, in turns (one cluster request, then each upstream call, repeated
      in one long-lived process of the upstream Python (bench/upstream_first_chunk.py), to
      its first chunk: as it is (``own``), with the shared hop set back first
      (``own_hop_reset``), and through cosyvoice-lb's layer (``layer``);
-   - the compute floor: the instance's ``cosyvoice_first_chunk_compute_seconds`` (llm and
+   - the floor measured apart (``floor``), in that same process: upstream's modules called
+     directly, no serving code (LLM prefill + the first chunk's tokens, flow, HiFT);
+   - the instance's own timer: its ``cosyvoice_first_chunk_compute_seconds`` (llm and
      audio, means of the run) and its ``cosyvoice_first_package_seconds``.
 b. audio-seconds per second, non-streamed, the same text, closed loop of one client per
    synthesis slot, bounded in time and count: 1 instance x 1, 2, 4 syntheses; 2 x 2; 4 x 1.
