@@ -60,6 +60,8 @@ system_packages() {
         command -v ffmpeg >/dev/null 2>&1 || missing+=(ffmpeg)
         command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
         command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+        # the flite engine's tests (real speech that the speech check's recogniser understands)
+        command -v flite >/dev/null 2>&1 || missing+=(flite)
     fi
     command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx)
     command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from cosyvoice_lb.common.checks import concurrency, fraction, not_negative
 from cosyvoice_lb.common.declaration import setting
 
-ENGINES = ("auto", "espeak", "cosyvoice3", "simulated")
+ENGINES = ("auto", "espeak", "flite", "cosyvoice3", "simulated")
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,8 @@ class EngineSettings:
     engine: str = setting(
         "auto",
         "Speech engine of every instance: cosyvoice3 (with --model-dir; v2 and v1 model "
-        "dirs work too), espeak (embedded, no weights); auto picks cosyvoice3 when "
+        "dirs work too), espeak (embedded, no weights), flite (embedded, English, built-in voices "
+        "slt, rms, awb, kal: the voice a speech recogniser understands); auto picks cosyvoice3 when "
         "--model-dir is given. simulated is a load model for benchmarks, not speech "
         "(a quiet tone, 40 ms a character, after a wait proportional to the text).",
         choices=ENGINES,

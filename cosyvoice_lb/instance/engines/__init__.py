@@ -69,6 +69,7 @@ def clones(engine: Engine) -> bool:
 # name -> "module:Class"; imported on demand so an engine's dependencies load only when used.
 ENGINES = {
     "espeak": "cosyvoice_lb.instance.engines.espeak:EspeakEngine",
+    "flite": "cosyvoice_lb.instance.engines.flite:FliteEngine",
     "cosyvoice3": "cosyvoice_lb.instance.engines.cosyvoice:CosyVoiceEngine",
     "simulated": "cosyvoice_lb.instance.engines.simulated:SimulatedEngine",  # a load model for benchmarks
 }

@@ -8,19 +8,14 @@ espeak-ng's ``cmn`` voice reads the tone digits of its own transliteration as En
 
 from __future__ import annotations
 
-import io
-import logging
 import re
 import shutil
-import subprocess
 from collections.abc import Iterator
 
 import numpy as np
-import soundfile
 
-from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest, Unspeakable
-
-log = logging.getLogger("cosyvoice_lb.instance")
+from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest
+from cosyvoice_lb.instance.engines.tool import mono, run_tool
 
 BASE_WPM = 175  # espeak-ng's default rate; speed 1.0 maps to it
 SAMPLE_RATE = 22050
@@ -81,35 +76,5 @@ class EspeakEngine:
             yield self._speak(voice, text, wpm)
 
     def _speak(self, voice: str, text: str, wpm: int) -> np.ndarray:
-        # Own session: a stop signal sent to the instance's process group must not kill
-        # a synthesis in flight; the server drains requests before it exits.
-        try:
-            done = subprocess.run(
-                [self.binary, "-b", "1", "--stdout", "-v", voice, "-s", str(wpm)],
-                input=text.encode("utf-8"),
-                capture_output=True,
-                timeout=self.timeout,
-                start_new_session=True,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise EngineError(f"espeak-ng took longer than {self.timeout:.0f}s") from exc
-        if done.returncode < 0:  # killed by a signal: it crashed on this text
-            log.warning(
-                "espeak-ng crashed (signal %d) on a %d-character text: %s",
-                -done.returncode,
-                len(text),
-                done.stderr.decode(errors="replace").strip()[-300:],
-            )
-            raise Unspeakable(
-                "the engine cannot speak this text (espeak-ng crashed on it): reword it, e.g. write out "
-                "long runs of letters, dots or symbols, then send it again"
-            )
-        if done.returncode != 0 or not done.stdout:
-            raise EngineError(
-                f"espeak-ng failed (exit {done.returncode}): {done.stderr.decode(errors='replace')[-300:]}"
-            )
-        audio, rate = soundfile.read(io.BytesIO(done.stdout), dtype="float32")
-        if rate != SAMPLE_RATE:
-            raise EngineError(f"espeak-ng answered at {rate} Hz, expected {SAMPLE_RATE} Hz")
-        return audio if audio.ndim == 1 else audio.mean(axis=1)
+        wav = run_tool([self.binary, "-b", "1", "--stdout", "-v", voice, "-s", str(wpm)], self.timeout, text.encode())
+        return mono(wav, SAMPLE_RATE, "espeak-ng")

@@ -24,7 +24,7 @@ from cosyvoice_lb.launcher.plan.host_memory import OVERHEAD, per_instance
 # results (about one more). espeak synthesizes on the CPU, one text at a time. simulated only
 # sleeps. --cpu-per-instance overrides. How many instances a pod's GPU holds comes from the
 # plan (``manifests.instances_per_pod``), at the syntheses each runs: a pod is sized for them.
-CPU_PER_INSTANCE = {"cosyvoice3": 2.0, "espeak": 1.0, "simulated": 0.25}
+CPU_PER_INSTANCE = {"cosyvoice3": 2.0, "espeak": 1.0, "flite": 1.0, "simulated": 0.25}
 # nginx, supervisord, the health loop (a probe a second per instance), the panel, the launcher.
 CPU_OVERHEAD = 0.5
 

@@ -22,6 +22,8 @@ ENGINE_FOOTPRINTS: dict[str, dict[str, str]] = {
     # 425/488 MiB one text at a time, 433/471 MiB two at once; one instance alone (its own
     # balancer) 422 MiB, two at once 585 MiB. 640 MiB covers them all.
     "espeak": {"gpu": "5GiB", "host": "640MiB"},
+    # flite: the same instance with another program run per sentence (its peak RSS: 16 MiB).
+    "flite": {"gpu": "5GiB", "host": "640MiB"},
     # CosyVoice3 on CPU (no GPU): weights plus activations in host RAM.
     "cosyvoice3": {"gpu": "5GiB", "host": "6GiB"},
     # The benchmark load model stands in for CosyVoice3 on a GPU box, like espeak.
@@ -41,7 +43,7 @@ GPU_PER_SYNTHESIS = 1 * GiB
 # there (the same estimate as on a GPU); espeak runs espeak-ng as a process of its own per
 # text (an instance's RSS with two texts at once stayed within its 640 MiB, measured above);
 # the simulated engine only sleeps.
-HOST_PER_SYNTHESIS: dict[str, int] = {"cosyvoice3": 1 * GiB, "espeak": 0, "simulated": 0}
+HOST_PER_SYNTHESIS: dict[str, int] = {"cosyvoice3": 1 * GiB, "espeak": 0, "flite": 0, "simulated": 0}
 
 # --- CosyVoice's engine flags ---------------------------------------------------------------
 # One TensorRT context of the flow decoder ~4.5 GB (upstream issue #835, v2 reports); the

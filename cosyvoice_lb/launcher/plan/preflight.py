@@ -83,7 +83,7 @@ INSTANCE_NEEDS = {
     # /metrics (an instance without it would serve, but Prometheus could not scrape it)
     "prometheus_client": "prometheus_client",
 }
-ENGINE_NEEDS = {"espeak": {"pypinyin": "pypinyin"}, "cosyvoice3": {"torch": "torch"}, "simulated": {}}
+ENGINE_NEEDS = {"espeak": {"pypinyin": "pypinyin"}, "flite": {}, "cosyvoice3": {"torch": "torch"}, "simulated": {}}
 # What upstream CosyVoice imports under another name than its package's (its requirements.txt)
 UPSTREAM_PACKAGES = {"whisper": "openai-whisper", "yaml": "pyyaml", "hydra": "hydra-core", "hyperpyyaml": "HyperPyYAML"}
 
@@ -209,6 +209,8 @@ def check_tools(settings: Settings) -> None:
         raise ClusterError(
             "espeak-ng not found: the embedded engine needs it; install it with 'sudo apt-get install -y espeak-ng'"
         )
+    if settings.resolved_engine == "flite" and not shutil.which("flite"):
+        raise ClusterError("flite not found: --engine flite needs it; install it with 'sudo apt-get install -y flite'")
     if settings.resolved_engine == "cosyvoice3":
         check_model(settings)
     if settings.mps:
