@@ -10,7 +10,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -188,13 +188,24 @@ def wait_for(predicate, timeout: float, interval: float = 0.5):
 
 
 class Load:
-    """Bounded API load through nginx: a few threads, at most ``limit`` requests or ``seconds``."""
+    """Bounded API load through nginx: a few threads, at most ``limit`` requests or ``seconds``.
+    ``send(url)``: one request (default: ``text`` to /v1/tts as JSON); ``judge(response)``: what
+    is wrong with an answer's audio ("" when nothing), each such answer listed in ``bad``."""
 
     def __init__(
-        self, url: str, threads: int = 3, limit: int = 2000, seconds: float = 60, text: str = "keep talking please"
+        self,
+        url: str,
+        threads: int = 3,
+        limit: int = 2000,
+        seconds: float = 60,
+        text: str = "keep talking please",
+        send: Callable[[str], requests.Response] | None = None,
+        judge: Callable[[requests.Response], str] | None = None,
     ):
         self.url, self.limit, self.deadline, self.text = url, limit, time.monotonic() + seconds, text
-        self.ok, self.failures, self.ports = 0, [], {}
+        self.send = send or (lambda url: requests.post(url + "/v1/tts", json={"text": text}, timeout=60))
+        self.judge = judge or (lambda response: "")
+        self.ok, self.failures, self.ports, self.bad = 0, [], {}, []
         self.lock, self.stop_event = threading.Lock(), threading.Event()
         self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(threads)]
 
@@ -211,16 +222,19 @@ class Load:
     def run(self) -> None:
         while not self.stop_event.is_set() and time.monotonic() < self.deadline:
             with self.lock:
-                if self.ok + len(self.failures) >= self.limit:
+                if self.ok + len(self.failures) + len(self.bad) >= self.limit:
                     return
             try:
-                r = requests.post(self.url + "/v1/tts", json={"text": self.text}, timeout=60)
+                r = self.send(self.url)
                 outcome = r.status_code == 200 and r.headers["content-type"] == "audio/wav"
                 detail = f"{r.status_code} {r.text[:120]}"
             except requests.RequestException as exc:
                 outcome, detail = False, repr(exc)
+            fault = self.judge(r) if outcome else ""
             with self.lock:
-                if outcome:
+                if fault:
+                    self.bad.append(fault)
+                elif outcome:
                     self.ok += 1
                     port = r.headers.get("X-Instance-Port")
                     self.ports[port] = self.ports.get(port, 0) + 1

@@ -48,6 +48,7 @@ HISTOGRAMS = {
     "cosyvoice_queue_wait_seconds",
     "cosyvoice_synthesis_seconds",
     "cosyvoice_real_time_factor",
+    "cosyvoice_speech_error_ratio",
 }
 CONTRACT = HISTOGRAMS | {
     "cosyvoice_requests_total",
@@ -60,6 +61,8 @@ CONTRACT = HISTOGRAMS | {
     "cosyvoice_instance_info",
     "cosyvoice_outputs_failing",
     "cosyvoice_results_not_kept_total",
+    "cosyvoice_speech_checks_total",
+    "cosyvoice_speech_unchecked",
     "cosyvoice_lb_instances",
     "cosyvoice_lb_instance_up",
     "cosyvoice_lb_instance_ready",
@@ -118,6 +121,12 @@ ALERTS = {  # name: (expr, for, severity)
     "CosyVoiceResultsNotKept": ("cosyvoice_outputs_failing == 1", "1m", "critical"),
     "CosyVoiceClusterMetricsDown": ('up{job="cosyvoice-lb"} == 0', "2m", "critical"),
     "CosyVoiceHealthLoopStale": ("cosyvoice_lb_health_report_age_seconds > 30", "1m", "critical"),
+    "CosyVoiceSpeechErrorHigh": (
+        "histogram_quantile(0.9, sum by (name, le) (rate(cosyvoice_speech_error_ratio_bucket[30m]))) > 0.6",
+        "10m",
+        "warning",
+    ),
+    "CosyVoiceSpeechUnchecked": ("sum(cosyvoice_speech_unchecked) > 0", "30m", "info"),
 }
 
 

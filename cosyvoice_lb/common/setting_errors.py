@@ -34,6 +34,10 @@ def contradictions(settings: Settings) -> list[str]:
         found.append("--no-auth with --api-token-file or --ui-auth: drop --no-auth to require the credentials")
     if settings.mps_thread_percentage and not settings.mps:
         found.append("--mps-thread-percentage needs --mps: add --mps, or drop the percentage")
+    if settings.asr == "sherpa-onnx" and not settings.asr_model:
+        found.append("--asr sherpa-onnx needs --asr-model (a local sherpa-onnx model dir)")
+    if bool(settings.canary_prompt) != bool(settings.canary_prompt_text.strip()):
+        found.append("--canary-prompt and --canary-prompt-text go together: give the WAV and its transcript")
     return found
 
 

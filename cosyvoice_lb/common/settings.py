@@ -33,6 +33,7 @@ from cosyvoice_lb.common.declaration import setting
 from cosyvoice_lb.common.engine_settings import EngineSettings
 from cosyvoice_lb.common.networks import networks
 from cosyvoice_lb.common.schedule import SEPARATOR, schedule_check
+from cosyvoice_lb.common.speech_check_settings import SpeechCheckSettings
 
 ENV_PREFIX = "COSYVOICE_LB_"
 
@@ -45,7 +46,7 @@ MAX_JOB_CHARS = 200_000
 
 
 @dataclass(frozen=True)
-class Settings(EngineSettings):
+class Settings(SpeechCheckSettings, EngineSettings):
     """The whole configuration of one cluster (the engine's share first: ``engine_settings``)."""
 
     instances: str = setting(

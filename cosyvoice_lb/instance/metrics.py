@@ -25,13 +25,16 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cosyvoice_lb.instance.audio.check import REASONS
+from cosyvoice_lb.instance.audio.check import REASONS as AUDIO_REASONS
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
 ROUTES = ("api", "openai", "ui", "segment")
 OUTCOMES = ("ok", "invalid", "refused", "timeout", "cancelled", "failed")
 CHECKS = ("request", "warm_up", "canary")  # where bad audio was found
+# why: the audio check's reasons, and the speech check's (a warm-up or canary heard saying
+# other words, ``quality.probe``)
+REASONS = (*AUDIO_REASONS, "speech_error")
 SPEECH_PATHS = {"/v1/tts": "api", "/v1/audio/speech": "openai"}
 MISSING = (
     "this instance has no metrics: its Python lacks prometheus_client; install it into the instance's "
@@ -46,6 +49,9 @@ WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 3
 SYNTHESIS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 COMPUTE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+# The speech check's error ratio: 0 is word for word; above 1, more words than the text had.
+ERROR_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5)
+SPEECH_KINDS = CHECKS  # (the speech check runs on the same three: quality.checker.KINDS)
 BATCH_STAGES = ("llm", "flow", "hift")
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
@@ -150,6 +156,25 @@ class Metrics:
             ["reason", "during"],
             registry=self.registry,
         )
+        self.speech_error = Histogram(
+            "cosyvoice_speech_error_ratio",
+            "The speech check: the error (WER; CER for Chinese and Japanese) of what the recogniser heard "
+            "against the text, by kind (request: a sampled live answer; warm_up; canary).",
+            ["kind"],
+            buckets=ERROR_BUCKETS,
+            registry=self.registry,
+        )
+        self.speech_checks = Counter(
+            "cosyvoice_speech_checks",
+            "Speech checks, by kind and outcome (passed; failed: error above --asr-max-error; unchecked: "
+            "no recogniser, or a text it cannot judge).",
+            ["kind", "outcome"],
+            registry=self.registry,
+        )
+        for kind in SPEECH_KINDS:
+            self.speech_error.labels(kind)
+            for outcome in ("passed", "failed", "unchecked"):
+                self.speech_checks.labels(kind, outcome)
         for route in ROUTES:  # every series from the start: rate() sees the first request
             for outcome in OUTCOMES:
                 self.requests.labels(route, outcome)
@@ -190,6 +215,12 @@ class Metrics:
                         "cosyvoice_queued_work_seconds",
                         "queued_seconds",
                         "Seconds a request arriving now would wait here (estimated from the texts held).",
+                    ),
+                    (
+                        "cosyvoice_speech_unchecked",
+                        "speech_unchecked",
+                        "1 while the last warm-up's or canary's speech could not be checked (no recogniser, "
+                        "nothing to judge): not a pass.",
                     ),
                 ):
                     yield GaugeMetricFamily(name, what, value=float(state.get(key, 0)))
@@ -250,6 +281,13 @@ class Metrics:
     def not_kept(self) -> None:
         if self.enabled:
             self.results_not_kept.inc()
+
+    def speech_checked(self, kind: str, outcome: str, error: float | None) -> None:
+        if not self.enabled:
+            return
+        self.speech_checks.labels(kind, outcome).inc()
+        if error is not None:
+            self.speech_error.labels(kind).observe(error)
 
     def bad_audio(self, reason: str, during: str) -> None:
         if self.enabled:

@@ -54,6 +54,8 @@ from cosyvoice_lb.instance.audio.wav import pcm16, wav_header
 from cosyvoice_lb.instance.engines import create_engine
 from cosyvoice_lb.instance.lifetime import close_engine, draining_server, outlive_uvicorns_signal
 from cosyvoice_lb.instance.metrics import MISSING, Metrics, RequestMetrics
+from cosyvoice_lb.instance.quality.checker import SpeechChecker
+from cosyvoice_lb.instance.quality.recognizers import choose
 from cosyvoice_lb.instance.routing.board import Opener
 from cosyvoice_lb.instance.routing.router import Router
 from cosyvoice_lb.instance.speech.admission import Admission, Phase, Snapshot
@@ -97,12 +99,14 @@ def ping_body(
     routing: dict[str, float] | None = None,
     problems: list[str] | None = None,
     bad_audio: dict[str, int] | None = None,
+    speech: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What ``/ping`` says: readiness, and per synthesis the seconds since its last chunk (a
     synthesis making no progress is what "hung" means to the health loop); ``routing``: what
     routing by work sees here (measured seconds per character, queued seconds, declines);
     ``problems``: what is wrong although it serves (e.g. results not kept on a full disk);
-    ``bad_audio``: the syntheses that failed the audio check, by reason (see ``canary``)."""
+    ``bad_audio``: the syntheses that failed the audio check, by reason (see ``canary``);
+    ``speech``: the speech check, the last warm-up's or canary's verdict first (``quality``)."""
     return {
         "ready": snapshot.ready,
         "state": snapshot.phase.value,
@@ -120,8 +124,17 @@ def ping_body(
         **({"routing": routing} if routing is not None else {}),
         **({"problems": problems} if problems else {}),
         **({"bad_audio": bad_audio} if bad_audio else {}),
+        **({"speech": speech} if speech is not None else {}),
         **({"error": snapshot.error} if snapshot.error else {}),
     }
+
+
+def speech_state(pipeline: Pipeline) -> dict[str, Any]:
+    """``/ping``'s ``speech``: the verdict of the last warm-up or canary (passed, failed or
+    unchecked, with why), then the speech check's own state and its last checks."""
+    verdict = pipeline.probe.verdict
+    state = {"verdict": verdict.state, "why": verdict.unchecked or (str(verdict.fault) if verdict.fault else "")}
+    return {**state, **(pipeline.speech.state() if pipeline.speech is not None else {})}
 
 
 def error_response(
@@ -208,7 +221,16 @@ def build_app(
             pipeline.router.publish()  # (the health loop's probe keeps the board fresh, e.g. a new board)
         snapshot = admission.snapshot()
         problems, bad = pipeline.problems(), pipeline.watch.counts()
-        body = ping_body(snapshot, engine_name or engine.name, port, started, pipeline.routing(), problems, bad)
+        body = ping_body(
+            snapshot,
+            engine_name or engine.name,
+            port,
+            started,
+            pipeline.routing(),
+            problems,
+            bad,
+            speech_state(pipeline),
+        )
         return JSONResponse(body, status_code=200 if snapshot.ready else 503)
 
     # What nginx answers a public /ping with: ready or not, no process details.
@@ -356,6 +378,8 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
         setattr(engine, "on_first_chunk", metrics.first_chunk_parts)  # noqa: B010
     if hasattr(engine, "on_batch"):  # an engine that batches syntheses
         setattr(engine, "on_batch", metrics.batched)  # noqa: B010
+    make, unavailable, language = choose(settings.asr, settings.resolved_engine, settings.asr_model)
+    speech = SpeechChecker(make, settings.asr_sample, settings.asr_max_error, language, unavailable=unavailable)
     return Pipeline(
         engine,
         admission,
@@ -367,6 +391,8 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
         ledger=ledger,
         registry=registry,
         metrics=metrics,
+        speech=speech,
+        check_prompt=(settings.canary_prompt, settings.canary_prompt_text),
     )
 
 
@@ -429,7 +455,13 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(3)
 
     threading.Thread(target=load, name="engine-load", daemon=True).start()
-    start_canary(settings.canary_interval, pipeline.admission, pipeline.watch, pipeline.canary)
+    start_canary(
+        settings.canary_interval,
+        pipeline.admission,
+        pipeline.watch,
+        pipeline.canary,
+        lambda: pipeline.probe.verdict.unchecked,
+    )
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -174,6 +174,8 @@ def status_tables(current: ClusterStatus) -> list[Table]:
     with_gpus = bool(current.gpus)
     table = Table(title=f"cosyvoice-lb at {current.url}")
     columns = ["name", "port", "device", "pid", "state", "ready", "in rotation", "restarts", "uptime", "code"]
+    with_speech = any(i.speech for i in current.instances)
+    columns += ["speech"] if with_speech else []  # (the speech check's verdict, once an instance says one)
     columns += ["GPU memory"] if with_gpus else []  # no empty GPU column on a box without one
     with_bad = any(i.bad_audio or i.bad_audio_restarts for i in current.instances)
     columns += ["bad audio"] if with_bad else []  # (only once an instance made some)
@@ -192,6 +194,7 @@ def status_tables(current: ClusterStatus) -> list[Table]:
             f"{i.uptime:.0f}s",
             code_cell(i.code, current.code),
         ]
+        row += [i.speech or NONE] if with_speech else []
         row += [format_size(i.gpu_memory) if i.gpu_memory else NONE] if with_gpus else []
         row += [bad_audio_cell(i.bad_audio, i.bad_audio_restarts)] if with_bad else []
         table.add_row(*row, i.reason)

@@ -99,8 +99,10 @@ class CanaryLoop:
         on_bad: Callable[[Fault], None],
         clock: Clock = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        unchecked: Callable[[], str] = lambda: "",
     ):
         self.interval, self.watch, self.snapshot = interval, watch, snapshot
+        self.unchecked = unchecked  # why the last canary's speech was not checked ("" when it was)
         self.synthesize, self.on_bad = synthesize, on_bad
         self.clock, self.sleep = clock, sleep
         self.runs = 0  # canaries run
@@ -121,8 +123,13 @@ class CanaryLoop:
             return POLL_SECONDS
         if fault is None:
             self.watch.good()
-            if owed:  # (a periodic pass is not worth a line)
-                log.info("canary after a bad answer: the audio passed the check (the request's own fault)")
+            why = self.unchecked()
+            if owed and why:  # (could not check: never called a pass)
+                log.warning(
+                    "canary after a bad answer: its audio passed the audio check; its speech unchecked: %s", why
+                )
+            elif owed:  # (a periodic pass is not worth a line)
+                log.info("canary after a bad answer: it passed its checks (the request's own fault)")
         else:
             self.on_bad(fault)
         return POLL_SECONDS
@@ -137,6 +144,7 @@ def start_canary(
     admission: Admission,
     watch: AudioWatch,
     synthesize: Callable[[], Fault | None],
+    unchecked: Callable[[], str] = lambda: "",
 ) -> CanaryLoop:
     """The instance's canary loop, in a daemon thread of its own."""
     loop = CanaryLoop(
@@ -146,6 +154,7 @@ def start_canary(
         synthesize,
         lambda fault: take_out(admission, watch, fault, "canary"),
         clock=admission.clock,
+        unchecked=unchecked,
     )
     threading.Thread(target=loop.run, name="canary", daemon=True).start()
     return loop

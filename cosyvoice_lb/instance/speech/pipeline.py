@@ -32,8 +32,10 @@ from cosyvoice_lb.instance.audio.check import AudioCheck, Fault
 from cosyvoice_lb.instance.audio.outputs import Outputs
 from cosyvoice_lb.instance.audio.prompts import read_prompt
 from cosyvoice_lb.instance.audio.wav import WavBuilder, wav_bytes, write_wav
-from cosyvoice_lb.instance.engines import Engine, EngineError, SynthesisRequest, clones
+from cosyvoice_lb.instance.engines import Engine, SynthesisRequest, clones
 from cosyvoice_lb.instance.metrics import Metrics
+from cosyvoice_lb.instance.quality.checker import NO_TAP, Check, SpeechChecker, Tap
+from cosyvoice_lb.instance.quality.probe import Probe
 from cosyvoice_lb.instance.routing.router import Router
 from cosyvoice_lb.instance.routing.rule import LAST_HEADER, TRY_HEADER, Rate
 from cosyvoice_lb.instance.speech.admission import (
@@ -42,7 +44,7 @@ from cosyvoice_lb.instance.speech.admission import (
     TimedOut,
     deadline_for,
 )
-from cosyvoice_lb.instance.speech.canary import CANARY_TEXT, AudioWatch, take_out
+from cosyvoice_lb.instance.speech.canary import AudioWatch
 from cosyvoice_lb.instance.speech.failures import BadAudio, Declined, NoAudio, StorageFailed
 from cosyvoice_lb.instance.speech.poison import Ledger, fingerprint
 from cosyvoice_lb.instance.speech.validation import (
@@ -93,6 +95,8 @@ class Pipeline:
         ledger: Ledger | None = None,
         registry: Registry | None = None,
         metrics: Metrics | None = None,
+        speech: SpeechChecker | None = None,
+        check_prompt: tuple[str, str] = ("", ""),
     ):
         self.engine = engine
         self.admission = admission or Admission()
@@ -105,6 +109,10 @@ class Pipeline:
         self.ledger = ledger  # poison requests: see ``poison``
         self.registry = registry  # saved voices: see ``voices``
         self.metrics = metrics or Metrics(engine.name)
+        self.speech = speech  # the speech check (``quality``); None: none here
+        if speech is not None:
+            speech.listen(self.heard)
+        self.probe = Probe(self, check_prompt)  # the warm-up and the canary, and their verdict
         self.watch = AudioWatch(self.admission.clock, self.metrics.bad_audio)  # bad audio found (see ``canary``)
         self.rate = Rate()  # this engine's seconds per character, measured
         self.router: Router | None = None  # routing by work (see ``routing``); None: never declines
@@ -116,6 +124,14 @@ class Pipeline:
         # time ran out is answered while a stuck engine call keeps only its own thread.
         self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="synthesis")
 
+    def heard(self, check: Check) -> None:
+        """A speech check was made: counted; a live answer that failed it owes a canary (which
+        says whether the instance or the request was at fault, as for bad audio)."""
+        self.metrics.speech_checked(check.kind, check.outcome, check.score.ratio if check.score else None)
+        if check.kind == "request" and check.failed:
+            log.warning("a live answer failed the speech check: heard %r for %r", check.transcript, check.text)
+            self.watch.owed.set()
+
     def live(self) -> dict[str, float]:
         """What a scrape reads of this instance now (see ``metrics``)."""
         snapshot = self.admission.snapshot()
@@ -124,6 +140,7 @@ class Pipeline:
             "inflight": snapshot.inflight,
             "waiting": snapshot.waiting,
             "long_texts": self.coordinating,
+            "speech_unchecked": float(bool(self.probe.verdict.unchecked)),
             "outputs_failing": float(bool(self.storage_problem)),
             "voice_cache_hits": getattr(self.engine, "voice_cache_hits", 0),
             "voice_cache_misses": getattr(self.engine, "voice_cache_misses", 0),
@@ -163,31 +180,8 @@ class Pipeline:
     # --- loading ---------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Load the engine, run one warm-up synthesis, then turn ready (unless a drain came
-        first: a drained instance never turns ready). Bad warm-up audio leaves it out, in the
-        ``bad-audio`` phase (see ``canary``)."""
-        t0 = time.monotonic()
-        self.engine.load()
-        try:
-            warm_up: SynthesisRequest | None = self.complete(SynthesisRequest(text="Warm-up."))
-        except BadRequest as exc:  # a cloning-only model and no bundled prompt to clone
-            warm_up = None
-            log.warning("no warm-up synthesis (%s): ready after loading only", exc)
-        if warm_up is not None:
-            try:
-                if self.synthesize(Job(warm_up), count=False).size == 0:
-                    raise EngineError("the warm-up synthesis returned no audio")
-            except BadAudio as exc:  # not ready: /ping says bad-audio, and the health loop restarts it
-                take_out(self.admission, self.watch, exc.fault, "warm_up")
-                return
-            self.watch.good()
-        if self.admission.become_ready():
-            log.info(
-                "ready: engine %s loaded and warmed up in %.1fs (modes: %s)",
-                self.engine.name,
-                time.monotonic() - t0,
-                ", ".join(self.engine.modes),
-            )
+        """Load the engine, run one warm-up synthesis, then turn ready (``quality.probe``)."""
+        self.probe.load()
 
     # --- validate → prompt ---------------------------------------------------------------
 
@@ -368,6 +362,7 @@ class Pipeline:
         outcome: bool | None = None
         made: Iterator[Any] | None = None
         check = AudioCheck(job.request.text, job.request.speed, self.engine.sample_rate)
+        tap = self.tap(job.request, count)
         try:
             request = job.request if cancelled is None else replace(job.request, cancel=cancelled)
             made = iter(self.engine.synthesize(request))
@@ -387,6 +382,7 @@ class Pipeline:
                 if metrics is not None and samples == 0 and audio.size:
                     metrics.first_chunk(job.route, clock() - (job.arrived or queued))
                 samples += audio.size
+                tap.add(audio)
                 yield audio
                 if cancelled is not None and cancelled.is_set():  # gone while it had the chunk
                     return
@@ -400,6 +396,7 @@ class Pipeline:
                 self.rate.observe(chars, working)
             if metrics is not None:
                 metrics.completed(job.route, samples / self.engine.sample_rate, working)
+            tap.done()
         except GeneratorExit:
             raise
         except Exception:
@@ -419,6 +416,17 @@ class Pipeline:
                     # clears the deaths its request was present at (see ``poison``)
                     ledger.leave(mark, spoken=outcome is True)
 
+    def tap(self, request: SynthesisRequest, count: bool) -> Tap:
+        """Where a live answer's audio goes for the speech check, after it was sent (a share of
+        them, ``--asr-sample``; never the warm-up's or a canary's: those are checked whole)."""
+        if self.speech is None or not count:
+            return NO_TAP
+        return self.speech.tap(request.text, self.engine.sample_rate)
+
+    def speak(self, request: SynthesisRequest) -> np.ndarray:
+        """A synthesis of the instance's own (the warm-up, a canary): never counted as served."""
+        return self.synthesize(Job(request), count=False)
+
     def refuse_bad(self, fault: Fault | None, count: bool) -> None:
         """Bad audio is never answered: :class:`BadAudio` (502: nginx retries it elsewhere); a
         request's is counted against the instance, and owes a canary (see ``canary``)."""
@@ -431,15 +439,7 @@ class Pipeline:
 
     def canary(self) -> Fault | None:
         """One canary synthesis (never counted as served): its audio's fault, or None."""
-        try:
-            request = self.complete(SynthesisRequest(text=CANARY_TEXT))
-        except BadRequest:  # a cloning-only model and no bundled prompt (as for the warm-up): nothing to say
-            return None
-        try:
-            self.synthesize(Job(request), count=False)
-        except BadAudio as exc:
-            return exc.fault
-        return None
+        return self.probe.run("canary").fault
 
     def synthesize(
         self,

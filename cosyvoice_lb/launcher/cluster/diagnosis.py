@@ -49,6 +49,11 @@ class InstanceStatus:
     bad_audio_restarts: int = 0  # restarts the health loop ordered for bad audio
     audio_fault: str = ""  # the last bad audio that took it out (its /ping now, or the health loop's record)
     audio_fault_at: float = 0.0  # when that was seen (epoch s)
+    # its speech check (/ping's speech): the last warm-up's or canary's verdict, passed, failed
+    # or unchecked ("" from an instance that does not say), and why not passed
+    speech: str = ""
+    speech_why: str = ""
+    speech_last: list[dict] = field(default_factory=list)  # its last checks, with what was heard
 
     @property
     def serving(self) -> bool:
@@ -201,6 +206,8 @@ def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStat
     if body.get("state") == "bad-audio":  # (out now: newer than anything the loop recorded)
         fault, fault_at = str(body.get("error", "")) or "bad audio", seen.now
     counts = body.get("bad_audio")
+    said = body.get("speech")
+    speech: dict = said if isinstance(said, dict) else {}
     return InstanceStatus(
         name=slot.name,
         port=slot.port,
@@ -224,6 +231,9 @@ def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStat
         bad_audio_restarts=int(track.ordered.get("bad_audio", 0)),
         audio_fault=fault,
         audio_fault_at=fault_at,
+        speech=str(speech.get("verdict", "")),
+        speech_why=str(speech.get("why", "")),
+        speech_last=[c for c in speech.get("last", []) if isinstance(c, dict)][-5:],
     )
 
 
@@ -238,6 +248,8 @@ def instance_findings(result: ClusterStatus, item: InstanceStatus, body: dict) -
             + "): those answers were not sent (retried elsewhere); it serves while its canary passes, see "
             f"'cosyvoice-lb logs {item.name}'"
         )
+    if item.ready and item.speech == "unchecked":  # (could not check: never shown as passed)
+        result.warnings.append(f"{item.name}'s speech is unchecked: {item.speech_why}")
     if item.failed:
         result.problems.append(
             f"{item.name} {item.failed}; see 'cosyvoice-lb logs {item.name}', fix the cause, "

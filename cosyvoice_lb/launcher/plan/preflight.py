@@ -213,6 +213,9 @@ def check_tools(settings: Settings) -> None:
         raise ClusterError("flite not found: --engine flite needs it; install it with 'sudo apt-get install -y flite'")
     if settings.resolved_engine == "cosyvoice3":
         check_model(settings)
+    for given, what in ((settings.canary_prompt, "--canary-prompt"), (settings.asr_model, "--asr-model")):
+        if given and not Path(given).expanduser().exists():
+            raise ClusterError(f"{what} {given} does not exist: name a file or dir the instances can read")
     if settings.mps:
         from cosyvoice_lb.launcher.cluster.mps import mps_problem
 

@@ -223,6 +223,37 @@ def _sections() -> list[tuple[str, int, list[dict[str, Any]]]]:
             ],
         ),
         (
+            "Speech",
+            8,
+            [
+                _series(
+                    "Speech check error",
+                    "What the recogniser heard against the text (WER; CER for Chinese and Japanese), per instance: "
+                    "sampled live answers, warm-ups and canaries (alert: p90 over --asr-max-error for 10 minutes).",
+                    [
+                        (
+                            "histogram_quantile(0.5, sum by (name, le) (rate(cosyvoice_speech_error_ratio_bucket[30m])))",
+                            "{{name}} p50",
+                        ),
+                        (
+                            "histogram_quantile(0.9, sum by (name, le) (rate(cosyvoice_speech_error_ratio_bucket[30m])))",
+                            "{{name}} p90",
+                        ),
+                    ],
+                ),
+                _series(
+                    "Speech checks",
+                    "Checks per second by kind and outcome (failed: above --asr-max-error; unchecked: no recogniser).",
+                    [(f"sum by (kind, outcome) (rate(cosyvoice_speech_checks_total[{rate}]))", "{{kind}} {{outcome}}")],
+                ),
+                _stat(
+                    "Speech unchecked",
+                    "Instances whose last warm-up or canary no recogniser could judge: not a pass.",
+                    "sum(cosyvoice_speech_unchecked)",
+                ),
+            ],
+        ),
+        (
             "GPUs",
             8,
             [

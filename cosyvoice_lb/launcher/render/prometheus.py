@@ -114,6 +114,12 @@ _NOTES = {
     "not kept (non-streamed requests get 507). The gauge stays 1 until a write succeeds again.",
     "CosyVoiceHealthLoopStale": "The health loop ejects failed instances and restarts hung ones: when it stops "
     "reporting, nobody does.",
+    "CosyVoiceSpeechErrorHigh": "What listeners hear: the recogniser's error on a share of live answers, warm-ups "
+    "and canaries (--asr-sample). A canary above --asr-max-error takes its instance out at once; this catches "
+    "what drifts under it for a while (a model that mumbles, skips or repeats, on every instance at once after "
+    "a roll-out). No checks give no quantile (NaN), which never fires.",
+    "CosyVoiceSpeechUnchecked": "Could not check is never a pass: an instance whose warm-up or canary speech no "
+    "recogniser could judge (none installed, none named for the engine, a language it does not know).",
 }
 
 
@@ -132,6 +138,7 @@ def alert_groups(settings: Settings | None = None, scope: RuleScope = BOX) -> li
     pod's scope). The health loop counts as stale after 30 s, or after what `status` allows
     when its probes are slower."""
     stale = max(30, math.ceil(Timeouts(settings or Settings()).health_stale))
+    max_error = (settings or Settings()).asr_max_error
     s = scope
 
     def series(metric: str, *matchers: str) -> str:
@@ -150,6 +157,7 @@ def alert_groups(settings: Settings | None = None, scope: RuleScope = BOX) -> li
     one = ", ".join(s.instance)
     name = "{{ $labels.name }}" + s.of
     first_package = series("cosyvoice_first_package_seconds_bucket", 'route!="segment"')
+    speech_error = series("cosyvoice_speech_error_ratio_bucket")
     up, ready = series("cosyvoice_lb_instance_up"), series("cosyvoice_lb_instance_ready")
     rules = [
         _rule(
@@ -237,6 +245,29 @@ def alert_groups(settings: Settings | None = None, scope: RuleScope = BOX) -> li
             "The health loop last reported {{ $value | humanizeDuration }} ago",
             f"The health loop has not reported for over {stale} s, so failed instances are neither taken out of "
             f"rotation nor restarted. See {here('status')} and {here('logs health')}.",
+        ),
+    ]
+    rules += [
+        _rule(
+            "CosyVoiceSpeechErrorHigh",
+            f"histogram_quantile(0.9, sum by ({one}, le) (rate({speech_error}[30m]))) > {max_error:g}",
+            "10m",
+            "warning",
+            f"{name}'s speech: p90 error {{{{ $value | humanizePercentage }}}} (over {max_error:g})",
+            "For 10 minutes the speech check heard 1 in 10 of {{ $labels.name }}'s checked answers miss the text "
+            f"by more than --asr-max-error {max_error:g} (WER, or CER for Chinese and Japanese). See the panel's "
+            f"speech checks (what was heard), {here('logs {{ $labels.name }}')}, and whether a new model or code "
+            "rolled out.",
+        ),
+        _rule(
+            "CosyVoiceSpeechUnchecked",
+            f"{total()}({series('cosyvoice_speech_unchecked')}) > 0",
+            "30m",
+            "info",
+            '{{ $value | printf "%.0f" }} instance(s) serve with their speech unchecked',
+            "No recogniser judged these instances' warm-up or canary speech: their audio passed the audio check, "
+            "but nobody heard it. Give --asr-model DIR (sherpa-onnx: SenseVoice, Paraformer, Whisper) or --asr "
+            f"pocketsphinx (English); see {anywhere('status')} for why each is unchecked.",
         ),
     ]
     return [{"name": "cosyvoice-lb", "rules": rules}]

@@ -23,25 +23,36 @@ _PACKAGE = Path(cosyvoice_lb.__file__).resolve().parent
 INSTANCE_PACKAGES = ("instance", "common")
 
 
-def instance_files() -> dict[str, str]:
-    """{path relative to the staging dir: text} for app.py and the instance's packages."""
-    files = {"app.py": (_PACKAGE / "instance" / "__main__.py").read_text(encoding="utf-8")}
+# The instance's data files beside its code (the speech check's prompt).
+ASSETS = ("*.wav",)
+
+
+def instance_files() -> dict[str, str | bytes]:
+    """{path relative to the staging dir: text or bytes} for app.py and the instance's packages."""
+    files: dict[str, str | bytes] = {"app.py": (_PACKAGE / "instance" / "__main__.py").read_text(encoding="utf-8")}
     files["cosyvoice_lb/__init__.py"] = (_PACKAGE / "__init__.py").read_text(encoding="utf-8")
     for package in INSTANCE_PACKAGES:
         for path in sorted((_PACKAGE / package).rglob("*.py")):
             files[path.relative_to(_PACKAGE.parent).as_posix()] = path.read_text(encoding="utf-8")
+        for pattern in ASSETS:
+            for path in sorted((_PACKAGE / package).rglob(pattern)):
+                files[path.relative_to(_PACKAGE.parent).as_posix()] = path.read_bytes()
     return files
+
+
+def _bytes(data: str | bytes) -> bytes:
+    return data.encode("utf-8") if isinstance(data, str) else data
 
 
 # In each staged tree: the digest of its files, which the instance reports in /ping.
 CODE_FILE = "CODE"
 
 
-def code_digest(files: dict[str, str]) -> str:
+def code_digest(files: dict[str, str] | dict[str, str | bytes]) -> str:
     """A short digest of the instance code: the same files give the same digest anywhere."""
     h = hashlib.sha256()
     for name in sorted(files):
-        data = files[name].encode("utf-8")
+        data = _bytes(files[name])
         h.update(f"{name}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()[:16]
@@ -55,7 +66,7 @@ def staged_digest(lib: Path) -> str:
         return ""
 
 
-def stage(lib: Path, files: dict[str, str] | None = None) -> tuple[str, bool]:
+def stage(lib: Path, files: dict[str, str] | dict[str, str | bytes] | None = None) -> tuple[str, bool]:
     """Stage the instance code at ``lib``: a symlink to ``lib-DIGEST``, a complete tree.
 
     The tree is written into a scratch dir and renamed into place, then the symlink is
@@ -71,9 +82,9 @@ def stage(lib: Path, files: dict[str, str] | None = None) -> tuple[str, bool]:
     if staged_digest(target) != digest:
         scratch = Path(tempfile.mkdtemp(dir=lib.parent, prefix=f".{lib.name}-"))
         try:
-            for name, text in {**files, CODE_FILE: digest + "\n"}.items():
+            for name, data in {**files, CODE_FILE: digest + "\n"}.items():
                 (scratch / name).parent.mkdir(parents=True, exist_ok=True)
-                (scratch / name).write_text(text, encoding="utf-8")
+                (scratch / name).write_bytes(_bytes(data))
             os.chmod(scratch, 0o755)
             shutil.rmtree(target, ignore_errors=True)  # (a tree left half-made by a crash: never renamed to)
             os.rename(scratch, target)
