@@ -305,6 +305,22 @@ def test_the_web_ui_and_its_api_schema_load_through_nginx(cluster):
     assert info.status_code == 200 and "/generate" in info.text
 
 
+def test_the_random_weight_models_speech_fails_the_speech_check_and_is_shown_unchecked(cluster):
+    """Its audio passes the audio check (finite, in range, plausible length), yet it is noise:
+    the speech check's recogniser hears nothing of the text. The instances name no recogniser
+    (none for cosyvoice3 until the box gives one), so they say unchecked, never passed."""
+    pytest.importorskip("pocketsphinx", reason="the speech check's recogniser (pip install pocketsphinx)")
+    from cosyvoice_lb.instance.quality.recognizers import Pocketsphinx
+    from cosyvoice_lb.instance.quality.score import score
+
+    text = "Hello, this is a short check of the voice."
+    audio = decoded(tts(cluster, {"text": text, "mode": "cross_lingual"}, PROMPT.read_bytes()))
+    assert score(text, Pocketsphinx().transcribe(audio, RATE)).ratio > 0.6
+    for i in (0, 1):
+        speech = cluster["http"].get(f"http://127.0.0.1:{cluster['base'] + i}/ping", timeout=10).json()["speech"]
+        assert speech["verdict"] == "unchecked" and "--asr-model" in speech["why"], speech
+
+
 def test_no_instance_logged_a_traceback(cluster):
     for log in (cluster["state_dir"] / "logs").glob("instance-*.log"):
         assert unexpected_tracebacks(log.read_text()) == [], log.name
