@@ -63,7 +63,9 @@ def test_two_browsers_generate_speech_through_nginx(cluster):
             for visitor in range(4):
                 context = browser.new_context()
                 page = context.new_page()
-                page.goto(cluster["url"], wait_until="networkidle")
+                # (90 s: the first page of a fresh cluster on a loaded 2-core CI box once took
+                # over playwright's default 30 s to go quiet)
+                page.goto(cluster["url"], wait_until="networkidle", timeout=90000)
                 page.get_by_label("Text").fill(f"Hello from visitor {visitor}. 你好。")
                 page.get_by_role("button", name="Generate").click()
                 # The audio player appears with the result (a download button comes with it).

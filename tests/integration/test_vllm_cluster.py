@@ -64,6 +64,11 @@ def up(upstream, state_dir: Path, model_dir: Path, *extra: str):
         "400",
         "--token2wav-batch",  # (auto is 1 on a CPU, where it buys nothing: batched here to test it)
         str(AT_ONCE),
+        # a synthesis at the flow or HiFT waits this long for the others inside token2wav: the
+        # random-weight model's syntheses end their LLM at scattered steps, and 20 ms let a
+        # loaded CI box run all six apart (6 flow runs, 0 shared, in one run of many)
+        "--token2wav-window",
+        "1000",
         *extra,
         env=clean_env(),
         timeout=600,
