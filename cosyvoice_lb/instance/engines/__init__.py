@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 MODES = ("zero_shot", "cross_lingual", "instruct", "sft")
+CLONING = ("zero_shot", "cross_lingual", "instruct")  # the modes that speak with a prompt
 
 
 @dataclass(frozen=True)

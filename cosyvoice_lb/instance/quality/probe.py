@@ -23,12 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from cosyvoice_lb.instance.audio.check import Fault
-from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest
+from cosyvoice_lb.instance.audio.prompts import PromptError
+from cosyvoice_lb.instance.engines import CLONING, EngineError, SynthesisRequest
 from cosyvoice_lb.instance.quality.checker import Check
+from cosyvoice_lb.instance.speech.canary import take_out
+from cosyvoice_lb.instance.speech.failures import BadAudio
+from cosyvoice_lb.instance.speech.validation import BadRequest
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
-CLONING = ("zero_shot", "cross_lingual", "instruct")  # modes that speak with a prompt
 
 CHECK_TEXT = "Hello, this is a short check of the voice."
 SHIPPED_PROMPT = (
@@ -66,9 +69,6 @@ def speaking_prompt(
 def operator_prompt(wav: str, prepare: Callable[[bytes], tuple[str, list[str]]]) -> str:
     """``--canary-prompt``'s file prepared like any prompt (its path); a file that cannot be
     read or is no usable prompt fails the instance's load, saying which."""
-    from cosyvoice_lb.instance.audio.prompts import PromptError
-    from cosyvoice_lb.instance.speech.validation import BadRequest
-
     try:
         return prepare(Path(wav).read_bytes())[0]
     except (OSError, BadRequest, PromptError) as exc:
@@ -116,8 +116,6 @@ class Probe:
         """Load the engine, run the warm-up, then turn ready (unless a drain came first: a
         drained instance never turns ready). A bad warm-up (its audio, or its speech) leaves
         it out, in the ``bad-audio`` phase (see ``speech.canary``)."""
-        from cosyvoice_lb.instance.speech.canary import take_out
-
         p, t0 = self.pipeline, time.monotonic()
         if self.check_prompt[0]:  # --canary-prompt, prepared once like any prompt
             self.check_prompt = (operator_prompt(self.check_prompt[0], p.prepare_prompt), self.check_prompt[1])
@@ -148,8 +146,6 @@ class Probe:
 
     def run(self, kind: str) -> Verdict:
         """The warm-up's or a canary's synthesis, never counted as served, and its verdict."""
-        from cosyvoice_lb.instance.speech.failures import BadAudio
-
         p = self.pipeline
         try:
             audio = p.speak(self.request())

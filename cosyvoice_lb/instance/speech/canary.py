@@ -5,7 +5,7 @@ Every synthesis is judged by the audio check (``audio.check``) before it is answ
 answer to a request is never sent (the request is retried elsewhere), but it may be the
 request's own doing (a prompt the model cannot speak) or the instance's (a model that makes
 NaN for everything: TensorRT with fp16 on some cards). The canary tells them apart: a
-standard text, synthesized at once after a bad answer (it takes the next free engine slot:
+standard text (``quality.probe``: what it says, and how it is judged), synthesized at once after a bad answer (it takes the next free engine slot:
 a busy instance may never be idle, and one that fails every request must not wait for a
 quiet moment to be found out), and every ``--canary-interval`` seconds (0: never) of an
 idle instance that checked no audio meanwhile. Bad canary audio (or a bad warm-up) takes
@@ -33,7 +33,6 @@ from cosyvoice_lb.instance.speech.admission import Admission, Clock, Phase, Snap
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
-CANARY_TEXT = "Hello, this is a short check of the voice."
 POLL_SECONDS = 1.0  # how often an idle instance looks whether a canary is due
 OWED_POLL_SECONDS = 0.02  # after a bad answer: how soon it runs one
 WHERE = {"warm_up": "the warm-up synthesis", "canary": "a canary synthesis"}

@@ -32,7 +32,7 @@ from cosyvoice_lb.instance.audio.check import AudioCheck, Fault
 from cosyvoice_lb.instance.audio.outputs import Outputs
 from cosyvoice_lb.instance.audio.prompts import read_prompt
 from cosyvoice_lb.instance.audio.wav import WavBuilder, wav_bytes, write_wav
-from cosyvoice_lb.instance.engines import Engine, SynthesisRequest, clones
+from cosyvoice_lb.instance.engines import CLONING, Engine, SynthesisRequest, clones
 from cosyvoice_lb.instance.metrics import Metrics
 from cosyvoice_lb.instance.quality.checker import NO_TAP, Check, SpeechChecker, Tap
 from cosyvoice_lb.instance.quality.probe import Probe
@@ -60,8 +60,6 @@ from cosyvoice_lb.instance.speech.validation import (
 from cosyvoice_lb.instance.speech.voices import Registry, Voice, check_consent
 
 log = logging.getLogger("cosyvoice_lb.instance")
-
-CLONING = ("zero_shot", "cross_lingual", "instruct")
 
 
 @dataclass

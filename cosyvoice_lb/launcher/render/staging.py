@@ -10,6 +10,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import cosyvoice_lb
@@ -48,7 +49,7 @@ def _bytes(data: str | bytes) -> bytes:
 CODE_FILE = "CODE"
 
 
-def code_digest(files: dict[str, str] | dict[str, str | bytes]) -> str:
+def code_digest(files: Mapping[str, str | bytes]) -> str:
     """A short digest of the instance code: the same files give the same digest anywhere."""
     h = hashlib.sha256()
     for name in sorted(files):
@@ -66,7 +67,7 @@ def staged_digest(lib: Path) -> str:
         return ""
 
 
-def stage(lib: Path, files: dict[str, str] | dict[str, str | bytes] | None = None) -> tuple[str, bool]:
+def stage(lib: Path, files: Mapping[str, str | bytes] | None = None) -> tuple[str, bool]:
     """Stage the instance code at ``lib``: a symlink to ``lib-DIGEST``, a complete tree.
 
     The tree is written into a scratch dir and renamed into place, then the symlink is
