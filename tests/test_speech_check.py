@@ -221,3 +221,21 @@ def test_could_not_check_is_never_a_pass():
     assert english.outcome == "unchecked" and "English only" in english.unchecked
     none = SpeechChecker(None, unavailable="no recogniser understands the espeak engine's voice")
     assert none.check_now("canary", "hi", np.ones(10, dtype=np.float32), 16000).unchecked.startswith("no recogniser")
+
+
+def test_answers_no_check_could_judge_are_never_kept():
+    """(The hot path keeps and queues nothing that could only come back unchecked.)"""
+    assert SpeechChecker(None, sample=1.0).tap("hello there", 16000) is NO_TAP
+    assert SpeechChecker(Heard, sample=1.0, language="en").tap("今天天气很好。", 16000) is NO_TAP
+    assert SpeechChecker(Heard, sample=1.0, language="").tap("今天天气很好。", 16000) is not NO_TAP
+
+
+def test_the_worker_outlives_a_check_that_breaks():
+    class Broken(Heard):
+        def transcribe(self, audio, rate):
+            raise ZeroDivisionError("inside the recogniser")
+
+    checker = SpeechChecker(Broken)
+    first = checker.check_now("canary", "hello", np.ones(10, dtype=np.float32), 16000, timeout=10)
+    assert first.outcome == "unchecked" and "ZeroDivisionError" in first.unchecked
+    assert checker.check_now("canary", "hello", np.ones(10, dtype=np.float32), 16000, timeout=10).outcome == "unchecked"

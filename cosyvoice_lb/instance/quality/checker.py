@@ -154,10 +154,16 @@ class SpeechChecker:
 
     def tap(self, text: str, rate: int) -> Tap:
         """A :class:`Tap` for a live answer chosen for a check (``--asr-sample``), else
-        :data:`NO_TAP`."""
-        if self.sample <= 0 or self.rng.random() >= self.sample:
+        :data:`NO_TAP`: also when no check of it could say more than unchecked (no
+        recogniser, or a language it does not hear), so such answers are neither kept nor
+        queued."""
+        if self.sample <= 0 or self.broken or self.unheard(text) or self.rng.random() >= self.sample:
             return NO_TAP
         return Tap(text, rate, checker=self)
+
+    def unheard(self, text: str) -> bool:
+        """The recogniser hears English only and ``text`` is scored by character (Chinese, Japanese)."""
+        return self.language == "en" and scored_by_character(text)
 
     def submit(self, tap: Tap) -> None:
         """Queue a live answer that was sent whole and good; never blocks."""
@@ -199,7 +205,11 @@ class SpeechChecker:
     def _run(self) -> None:
         while True:
             kind, text, audio, rate, answer = self._queue.get()
-            check = self.check(kind, text, audio, rate)
+            try:
+                check = self.check(kind, text, audio, rate)
+            except Exception as exc:  # noqa: BLE001  (the worker outlives any one check; its caller hears why)
+                log.exception("a speech check failed")
+                check = Check(kind, text, unchecked=f"the speech check failed: {type(exc).__name__}: {exc}")
             self.last.append(check)
             for listener in self.listeners:
                 try:
@@ -211,7 +221,7 @@ class SpeechChecker:
     def check(self, kind: str, text: str, audio: np.ndarray, rate: int) -> Check:
         """One check, here and now (the worker's step)."""
         seconds = audio.size / rate if rate else 0.0
-        if self.language == "en" and scored_by_character(text):
+        if self.unheard(text):
             return Check(kind, text, unchecked=f"{self.name or 'the recogniser'} hears English only", seconds=seconds)
         recognizer = self._recognizer()
         if recognizer is None:
