@@ -72,6 +72,9 @@ class Pocketsphinx:
         data = pcm16(resampled(audio, rate))
         with self._lock:
             try:
+                # Afresh for each answer: its noise estimate adapts across utterances otherwise,
+                # and the same audio heard after other audio was transcribed differently.
+                self._decoder.reinit_feat()
                 self._decoder.start_utt()
                 self._decoder.process_raw(data, full_utt=True)
                 self._decoder.end_utt()
