@@ -55,6 +55,7 @@ def instance_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--segment-key-file", default="", help="the key segments carry (nginx knows them by it)")
     parser.add_argument("--board", default="", help="the routing board shared by the box's instances")
     parser.add_argument("--slot", type=int, default=-1, help="this instance's row on the routing board")
+    parser.add_argument("--canary", action="store_true", help="a model roll-out's canary: every request is compared")
     for f in declarations():
         if not f.metadata["instance"]:
             continue

@@ -52,6 +52,8 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 # The speech check's error ratio: 0 is word for word; above 1, more words than the text had.
 ERROR_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5)
 SPEECH_KINDS = CHECKS  # (the speech check runs on the same three: quality.checker.KINDS)
+# Speaker similarity (a cosine): the same speaker sits high, finer steps there.
+SIMILARITY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
 BATCH_STAGES = ("llm", "flow", "hift")
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
@@ -171,8 +173,17 @@ class Metrics:
             ["kind", "outcome"],
             registry=self.registry,
         )
+        self.speaker_similarity = Histogram(
+            "cosyvoice_speaker_similarity",
+            "The speech check: the cosine of an answer's speaker embedding to its prompt's (upstream's "
+            "campplus.onnx; answers spoken with a prompt), by kind (request: a sampled live answer; warm_up; canary).",
+            ["kind"],
+            buckets=SIMILARITY_BUCKETS,
+            registry=self.registry,
+        )
         for kind in SPEECH_KINDS:
             self.speech_error.labels(kind)
+            self.speaker_similarity.labels(kind)
             for outcome in ("passed", "failed", "unchecked"):
                 self.speech_checks.labels(kind, outcome)
         for route in ROUTES:  # every series from the start: rate() sees the first request
@@ -282,12 +293,14 @@ class Metrics:
         if self.enabled:
             self.results_not_kept.inc()
 
-    def speech_checked(self, kind: str, outcome: str, error: float | None) -> None:
+    def speech_checked(self, kind: str, outcome: str, error: float | None, similarity: float | None = None) -> None:
         if not self.enabled:
             return
         self.speech_checks.labels(kind, outcome).inc()
         if error is not None:
             self.speech_error.labels(kind).observe(error)
+        if similarity is not None:
+            self.speaker_similarity.labels(kind).observe(similarity)
 
     def bad_audio(self, reason: str, during: str) -> None:
         if self.enabled:

@@ -55,7 +55,9 @@ from cosyvoice_lb.instance.engines import create_engine
 from cosyvoice_lb.instance.lifetime import close_engine, draining_server, outlive_uvicorns_signal
 from cosyvoice_lb.instance.metrics import MISSING, Metrics, RequestMetrics
 from cosyvoice_lb.instance.quality.checker import SpeechChecker
+from cosyvoice_lb.instance.quality.cohort import Cohort, mount_cohort
 from cosyvoice_lb.instance.quality.recognizers import choose
+from cosyvoice_lb.instance.quality.speaker import speaker_model_for
 from cosyvoice_lb.instance.routing.board import Opener
 from cosyvoice_lb.instance.routing.router import Router
 from cosyvoice_lb.instance.speech.admission import Admission, Phase, Snapshot
@@ -185,11 +187,13 @@ def build_app(
     fanout: FanOut | None = None,
     voice_map: dict[str, str] | None = None,
     ui: bool = True,
+    cohort: Cohort | None = None,
 ) -> Any:
     """The FastAPI app: ``/ping``, ``/v1/tts``, the OpenAI-compatible routes
     (``openai_api``) and the Gradio UI at ``/`` (``ui=False``, --no-ui: no Gradio imported,
     ``/`` a 404 that names the API); with a ``policy``, all but ``/ping`` behind the gate
-    (``gate.py``). ``fanout``: where long texts' segments go."""
+    (``gate.py``). ``fanout``: where long texts' segments go; ``cohort``: the requests a model
+    roll-out compares (``quality.cohort``)."""
     engine, admission = pipeline.engine, pipeline.admission
     started = time.time() if started is None else started
     app = FastAPI(title="cosyvoice-lb instance", docs_url=None, redoc_url=None)
@@ -339,6 +343,8 @@ def build_app(
         app.add_middleware(UIErrors)  # (Gradio's refusals in the one shape)
     else:
         answer_without_ui(app)
+    if cohort is not None:
+        mount_cohort(app, cohort, SEGMENT_HEADER)
     app.add_middleware(RequestMetrics, metrics=pipeline.metrics, segment_header=SEGMENT_HEADER)
     if policy is not None:
         app.add_middleware(Gate, policy=policy)
@@ -379,7 +385,10 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
     if hasattr(engine, "on_batch"):  # an engine that batches syntheses
         setattr(engine, "on_batch", metrics.batched)  # noqa: B010
     make, unavailable, language = choose(settings.asr, settings.resolved_engine, settings.asr_model)
-    speech = SpeechChecker(make, settings.asr_sample, settings.asr_max_error, language, unavailable=unavailable)
+    speaker = speaker_model_for(settings.model_dir)  # upstream's campplus.onnx: the answers' speaker similarity
+    speech = SpeechChecker(
+        make, settings.asr_sample, settings.asr_max_error, language, unavailable=unavailable, speaker=speaker
+    )
     return Pipeline(
         engine,
         admission,
@@ -407,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     pipeline = build_pipeline(settings, args.port, args.ledger_dir)
+    pipeline.probe.measured_only = args.canary  # (a model canary: its speech is compared, not gated)
     policy = PolicyFile(args.auth_file) if args.auth_file else None
     fanout = None
     if args.balancer and settings.max_long_chars:
@@ -440,6 +450,7 @@ def main(argv: list[str] | None = None) -> None:
         fanout=fanout,
         voice_map=voice_map,
         ui=not settings.no_ui,
+        cohort=Cohort("canary" if args.canary else "serving"),
     )
 
     def load() -> None:

@@ -26,7 +26,7 @@ from cosyvoice_lb.common.error_body import error_body, error_headers
 from cosyvoice_lb.instance.access.auth import SESSION_COOKIE, SESSION_SECONDS, PolicyFile
 
 # (/metrics: the instance's own, on loopback; it refuses what came through nginx)
-OPEN = frozenset({"/ping", "/ping/brief", "/metrics", "/login", "/logout"})
+OPEN = frozenset({"/ping", "/ping/brief", "/metrics", "/cohort", "/login", "/logout"})
 MAX_LOGIN_BODY = 8192
 REALM = 'Bearer realm="cosyvoice-lb"'
 

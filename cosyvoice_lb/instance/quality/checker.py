@@ -13,6 +13,11 @@ scores them against their text (``score``), never delaying an answer.
 or a text it cannot judge (another language than the recogniser's), a check says so
 (:attr:`Check.unchecked`), and ``/ping`` shows the instance as unchecked.
 
+Speaker similarity: an answer spoken with a prompt is also compared with the prompt's speaker
+when there is a speaker model (``speaker``; upstream's ``campplus.onnx``), recogniser or not
+(:attr:`Check.similarity`). A live answer's prompt is a file of its own request, removed once
+it was answered: it is opened when the answer is queued, and read through that.
+
 Instance side: numpy and the recogniser's own library, loaded lazily in the worker.
 """
 
@@ -25,12 +30,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import IO
 
 import numpy as np
 
+from cosyvoice_lb.instance.quality.compared import Sample
+from cosyvoice_lb.instance.quality.compared import current as current_comparison
 from cosyvoice_lb.instance.quality.recognizers import Recognizer, RecognizerError
 from cosyvoice_lb.instance.quality.score import Score, score, scored_by_character
+from cosyvoice_lb.instance.quality.speaker import SpeakerError, SpeakerModel
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -44,7 +53,9 @@ KINDS = ("request", "warm_up", "canary")
 class Check:
     """One answer checked: ``kind`` (one of KINDS), its ``text`` and what was heard, its
     ``score`` (None: unchecked, ``unchecked`` says why), the ``seconds`` of audio and the
-    CPU ``cost`` of the check in seconds; ``failed``: its error above the threshold."""
+    CPU ``cost`` of the check in seconds; ``failed``: its error above the threshold;
+    ``similarity``: the cosine of its speaker embedding to its prompt's (None: no prompt, no
+    speaker model, or it could not embed them)."""
 
     kind: str
     text: str
@@ -54,6 +65,7 @@ class Check:
     failed: bool = False
     seconds: float = 0.0
     cost: float = 0.0
+    similarity: float | None = None
     at: float = field(default_factory=time.time)
 
     @property
@@ -70,16 +82,26 @@ class Check:
             "failed": self.failed,
             "unchecked": self.unchecked,
             "seconds": round(self.seconds, 3),
+            "similarity": round(self.similarity, 4) if self.similarity is not None else None,
             "at": round(self.at, 3),
         }
 
 
 class Tap:
     """A live answer's audio, kept while it is made (``add``) for a check after it was sent
-    (``done``: queued to ``checker``; without one, :data:`NO_TAP`, it keeps nothing)."""
+    (``done``: queued to ``checker``; without one, :data:`NO_TAP`, it keeps nothing);
+    ``prompt``: the prompt WAV it is spoken with ("" for none)."""
 
-    def __init__(self, text: str, rate: int, limit: float = MAX_SECONDS, checker: SpeechChecker | None = None):
-        self.text, self.rate, self.checker = text, rate, checker
+    def __init__(
+        self,
+        text: str,
+        rate: int,
+        limit: float = MAX_SECONDS,
+        checker: SpeechChecker | None = None,
+        prompt: str = "",
+    ):
+        self.text, self.rate, self.checker, self.prompt = text, rate, checker, prompt
+        self.compared: Sample | None = None  # a model roll-out compares it: told what was heard
         self.parts: list[np.ndarray] = []
         self.samples, self.limit = 0, int(limit * rate)
 
@@ -114,11 +136,18 @@ class _NoTap(Tap):
 NO_TAP = _NoTap("", 1)
 
 
+# What the worker is handed: kind, text, audio, rate, whom to answer, and the prompt (a path, or
+# the file opened when it was queued; "" for none).
+_Queued = tuple[str, str, np.ndarray, int, Callable[[Check], None], str | IO[bytes]]
+
+
 class SpeechChecker:
     """Checks answers with the recogniser ``make_recognizer`` builds (in the worker, at its
     first check; a :class:`RecognizerError` then leaves every check unchecked, with why).
     ``language``: what the recogniser understands ("en"; "" for any); ``record(check)``: the
-    metrics."""
+    metrics; ``speaker``: the speaker model that gives answers spoken with a prompt their
+    similarity (loaded in the worker at its first use; a :class:`SpeakerError` then leaves
+    every similarity None, with one warning)."""
 
     def __init__(
         self,
@@ -129,6 +158,7 @@ class SpeechChecker:
         record: Callable[[Check], None] = lambda check: None,
         rng: random.Random | None = None,
         unavailable: str = "no speech recogniser here",
+        speaker: SpeakerModel | None = None,
     ):
         self.make_recognizer, self.sample, self.max_error = make_recognizer, sample, max_error
         self.language = language
@@ -136,9 +166,10 @@ class SpeechChecker:
         self.rng = rng or random.Random()
         self.recognizer: Recognizer | None = None
         self.broken = "" if make_recognizer is not None else unavailable
+        self.speaker, self.speaker_loaded = speaker, False
         self.skipped = 0  # live answers not queued: the worker was behind
         self.last: deque[Check] = deque(maxlen=LAST)
-        self._queue: queue.Queue[tuple[str, str, np.ndarray, int, Callable[[Check], None]]] = queue.Queue(QUEUE)
+        self._queue: queue.Queue[_Queued] = queue.Queue(QUEUE)
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
 
@@ -152,35 +183,79 @@ class SpeechChecker:
 
     # --- live answers ---------------------------------------------------------------------
 
-    def tap(self, text: str, rate: int) -> Tap:
+    def tap(self, text: str, rate: int, prompt: str = "") -> Tap:
         """A :class:`Tap` for a live answer chosen for a check (``--asr-sample``), else
         :data:`NO_TAP`: also when no check of it could say more than unchecked (no
-        recogniser, or a language it does not hear), so such answers are neither kept nor
-        queued."""
-        if self.sample <= 0 or self.broken or self.unheard(text) or self.rng.random() >= self.sample:
+        recogniser, or a language it does not hear, and no speaker similarity), so such
+        answers are neither kept nor queued. ``prompt``: the WAV it is spoken with. An answer
+        a model roll-out compares (``compared``) is always checked, when it can be."""
+        compared = current_comparison()
+        if compared is not None and self.unjudged(text, prompt):
+            compared.heard(None, None, self.broken or f"{self.name or 'the recogniser'} hears English only")
+        elif compared is not None:
+            tap = Tap(text, rate, checker=self, prompt=prompt)
+            tap.compared = compared
+            return tap
+        if self.sample <= 0 or self.unjudged(text, prompt) or self.rng.random() >= self.sample:
             return NO_TAP
-        return Tap(text, rate, checker=self)
+        return Tap(text, rate, checker=self, prompt=prompt)
 
     def unheard(self, text: str) -> bool:
         """The recogniser hears English only and ``text`` is scored by character (Chinese, Japanese)."""
         return self.language == "en" and scored_by_character(text)
 
+    def unjudged(self, text: str, prompt: str = "") -> bool:
+        """No check of ``text`` (spoken with ``prompt``) could say more than unchecked."""
+        no_transcript = bool(self.broken) or self.unheard(text)
+        return no_transcript and not (prompt and self.speaker is not None)
+
     def submit(self, tap: Tap) -> None:
         """Queue a live answer that was sent whole and good; never blocks."""
         audio = tap.whole
+        compared = tap.compared
         if audio is None:
+            if compared is not None:
+                compared.heard(None, None, f"longer than the {MAX_SECONDS:g}s a check keeps")
             return
+        if self._queue.full():  # (before the prompt is opened; put_nowait below still decides)
+            self._skip(compared)
+            return
+        held = self._hold(tap.prompt)
+
+        def answer(check: Check) -> None:
+            if compared is not None:
+                compared.heard(check.score.ratio if check.score else None, check.similarity, check.unchecked)
+
         try:
-            self._queue.put_nowait(("request", tap.text, audio, tap.rate, lambda check: None))
+            self._queue.put_nowait(("request", tap.text, audio, tap.rate, answer, held))
         except queue.Full:
-            self.skipped += 1
+            self._skip(compared)
+            _close(held)
             return
         self._start()
 
+    def _skip(self, compared: Sample | None) -> None:
+        self.skipped += 1
+        if compared is not None:
+            compared.heard(None, None, "the speech check was behind (its queue was full)")
+
+    def _hold(self, prompt: str) -> str | IO[bytes]:
+        """``prompt`` opened now, when there is a speaker model to read it later: a request's
+        own prompt file is removed once it was answered, the open file stays readable."""
+        if not prompt or self.speaker is None:
+            return ""
+        try:
+            return open(prompt, "rb")  # (closed by the worker, after its check)
+        except OSError:
+            return prompt  # (the check says why it cannot be read)
+
     # --- the warm-up and canaries ----------------------------------------------------------
 
-    def check_now(self, kind: str, text: str, audio: np.ndarray, rate: int, timeout: float = 120.0) -> Check:
-        """Check ``audio`` in the worker and wait for the verdict (the warm-up, a canary)."""
+    def check_now(
+        self, kind: str, text: str, audio: np.ndarray, rate: int, timeout: float = 120.0, prompt: str = ""
+    ) -> Check:
+        """Check ``audio`` in the worker and wait for the verdict (the warm-up, a canary);
+        ``prompt``: the WAV it was spoken with."""
         done: list[Check] = []
         arrived = threading.Event()
 
@@ -188,7 +263,12 @@ class SpeechChecker:
             done.append(check)
             arrived.set()
 
-        self._queue.put((kind, text, audio, rate, answer), timeout=timeout)
+        held = self._hold(prompt)
+        try:
+            self._queue.put((kind, text, audio, rate, answer, held), timeout=timeout)
+        except queue.Full:
+            _close(held)
+            raise
         self._start()
         if not arrived.wait(timeout):
             return Check(kind, text, unchecked=f"the speech check took longer than {timeout:.0f}s")
@@ -204,12 +284,14 @@ class SpeechChecker:
 
     def _run(self) -> None:
         while True:
-            kind, text, audio, rate, answer = self._queue.get()
+            kind, text, audio, rate, answer, prompt = self._queue.get()
             try:
-                check = self.check(kind, text, audio, rate)
+                check = self.check(kind, text, audio, rate, prompt)
             except Exception as exc:  # noqa: BLE001  (the worker outlives any one check; its caller hears why)
                 log.exception("a speech check failed")
                 check = Check(kind, text, unchecked=f"the speech check failed: {type(exc).__name__}: {exc}")
+            finally:
+                _close(prompt)
             self.last.append(check)
             for listener in self.listeners:
                 try:
@@ -218,8 +300,22 @@ class SpeechChecker:
                     log.exception("a speech check's listener failed")
             answer(check)
 
-    def check(self, kind: str, text: str, audio: np.ndarray, rate: int) -> Check:
-        """One check, here and now (the worker's step)."""
+    def check(self, kind: str, text: str, audio: np.ndarray, rate: int, prompt: str | IO[bytes] = "") -> Check:
+        """One check, here and now (the worker's step): what was heard and, with a ``prompt``
+        (its WAV: a path or the file opened), how like the prompt's speaker it sounds."""
+        heard = self._transcribed(kind, text, audio, rate)
+        speaker = self._speaker() if prompt else None
+        if speaker is None:
+            return heard
+        started = time.thread_time()
+        try:
+            similarity = speaker.similarity(audio, rate, prompt)
+        except SpeakerError as exc:
+            log.info("no speaker similarity for this check: %s", exc)
+            return heard
+        return replace(heard, similarity=similarity, cost=heard.cost + time.thread_time() - started)
+
+    def _transcribed(self, kind: str, text: str, audio: np.ndarray, rate: int) -> Check:
         seconds = audio.size / rate if rate else 0.0
         if self.unheard(text):
             return Check(kind, text, unchecked=f"{self.name or 'the recogniser'} hears English only", seconds=seconds)
@@ -244,6 +340,17 @@ class SpeechChecker:
                 log.warning("no speech check: %s", exc)
         return self.recognizer
 
+    def _speaker(self) -> SpeakerModel | None:
+        """The speaker model, loaded (at its first use); None without one or when it failed to."""
+        if self.speaker is not None and not self.speaker_loaded:
+            try:
+                self.speaker.load()
+                self.speaker_loaded = True
+            except SpeakerError as exc:
+                self.speaker = None
+                log.warning("no speaker similarity in the speech check: %s", exc)
+        return self.speaker
+
     def state(self) -> dict:
         """What ``/ping`` says of the speech check."""
         last = list(self.last)
@@ -255,3 +362,8 @@ class SpeechChecker:
             "skipped": self.skipped,
             "last": [c.summary() for c in last[-5:]],
         }
+
+
+def _close(prompt: str | IO[bytes]) -> None:
+    if not isinstance(prompt, str):
+        prompt.close()

@@ -111,6 +111,9 @@ class Probe:
         self.pipeline = pipeline
         self.check_prompt = check_prompt  # --canary-prompt and its transcript
         self.verdict = Verdict(unchecked="not checked yet")
+        # A model roll-out's canary (``--canary``) is measured, not gated, on what it says: its
+        # speech failing the check is shown (/ping, the comparison), and it keeps its traffic.
+        self.measured_only = False
 
     def load(self) -> None:
         """Load the engine, run the warm-up, then turn ready (unless a drain came first: a
@@ -146,14 +149,19 @@ class Probe:
 
     def run(self, kind: str) -> Verdict:
         """The warm-up's or a canary's synthesis, never counted as served, and its verdict."""
-        p = self.pipeline
+        p, request = self.pipeline, self.request()
         try:
-            audio = p.speak(self.request())
+            audio = p.speak(request)
         except BadAudio as exc:
             self.verdict = Verdict(exc.fault)
             return self.verdict
         if audio.size == 0:
             raise EngineError(f"the {kind.replace('_', '-')} synthesis returned no audio")
-        check = p.speech.check_now(kind, CHECK_TEXT, audio, p.engine.sample_rate) if p.speech else None
+        rate, prompt = p.engine.sample_rate, request.prompt_wav  # (its speaker is compared with the prompt's)
+        check = p.speech.check_now(kind, CHECK_TEXT, audio, rate, prompt=prompt) if p.speech else None
         self.verdict = judged(check, "no speech check on this instance")
+        fault = self.verdict.fault
+        if self.measured_only and fault is not None and fault.reason == "speech_error":
+            log.warning("the %s's speech fails the check, measured and kept in (a model canary): %s", kind, fault)
+            return replace(self.verdict, fault=None)
         return self.verdict

@@ -20,7 +20,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from cosyvoice_lb.instance.audio.wav import WavBuilder, wav_bytes, write_wav
 from cosyvoice_lb.instance.engines import CLONING, Engine, SynthesisRequest, clones
 from cosyvoice_lb.instance.metrics import Metrics
 from cosyvoice_lb.instance.quality.checker import NO_TAP, Check, SpeechChecker, Tap
+from cosyvoice_lb.instance.quality.compared import ContextPool
 from cosyvoice_lb.instance.quality.probe import Probe
 from cosyvoice_lb.instance.routing.router import Router
 from cosyvoice_lb.instance.routing.rule import LAST_HEADER, TRY_HEADER, Rate
@@ -120,13 +120,14 @@ class Pipeline:
         self.coordinating_lock = threading.Lock()  # (from the event loop and the UI's threads)
         # API syntheses run here rather than in the server's shared pool: a request whose
         # time ran out is answered while a stuck engine call keeps only its own thread.
-        self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="synthesis")
+        self.workers = ContextPool(max_workers=32, thread_name_prefix="synthesis")
 
     def heard(self, check: Check) -> None:
         """A speech check was made: counted; a live answer that failed it owes a canary (which
         says whether the instance or the request was at fault, as for bad audio)."""
-        self.metrics.speech_checked(check.kind, check.outcome, check.score.ratio if check.score else None)
-        if check.kind == "request" and check.failed:
+        error = check.score.ratio if check.score else None
+        self.metrics.speech_checked(check.kind, check.outcome, error, check.similarity)
+        if check.kind == "request" and check.failed and not self.probe.measured_only:  # (a model canary: compared)
             log.warning("a live answer failed the speech check: heard %r for %r", check.transcript, check.text)
             self.watch.owed.set()
 
@@ -419,7 +420,7 @@ class Pipeline:
         them, ``--asr-sample``; never the warm-up's or a canary's: those are checked whole)."""
         if self.speech is None or not count:
             return NO_TAP
-        return self.speech.tap(request.text, self.engine.sample_rate)
+        return self.speech.tap(request.text, self.engine.sample_rate, request.prompt_wav)
 
     def speak(self, request: SynthesisRequest) -> np.ndarray:
         """A synthesis of the instance's own (the warm-up, a canary): never counted as served."""
