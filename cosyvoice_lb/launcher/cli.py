@@ -20,6 +20,8 @@ from cosyvoice_lb import __version__
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import SizeError
 from cosyvoice_lb.launcher import views
+from cosyvoice_lb.launcher.canary.command import canary_group
+from cosyvoice_lb.launcher.canary.state import CanaryError
 from cosyvoice_lb.launcher.cluster import lifecycle
 from cosyvoice_lb.launcher.cluster.foreground import StopSignals, stay
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
@@ -36,7 +38,7 @@ from cosyvoice_lb.launcher.render.cluster import warnings as render_warnings
 from cosyvoice_lb.launcher.render.credentials import access_of, open_warning
 from cosyvoice_lb.launcher.render.disk import render_only
 
-USER_ERRORS = (PlanError, SizeError, RenderError, ClusterError, SupervisionError)
+USER_ERRORS = (PlanError, SizeError, RenderError, ClusterError, SupervisionError, CanaryError)
 
 
 class Command(click.Group):
@@ -358,6 +360,7 @@ def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
 
 
 main.add_command(k8s_group)
+main.add_command(canary_group)
 
 
 if __name__ == "__main__":

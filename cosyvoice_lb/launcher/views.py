@@ -269,6 +269,11 @@ def status_lines(current: ClusterStatus, root: Path) -> list[str]:
         lines.append(pool_line(current.pool))
     if jobs_line(current.jobs):
         lines.append(jobs_line(current.jobs))
+    if current.canary:
+        lines.append(
+            f"canary in progress: {current.canary['summary']}; 'cosyvoice-lb canary status' compares, "
+            "'canary promote' or 'canary abort' ends it"
+        )
     lines += current.warnings + current.report
     lines.append("ok" if current.exit_code == 0 else "problems: " + "; ".join(current.problems))
     return lines

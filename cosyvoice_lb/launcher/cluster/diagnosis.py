@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import Timeouts
+from cosyvoice_lb.launcher.canary.state import Canary
 from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track
 from cosyvoice_lb.launcher.cluster.listeners import Address, beyond_loopback, describe, wanted
 from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
@@ -54,6 +55,7 @@ class InstanceStatus:
     speech: str = ""
     speech_why: str = ""
     speech_last: list[dict] = field(default_factory=list)  # its last checks, with what was heard
+    canary: bool = False  # a model roll-out's canary: never in the serving rotation (``launcher.canary``)
 
     @property
     def serving(self) -> bool:
@@ -84,6 +86,7 @@ class ClusterStatus:
     pool: dict = field(default_factory=dict)  # wanted in rotation, spares, surge, elastic scale (health.json)
     daemons: dict = field(default_factory=dict)  # CUDA MPS control daemons (--mps): name -> state, pid
     code: str = ""  # the digest of the instance code staged now (what a restart runs)
+    canary: dict = field(default_factory=dict)  # a model roll-out under comparison: what and since when
 
     @property
     def exit_code(self) -> int:
@@ -113,6 +116,7 @@ class ClusterStatus:
             "pool": self.pool,
             "daemons": self.daemons,
             "code": self.code,
+            "canary": self.canary,
         }
 
 
@@ -136,6 +140,7 @@ class Observation:
     open_warning: str = ""  # the access warning of these settings, if any
     jobs_report: dict | None = None  # the jobs process's last report (run/jobs.json); {}: none there; None: not read
     now: float = 0.0  # epoch seconds
+    canary: Canary | None = None  # a model roll-out under comparison
 
 
 def public_url(settings: Settings) -> str:
@@ -170,7 +175,9 @@ def diagnose(seen: Observation) -> ClusterStatus:
     jobs = seen.programs.get("jobs")
     jobs_findings(result, seen.jobs_report, seen.now, jobs.uptime if jobs else 0.0)
     result.pool = pool_summary(seen.roles, seen.health.pool, result.instances)
-    coming = sum(1 for i in result.instances if not i.parked and not i.serving and not i.spare and not i.failed)
+    coming = sum(
+        1 for i in result.instances if not i.parked and not i.serving and not i.spare and not i.failed and not i.canary
+    )
     if result.pool["in_rotation"] + coming < result.pool["wanted"]:  # e.g. an instance stopped by hand
         result.problems.append(
             f"{result.pool['in_rotation']} instance(s) in rotation of {result.pool['wanted']} wanted, and none "
@@ -179,6 +186,8 @@ def diagnose(seen: Observation) -> ClusterStatus:
     result.nginx.update(port=settings.port, url=result.url, answers=seen.nginx_answer)
     listener_findings(result, settings, seen.listening, seen.config_behind)
     result.code = seen.staged
+    if seen.canary is not None:
+        result.canary = {**seen.canary.as_dict(), "summary": seen.canary.describe()}
     behind = [i.name for i in result.instances if i.code and result.code and i.code != result.code]
     if behind:
         result.warnings.append(
@@ -199,7 +208,8 @@ def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStat
     proc = seen.programs.get(slot.name)
     body = seen.pings.get(slot.name, {})
     ready = bool(body.get("ready"))
-    in_rotation = track.in_rotation and track.pid == (proc.pid if proc else None)
+    canary = seen.canary is not None and slot.name in seen.canary.slots
+    in_rotation = track.in_rotation and track.pid == (proc.pid if proc else None) and not canary
     failed = track.failed or ("failed: supervisord gave up starting it" if proc and proc.state == "FATAL" else "")
     parked = proc is not None and is_parked(proc.state, bool(failed))
     fault, fault_at = track.bad_audio, track.bad_audio_at
@@ -218,7 +228,9 @@ def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStat
         in_rotation=in_rotation,
         restarts=max(0, seen.starts.get(slot.name, 0) - 1),
         uptime=round(proc.uptime, 1) if proc and proc.state in OCCUPIED else 0.0,  # (a stopped one: its last run)
-        reason=str(OnPurpose.PARKED if parked else "" if in_rotation else track.reason),
+        reason=str(
+            "canary (model roll-out)" if canary else OnPurpose.PARKED if parked else "" if in_rotation else track.reason
+        ),
         inflight=int(body.get("inflight", 0)),
         waiting=int(body.get("waiting", 0)),
         failed=failed,
@@ -234,6 +246,7 @@ def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStat
         speech=str(speech.get("verdict", "")),
         speech_why=str(speech.get("why", "")),
         speech_last=[c for c in speech.get("last", []) if isinstance(c, dict)][-5:],
+        canary=canary,
     )
 
 
@@ -370,6 +383,7 @@ def pool_summary(pool: Roles, reported: dict, instances: list[InstanceStatus]) -
         "spares": sum(1 for i in instances if i.spare),
         "spares_wanted": pool.spares,
         "parked": sum(1 for i in instances if i.parked),
+        "canary": sum(1 for i in instances if i.canary),
         "surge": int(reported.get("surge", 0)),
         "elastic": {"min": pool.min_serving, "max": pool.serving} if pool.elastic else None,
         "decisions": scale.get("decisions", [])[-3:] if scale else [],

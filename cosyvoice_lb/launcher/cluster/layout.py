@@ -192,6 +192,11 @@ class Layout:
         instances into rotation, and scales nothing meanwhile."""
         return self.run / "rollout.json"
 
+    @property
+    def canary_json(self) -> Path:
+        """A model roll-out under comparison (``canary``): its slots, settings and traffic."""
+        return self.run / "canary.json"
+
     def mps_pipe(self, gpu: int | None) -> Path:
         """The CUDA MPS pipe dir of one GPU: its control daemon and the instances on it meet here."""
         return self.run / f"mps-gpu{gpu}"

@@ -13,6 +13,7 @@ import psutil
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import Timeouts
+from cosyvoice_lb.launcher.canary import state as canary_state
 from cosyvoice_lb.launcher.cluster import processes
 from cosyvoice_lb.launcher.cluster.changes import described, guard_step
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Report, Say
@@ -82,6 +83,7 @@ def start(c: Cluster) -> ClusterStatus:
     check_ports(settings, result.slots, held=set())
     check_memory_limit(settings, result.slots)
     forget_last_run(layout)
+    canary_state.displaced(layout, {s.name for s in result.slots[result.roles.started :]})
     result, layout, _ = render_to_disk(settings, planned=result)
     # The first ones serve (and wait as spares); the slots past them stay parked for surges.
     starting = [s.name for s in result.slots[: result.roles.started]]
@@ -98,7 +100,10 @@ def start(c: Cluster) -> ClusterStatus:
                 except ClusterError:  # this one failed: the others may still serve (checked below)
                     pass
         # Serving with some instances failed is still serving: they are reported, not fatal.
-        return wait_serving(c, starting, since=since)
+        current = wait_serving(c, starting, since=since)
+        for name in sorted(canary_state.names(layout)):  # a model roll-out's canary comes back too
+            c.supervisor.start(name)
+        return current
     except BaseException as exc:  # never a half-started cluster, whatever went wrong (Ctrl-C too)
         down(layout)
         raise ClusterError(f"{what_failed(exc)}\nThe cluster was stopped; logs are in {layout.logs}") from None
@@ -151,8 +156,14 @@ def update_to(c: Cluster, previous: Recorded, say: Say) -> ClusterStatus:
             f"--mps {'on' if settings.mps else 'off'} changes how every instance reaches its GPU, which cannot "
             f"happen one instance at a time: 'cosyvoice-lb down', then 'up' with the new settings"
         )
-    own = Slots.read(layout, c.supervisor, old_slots).running  # (parked slots hold no memory)
+    canary = canary_state.names(layout)  # (running, and holding memory, though no Slots' own)
+    own = (*Slots.read(layout, c.supervisor, old_slots).running, *(s for s in old_slots if s.name in canary))
     result, _ = make_plan(settings, own=own)
+    gone = canary_state.displaced(layout, {s.name for s in result.slots[result.roles.started :]})
+    if gone is not None:
+        say(f"the canary ({gone.describe()}) ends: the new plan has no parked slot for it; stopping it")
+        for name in gone.slots:
+            c.supervisor.stop(name)
     check_ports(settings, result.slots, held={old_settings.port, *(s.port for s in old_slots)})
     check_memory_limit(settings, result.slots)
     result, layout, changed = render_to_disk(settings, own=own, planned=result, live=True)

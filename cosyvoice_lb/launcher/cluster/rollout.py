@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cosyvoice_lb.launcher.canary import state as canary_state
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Supervision
 from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
@@ -32,7 +33,8 @@ Refresh = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Slots:
-    """The instance slots as supervisord and the health loop see them now."""
+    """The instance slots as supervisord and the health loop see them now (a model roll-out's
+    canary slots are neither: ``launcher.canary`` alone starts and stops them)."""
 
     running: tuple[Slot, ...]
     parked: tuple[Slot, ...]  # stopped on purpose, not given up on
@@ -41,6 +43,8 @@ class Slots:
     def read(cls, layout: Layout, supervisor: Supervision, slots: tuple[Slot, ...]) -> Slots:
         procs = supervisor.processes()
         report = read_report(layout)
+        canary = canary_state.names(layout)
+        slots = tuple(s for s in slots if s.name not in canary)
         state = {s.name: procs[s.name].state if s.name in procs else "MISSING" for s in slots}
         return cls(
             running=tuple(s for s in slots if state[s.name] in OCCUPIED),

@@ -15,6 +15,7 @@ from typing import Protocol
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL
 from cosyvoice_lb.jobs.metrics import read_report as read_jobs_report
 from cosyvoice_lb.jobs.metrics import report_path as jobs_report_path
+from cosyvoice_lb.launcher.canary.state import read as read_canary
 from cosyvoice_lb.launcher.cluster import processes
 from cosyvoice_lb.launcher.cluster.diagnosis import (
     ESSENTIAL,
@@ -110,6 +111,7 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
             open_warning=open_warning(settings),
             jobs_report=(read_jobs_report(jobs_report_path(layout.run)) or {}) if "jobs" in programs else None,
             now=time.time(),
+            canary=read_canary(layout),
         )
     )
     result.report = failure_report(layout, result)

@@ -29,6 +29,7 @@ from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL, Timeouts
 from cosyvoice_lb.instance.routing.board import Board
+from cosyvoice_lb.launcher.canary import state as canary_state
 from cosyvoice_lb.launcher.cluster import markers, record
 from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track, read_report, write_report
 from cosyvoice_lb.launcher.cluster.layout import Layout
@@ -72,6 +73,10 @@ class HealthLoop:
         room: Room | None = None,
     ):
         self.layout, self.settings, self.slots = layout, settings, slots
+        # A model roll-out's canary (read at start: `canary start` and `abort` restart the
+        # loop): probed like any instance, never in the serving rotation, in pools of its own.
+        self.canary = canary_state.read(layout)
+        self.canary_slots = frozenset(self.canary.slots) if self.canary else frozenset()
         self.roles = pool or Roles(serving=len(slots))
         self.room: Room = room or (lambda running, parked: room_to_start(settings, running, parked))
         self.bounds = Bounds.of(self.roles, settings) if self.roles.elastic else None
@@ -112,7 +117,7 @@ class HealthLoop:
 
     def _serving(self, out: frozenset[str]) -> set[int]:
         """The slots in rotation when ``out`` are out of it."""
-        return {slot.index for slot in self.slots if slot.name not in out}
+        return {slot.index for slot in self.slots if slot.name not in out and slot.name not in self.canary_slots}
 
     def mark_board(self) -> None:
         """A step after nginx's reload (which takes effect a moment after the signal): the
@@ -255,7 +260,10 @@ class HealthLoop:
         extra ones; the other ready instances wait out of rotation as warm spares."""
         self.surge = markers.rollout_surge(self.layout)
         if self.bounds is not None and self.scale is not None:
-            seen = Seen(self.slots, processes, probes, self.tracks, self.serving_before, self.surge, self.roles.spares)
+            serving_slots = tuple(s for s in self.slots if s.name not in self.canary_slots)
+            seen = Seen(
+                serving_slots, processes, probes, self.tracks, self.serving_before, self.surge, self.roles.spares
+            )
             followed = follow_load(
                 seen,
                 self.scale,
@@ -271,7 +279,7 @@ class HealthLoop:
             self.wanted = self.scale.target
         else:
             self.wanted = self.roles.serving
-        eligible = [s.name for s in self.slots if self.tracks[s.name].in_rotation]
+        eligible = [s.name for s in self.slots if self.tracks[s.name].in_rotation and s.name not in self.canary_slots]
         # (in rotation at the end of the last step: self.published may lag a refused reload)
         before = [name for name in eligible if name in self.serving_before]
         chosen = rotation(eligible, before, self.wanted + self.surge)
@@ -365,14 +373,17 @@ class HealthLoop:
             self.board.set_rotation(self.board.rotation() & self._serving(out))
         self.board_current = False
         write_atomic(
-            self.layout.upstreams_conf, render_upstreams(self.slots, out, overflow_of(self.settings, self.layout))
+            self.layout.upstreams_conf,
+            render_upstreams(self.slots, out, overflow_of(self.settings, self.layout), self.canary),
         )
         # Published once nginx took it: a reload supervisord refused (busy, or nginx down
         # for a moment) is tried again next step.
         if not self._call("nginx", "reload", lambda: self.supervisor.signal("nginx", "HUP")):
             return
         self.published = out
-        log.info("rotation: %s", ", ".join(s.name for s in self.slots if s.name not in out) or "none")
+        serving = [s.name for s in self.slots if s.name not in out and s.name not in self.canary_slots]
+        canary = [name for name in sorted(self.canary_slots) if name not in out]
+        log.info("rotation: %s%s", ", ".join(serving) or "none", f"; canary: {', '.join(canary)}" if canary else "")
 
     def save(self, now: float) -> None:
         report = HealthReport(

@@ -40,7 +40,8 @@ from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.supervision import read_tail
 from cosyvoice_lb.launcher.health.probe import loopback_session
 from cosyvoice_lb.launcher.panel import jobs as panel_jobs
-from cosyvoice_lb.launcher.panel.control import Actions, gather
+from cosyvoice_lb.launcher.panel.canary import CanaryControl
+from cosyvoice_lb.launcher.panel.control import Action, Actions, gather
 from cosyvoice_lb.launcher.panel.metrics import ClusterView, ViewCollector
 from cosyvoice_lb.launcher.render import templates
 from cosyvoice_lb.launcher.render.cluster import jobs_socket
@@ -131,6 +132,7 @@ def build_app(
     view: Callable[[], ClusterView] | None = None,
     actions: Actions | None = None,
     clock: Callable[[], float] = time.time,
+    canary: CanaryControl | None = None,
 ) -> Starlette:
     """The panel's app. ``view`` and ``actions`` are passed in by tests; by default the live
     cluster's."""
@@ -138,6 +140,7 @@ def build_app(
     scrapers = PolicyFile(str(layout.metrics_policy))
     cached = Cached(view or (lambda: gather(layout)))
     actions = actions or Actions(layout)
+    canary = canary or CanaryControl(layout)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ViewCollector(cached.get))
     page = templates.read("admin.html")
@@ -206,16 +209,27 @@ def build_app(
         current = await asyncio.to_thread(cached.get)
         return JSONResponse(view_dict(current, actions.as_dict()), headers={"cache-control": "no-store"})
 
-    async def act(request: Request) -> Response:
-        name, action = request.path_params["name"], request.path_params["action"]
+    async def begin(start: Callable[[], Action], said: str) -> Response:
+        """Start an action: 202 while it runs (200 done already), 404 unknown, 409 busy."""
         try:
-            started = await asyncio.to_thread(actions.start, name, action)
+            started = await asyncio.to_thread(start)
         except ValueError as exc:
             return problem(404, str(exc))
         except RuntimeError as exc:
             return problem(409, str(exc))
-        log.info("%s: %s asked from the control panel", name, action)
+        log.info("%s asked from the control panel", said)
         return JSONResponse(dataclasses.asdict(started), status_code=202 if started.state == "running" else 200)
+
+    async def act(request: Request) -> Response:
+        name, action = request.path_params["name"], request.path_params["action"]
+        return await begin(lambda: actions.start(name, action), f"{name}: {action}")
+
+    async def canary_view(request: Request) -> Response:
+        return JSONResponse(await asyncio.to_thread(canary.view), headers={"cache-control": "no-store"})
+
+    async def canary_act(request: Request) -> Response:
+        action, force = request.path_params["action"], request.query_params.get("force") == "1"
+        return await begin(lambda: canary.start(action, force), f"canary: {action}{' (forced)' if force else ''}")
 
     async def logs(request: Request) -> Response:
         name = request.path_params["name"]
@@ -284,6 +298,8 @@ def build_app(
         Route("/admin/api/status", admin_only(api_status)),
         Route("/admin/api/instances/{name}/{action}", admin_only(act, changes=True), methods=["POST"]),
         Route("/admin/api/logs/{name}", admin_only(logs)),
+        Route("/admin/api/canary", admin_only(canary_view)),
+        Route("/admin/api/canary/{action}", admin_only(canary_act, changes=True), methods=["POST"]),
         Route("/admin/jobs", admin_only(jobs_page)),
         Route("/admin/api/jobs", admin_only(jobs_list)),
         Route("/admin/api/jobs/{job_id}/cancel", admin_only(jobs_cancel, changes=True), methods=["POST"]),

@@ -18,6 +18,7 @@ from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings, envvar
 from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.common.timeouts import Timeouts
+from cosyvoice_lb.launcher.canary.state import Canary
 from cosyvoice_lb.launcher.cluster import record
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.mps import client_env
@@ -46,15 +47,20 @@ class Programs:
     worker_processes: int = 2
 
 
-def instance_command(settings: Settings, layout: Layout, programs: Programs, slot: Slot, peers: int = 1) -> list[str]:
+def instance_command(
+    settings: Settings, layout: Layout, programs: Programs, slot: Slot, peers: int = 1, canary: bool = False
+) -> list[str]:
     """The instance's command line: its port and starts file, then its share of the settings
     (written and parsed by the same declarations, see ``settings.instance_args``), with what
-    the plan resolved for its slot (:func:`planned_args`)."""
+    the plan resolved for its slot (:func:`planned_args`). A ``canary`` (a model roll-out's,
+    see ``launcher.canary``) routes nothing on (no board, no long texts sent out: its copies
+    must cost the serving instances nothing) and compares every request it gets."""
     long_texts = (
         ["--balancer", balancer_url(settings), "--peers", str(peers), "--segment-key-file", str(layout.segment_key)]
-        if settings.max_long_chars
+        if settings.max_long_chars and not canary
         else []
     )
+    routing = ["--canary"] if canary else ["--board", str(layout.routing_board), "--slot", str(slot.index)]
     return [
         settings.python,
         programs.app,
@@ -64,10 +70,7 @@ def instance_command(settings: Settings, layout: Layout, programs: Programs, slo
         str(layout.starts(slot.name)),
         "--ledger-dir",
         str(layout.ledger),
-        "--board",
-        str(layout.routing_board),
-        "--slot",
-        str(slot.index),
+        *routing,
         *(["--auth-file", str(layout.access_policy)] if settings.auth_required else []),
         *long_texts,
         *instance_args(settings, **planned_args(settings, layout, slot)),
@@ -209,9 +212,15 @@ def stub_status_allow(settings: Settings) -> str:
     return "" if address.is_unspecified or str(address) in ("127.0.0.1", "::1") else str(address)
 
 
-def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = frozenset(), overflow: str = "") -> str:
+def render_upstreams(
+    slots: tuple[Slot, ...],
+    out_of_rotation: frozenset[str] = frozenset(),
+    overflow: str = "",
+    canary: Canary | None = None,
+) -> str:
     """upstreams.conf: every slot, those out of rotation marked ``down``; ``overflow``: the
-    last resort's socket under --routing work (see ``routing``), "" for none."""
+    last resort's socket under --routing work (see ``routing``), "" for none; a ``canary``'s
+    slots in pools of their own."""
     return (
         template_environment()
         .get_template("upstreams.conf.j2")
@@ -219,8 +228,18 @@ def render_upstreams(slots: tuple[Slot, ...], out_of_rotation: frozenset[str] = 
             slots=slots,
             out_of_rotation=out_of_rotation,
             overflow=overflow,
+            canary=frozenset(canary.slots) if canary else frozenset(),
+            canary_mode=canary.mode if canary else "",
         )
     )
+
+
+def canary_view(canary: Canary | None) -> dict[str, str] | None:
+    """What nginx.conf says of a canary: its traffic mode and share (a percentage nginx's
+    split_clients takes: at most two decimals)."""
+    if canary is None:
+        return None
+    return {"mode": canary.mode, "percent": f"{canary.percent:.2f}".rstrip("0").rstrip(".")}
 
 
 def nginx_command(programs: Programs, layout: Layout) -> list[str]:
@@ -249,12 +268,18 @@ def api_tries(settings: Settings, slots: int, overflow: str) -> int:
 
 
 def render(
-    settings: Settings, plan: Plan, layout: Layout, programs: Programs, out_of_rotation: frozenset[str] = frozenset()
+    settings: Settings,
+    plan: Plan,
+    layout: Layout,
+    programs: Programs,
+    out_of_rotation: frozenset[str] = frozenset(),
+    canary: Canary | None = None,
 ) -> dict[str, str]:
     """Every config file of the cluster, keyed by its path relative to the state dir.
 
     ``out_of_rotation`` keeps instances the health loop has taken out marked ``down`` when a
-    running cluster is re-rendered.
+    running cluster is re-rendered. ``canary``: a model roll-out under comparison; its slots
+    run its settings, and nginx mirrors or shares requests to them.
     """
     check(settings, layout)
     if any(slot.port == settings.port for slot in plan.slots):
@@ -265,6 +290,10 @@ def render(
     env = template_environment()
     timeouts = Timeouts(settings)
     overflow = overflow_of(settings, layout)  # the last resort: routing by work on, or not
+    parked = {s.name for s in plan.slots[plan.roles.started :]}  # (a canary runs on parked slots only)
+    canary = canary if canary is not None and set(canary.slots) <= parked else None
+    canary_slots = frozenset(canary.slots) if canary else frozenset()
+    canary_settings = canary.settings_for(settings) if canary else settings
     context = dict(
         settings=settings,
         slots=plan.slots,
@@ -275,9 +304,19 @@ def render(
         max_body=parse_size(settings.max_body),
         timeouts=timeouts,
         instance_command=lambda slot: shlex.join(
-            instance_command(settings, layout, programs, slot, peers=plan.roles.serving)
+            instance_command(
+                canary_settings if slot.name in canary_slots else settings,
+                layout,
+                programs,
+                slot,
+                peers=plan.roles.serving,
+                canary=slot.name in canary_slots,
+            )
         ),
-        instance_env=lambda slot: instance_env(layout, slot, settings),
+        instance_env=lambda slot: instance_env(
+            layout, slot, canary_settings if slot.name in canary_slots else settings
+        ),
+        canary=canary_view(canary),
         mps_daemons=mps_daemons(settings, plan, layout, programs),
         health_command=shlex.join(
             [programs.launcher_python, "-m", "cosyvoice_lb.launcher.health.loop", "--state-dir", str(layout.root)]
@@ -297,7 +336,7 @@ def render(
     return {
         layout.relative(layout.supervisord_conf): env.get_template("supervisord.conf.j2").render(**context),
         layout.relative(layout.nginx_conf): env.get_template("nginx.conf.j2").render(**context),
-        layout.relative(layout.upstreams_conf): render_upstreams(plan.slots, out_of_rotation, overflow),
+        layout.relative(layout.upstreams_conf): render_upstreams(plan.slots, out_of_rotation, overflow, canary),
         layout.relative(layout.cluster_json): record.dump(settings, plan),
         **monitoring_files(settings, layout, plan.slots),
     }

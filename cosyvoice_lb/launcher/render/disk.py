@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.canary import state as canary_state
 from cosyvoice_lb.launcher.cluster import record
 from cosyvoice_lb.launcher.cluster.health_report import read_report
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
@@ -72,14 +73,15 @@ def render_to_disk(
     layout = layout_for(settings)
     programs = programs_for(settings)
     out = read_report(layout).out_of_rotation
-    files = render(settings, result, layout, programs, out)
+    canary = canary_state.read(layout)
+    files = render(settings, result, layout, programs, out, canary)
     if live:
         files.pop(layout.relative(layout.upstreams_conf))
     with tempfile.TemporaryDirectory(prefix="cvlb-check-") as scratch:
         trial = Layout(Path(scratch))
         make_dirs(trial)
         write_segment_key(trial)  # (nginx.conf includes it)
-        for relative, text in render(settings, result, trial, programs, out).items():
+        for relative, text in render(settings, result, trial, programs, out, canary).items():
             write_atomic(trial.root / relative, text, mode=0o600)
         check_nginx(settings, trial)
     make_dirs(layout)
