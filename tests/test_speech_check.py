@@ -7,12 +7,14 @@ from __future__ import annotations
 import random
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from cosyvoice_lb.instance.engines import SynthesisRequest, create_engine
-from cosyvoice_lb.instance.quality.checker import NO_TAP, QUEUE, Check, SpeechChecker, Tap
+from cosyvoice_lb.instance.quality.checker import NO_TAP, QUEUE, WORKER_NICENESS, Check, SpeechChecker, Tap
+from cosyvoice_lb.instance.quality.isolated import Isolated
 from cosyvoice_lb.instance.quality.recognizers import (
     Pocketsphinx,
     RecognizerError,
@@ -252,3 +254,69 @@ def test_the_worker_outlives_a_check_that_breaks():
     first = checker.check_now("canary", "hello", np.ones(10, dtype=np.float32), 16000, timeout=10)
     assert first.outcome == "unchecked" and "ZeroDivisionError" in first.unchecked
     assert checker.check_now("canary", "hello", np.ones(10, dtype=np.float32), 16000, timeout=10).outcome == "unchecked"
+
+
+def test_the_worker_runs_below_the_syntheses_priority():
+    import os
+
+    seen: list[int] = []
+
+    class Niceness:
+        name = "niceness"
+
+        def transcribe(self, audio, rate):
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return "hello"
+
+    checker = SpeechChecker(Niceness)
+    checker.check_now("canary", "hello", np.ones(1600, dtype=np.float32), 16000)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen and seen[0] >= min(19, mine + WORKER_NICENESS)
+
+
+# --- the recogniser in a process of its own -----------------------------------------------------
+
+
+class Broken:
+    name = "broken"
+
+    def __init__(self):
+        raise RecognizerError("no model here: install one")
+
+
+@needs_flite
+def test_the_recogniser_in_its_own_process_hears_the_same_and_leaves_the_instance_running():
+    """pocketsphinx holds the GIL while it decodes: in a thread it stalled the instance's
+    other threads for most of a check; in its own process another thread keeps running."""
+    said = "The weather is nice today. Please call me back tomorrow morning."
+    answer, rate = speech("flite", said)
+    isolated = Isolated(Pocketsphinx)
+    try:
+        assert isolated.name == "pocketsphinx"
+        gaps, stop = [], threading.Event()
+
+        def ticker():
+            last = time.perf_counter()
+            while not stop.is_set():
+                time.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        thread = threading.Thread(target=ticker)
+        thread.start()
+        heard = [isolated.transcribe(answer, rate) for _ in range(3)]
+        stop.set()
+        thread.join()
+        assert heard == [Pocketsphinx().transcribe(answer, rate)] * 3
+        assert max(gaps) < 0.15, max(gaps)  # (in a thread: ~0.36 s, measured)
+        isolated._proc.kill()  # the process dies: the next check starts another
+        isolated._proc.join(5)
+        assert isolated.transcribe(answer, rate) == heard[0]
+    finally:
+        isolated.close()
+
+
+def test_a_recogniser_that_cannot_load_in_its_process_says_why():
+    with pytest.raises(RecognizerError, match="no model here"):
+        Isolated(Broken)

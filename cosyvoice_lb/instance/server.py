@@ -19,6 +19,7 @@ imported here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -56,6 +57,7 @@ from cosyvoice_lb.instance.lifetime import close_engine, draining_server, outliv
 from cosyvoice_lb.instance.metrics import MISSING, Metrics, RequestMetrics
 from cosyvoice_lb.instance.quality.checker import SpeechChecker
 from cosyvoice_lb.instance.quality.cohort import Cohort, mount_cohort
+from cosyvoice_lb.instance.quality.isolated import Isolated
 from cosyvoice_lb.instance.quality.recognizers import choose
 from cosyvoice_lb.instance.quality.speaker import speaker_model_for
 from cosyvoice_lb.instance.routing.board import Opener
@@ -386,8 +388,9 @@ def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipel
         setattr(engine, "on_batch", metrics.batched)  # noqa: B010
     make, unavailable, language = choose(settings.asr, settings.resolved_engine, settings.asr_model)
     speaker = speaker_model_for(settings.model_dir)  # upstream's campplus.onnx: the answers' speaker similarity
+    isolated = functools.partial(Isolated, make) if make is not None else None  # (it holds the GIL: see isolated)
     speech = SpeechChecker(
-        make, settings.asr_sample, settings.asr_max_error, language, unavailable=unavailable, speaker=speaker
+        isolated, settings.asr_sample, settings.asr_max_error, language, unavailable=unavailable, speaker=speaker
     )
     return Pipeline(
         engine,

@@ -24,6 +24,7 @@ Instance side: numpy and the recogniser's own library, loaded lazily in the work
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import threading
@@ -139,6 +140,20 @@ NO_TAP = _NoTap("", 1)
 # What the worker is handed: kind, text, audio, rate, whom to answer, and the prompt (a path, or
 # the file opened when it was queued; "" for none).
 _Queued = tuple[str, str, np.ndarray, int, Callable[[Check], None], str | IO[bytes]]
+
+
+WORKER_NICENESS = 10  # what the worker thread adds to its niceness (Linux: per thread)
+
+
+def yield_the_cpu() -> None:
+    """Lower this thread's CPU priority: on a box whose cores also synthesise (a CPU box, or
+    a GPU box's CPU-side work), a check must never take a core from an answer being made.
+    Where a thread's niceness cannot be set, the worker runs as it is."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS)
+    except (AttributeError, OSError):  # (no per-thread priority here)
+        pass
 
 
 class SpeechChecker:
@@ -283,6 +298,7 @@ class SpeechChecker:
                 self._worker.start()
 
     def _run(self) -> None:
+        yield_the_cpu()
         while True:
             kind, text, audio, rate, answer, prompt = self._queue.get()
             try:

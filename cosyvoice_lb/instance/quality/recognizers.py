@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -160,7 +161,7 @@ def choose(asr: str, engine: str, model_dir: str) -> tuple[Callable[[], Recogniz
     if asr == "off":
         return None, "the speech check is off (--asr off)", ""
     if asr == "sherpa-onnx" or (asr == "auto" and model_dir):
-        return (lambda: SherpaOnnx(model_dir)), "", ""
+        return functools.partial(SherpaOnnx, model_dir), "", ""  # (picklable: it is made in a process of its own)
     if asr == "pocketsphinx" or engine in POCKETSPHINX_HEARS:
         return Pocketsphinx, "", "en"
     if engine == "cosyvoice3":
