@@ -136,3 +136,17 @@ def test_a_compared_answer_no_recogniser_hears_says_so():
     finally:
         comparing.reset(token)
     assert sample.error is None and sample.unchecked == "no recogniser named"
+
+
+def test_the_wait_for_the_engine_is_told_to_the_compared_request_once():
+    from cosyvoice_lb.instance.quality.compared import compared_wait
+
+    compared_wait(1.0)  # (no request compared: nothing to tell)
+    sample = Sample(at=0.0)
+    token = comparing.set(sample)
+    try:
+        compared_wait(0.25)
+        compared_wait(3.0)  # (a retry's second admission: the first wait stands)
+    finally:
+        comparing.reset(token)
+    assert sample.queued == 0.25 and sample.as_dict()["queued"] == 0.25

@@ -165,3 +165,22 @@ def test_the_table_has_both_sides_side_by_side():
     table = dict((name, (s, c)) for name, s, c in rows(compare(Side.of(many()), Side.of(many(total=2.0)), LIMITS)))
     assert table["total p99"] == ("1000 ms", "2000 ms")
     assert table["requests"] == ("30", "30") and table["speaker similarity"] == ("—", "—")
+
+
+def test_latency_is_judged_from_the_engines_start_and_the_queue_shown_apart():
+    """One canary alone queues where a pool balanced by least connections would not: no
+    finding about its model."""
+    queued = [{**s, "queued": 0.9, "first_chunk": 1.0, "total": 1.9} for s in many()]
+    side = Side.of(queued)
+    assert side.first_chunk_p99 == pytest.approx(0.1) and side.total_p99 == pytest.approx(1.0)
+    assert side.queued_p50 == pytest.approx(0.9)
+    assert compare(Side.of(many()), side, LIMITS).verdict == "pass"
+    table = {name: (s, c) for name, s, c in rows(compare(Side.of(many()), side, LIMITS))}
+    assert table["queue wait p50 (not judged)"] == ("0 ms", "900 ms")
+
+
+def test_too_few_answers_heard_is_waiting_and_none_heard_a_failure():
+    heard_few = many(25, error=None) + many(5)
+    found = compare(Side.of(many(30)), Side.of(heard_few), LIMITS)
+    assert found.verdict == "waiting" and found.failed[0].name == "answers heard"
+    assert compare(Side.of(many(30)), Side.of(many(30, error=None)), LIMITS).verdict == "fail"

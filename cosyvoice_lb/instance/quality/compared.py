@@ -25,6 +25,7 @@ class Sample:
     error: float | None = None
     similarity: float | None = None
     unchecked: str = "not checked yet"
+    queued: float | None = None  # seconds it waited for the engine
 
     def heard(self, error: float | None, similarity: float | None, unchecked: str) -> None:
         self.error, self.similarity, self.unchecked = error, similarity, unchecked
@@ -38,12 +39,20 @@ class Sample:
             "error": self.error,
             "similarity": self.similarity,
             "unchecked": self.unchecked,
+            "queued": None if self.queued is None else round(self.queued, 4),
         }
 
 
 def current() -> Sample | None:
     """The compared request this code runs for (None: an ordinary one)."""
     return comparing.get()
+
+
+def compared_wait(seconds: float) -> None:
+    """The request being compared (if it is) waited ``seconds`` for its engine."""
+    sample = comparing.get()
+    if sample is not None and sample.queued is None:
+        sample.queued = seconds
 
 
 class ContextPool(ThreadPoolExecutor):

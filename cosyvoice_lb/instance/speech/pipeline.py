@@ -34,7 +34,7 @@ from cosyvoice_lb.instance.audio.wav import WavBuilder, wav_bytes, write_wav
 from cosyvoice_lb.instance.engines import CLONING, Engine, SynthesisRequest, clones
 from cosyvoice_lb.instance.metrics import Metrics
 from cosyvoice_lb.instance.quality.checker import NO_TAP, Check, SpeechChecker, Tap
-from cosyvoice_lb.instance.quality.compared import ContextPool
+from cosyvoice_lb.instance.quality.compared import ContextPool, compared_wait
 from cosyvoice_lb.instance.quality.probe import Probe
 from cosyvoice_lb.instance.routing.router import Router
 from cosyvoice_lb.instance.routing.rule import LAST_HEADER, TRY_HEADER, Rate
@@ -351,6 +351,7 @@ class Pipeline:
         admitted = clock()
         if metrics is not None:
             metrics.queued(job.route, admitted - queued)
+            compared_wait(admitted - queued)  # (a model roll-out judges latency from the engine's start)
         samples, working = 0, 0.0  # audio made; seconds spent in the engine (not with the reader)
         # Marked only while it holds the engine: a request queued behind a culprit is no suspect.
         try:

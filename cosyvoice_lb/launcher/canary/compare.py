@@ -31,7 +31,10 @@ def mean(values: list[float]) -> float | None:
 @dataclass(frozen=True)
 class Side:
     """One side's figures. ``judged``: answers that say something of the model (answered,
-    failed or bad audio; not refused as overloaded, cancelled by the client or invalid)."""
+    failed or bad audio; not refused as overloaded, cancelled by the client or invalid).
+    Latency counts from the moment the engine took the request (its wait for the engine,
+    ``queued``, apart): one canary alone queues otherwise than a pool balanced by least
+    connections, whatever its model, and that is no finding about the model."""
 
     requests: int = 0
     ok: int = 0
@@ -39,6 +42,8 @@ class Side:
     bad_audio: int = 0
     refused: int = 0
     invalid: int = 0
+    queued_p50: float | None = None
+    queued_p99: float | None = None
     first_chunk_p50: float | None = None
     first_chunk_p99: float | None = None
     total_p50: float | None = None
@@ -65,8 +70,9 @@ class Side:
         kept = [s for s in samples if float(s.get("at", 0.0)) >= since]
         outcomes = [str(s.get("outcome", "")) for s in kept]
         ok = [s for s in kept if s.get("outcome") == "ok"]
-        firsts = [float(s["first_chunk"]) for s in ok if s.get("first_chunk") is not None]
-        totals = [float(s["total"]) for s in ok if s.get("total") is not None]
+        waits = [float(s.get("queued") or 0.0) for s in ok]
+        firsts = [float(s["first_chunk"]) - w for s, w in zip(ok, waits) if s.get("first_chunk") is not None]
+        totals = [float(s["total"]) - w for s, w in zip(ok, waits) if s.get("total") is not None]
         errors = [float(s["error"]) for s in ok if s.get("error") is not None]
         similar = [float(s["similarity"]) for s in ok if s.get("similarity") is not None]
         return cls(
@@ -76,6 +82,8 @@ class Side:
             bad_audio=outcomes.count("bad_audio"),
             refused=outcomes.count("refused"),
             invalid=outcomes.count("invalid"),
+            queued_p50=percentile(waits, 50),
+            queued_p99=percentile(waits, 99),
             first_chunk_p50=percentile(firsts, 50),
             first_chunk_p99=percentile(firsts, 99),
             total_p50=percentile(totals, 50),
@@ -168,7 +176,8 @@ def _similarity_finding(serving: Side, canary: Side, drop: float) -> Finding | N
 
 def compare(serving: Side, canary: Side, limits: Thresholds) -> Comparison:
     """Both sides against ``limits``: "waiting" until each side has ``min_requests`` judged
-    answers, then "pass" when every finding holds, else "fail"."""
+    answers, as many of them heard by the speech check, then "pass" when every finding
+    holds, else "fail"."""
     findings = [
         _ratio_finding("failures", serving.failure_ratio, canary.failure_ratio, limits.max_failure_increase),
         _ratio_finding("bad audio", serving.bad_audio_ratio, canary.bad_audio_ratio, limits.max_bad_audio_increase),
@@ -178,16 +187,19 @@ def compare(serving: Side, canary: Side, limits: Thresholds) -> Comparison:
         _similarity_finding(serving, canary, limits.max_similarity_drop),
     ]
     kept = tuple(f for f in findings if f is not None)
-    enough = min(serving.judged, canary.judged) >= limits.min_requests
-    if not enough:
-        kept = (
-            Finding(
-                "answers",
-                False,
-                f"serving {serving.judged}, canary {canary.judged}: {limits.min_requests} each are needed",
-            ),
-            *kept,
-        )
+    short = []
+    if min(serving.judged, canary.judged) < limits.min_requests:
+        short.append(("answers", serving.judged, canary.judged))
+    if 0 < min(serving.checked, canary.checked) < limits.min_requests:  # (none at all: unchecked, a failure)
+        short.append(("answers heard", serving.checked, canary.checked))
+    enough = not short
+    kept = (
+        *(
+            Finding(name, False, f"serving {s}, canary {c}: {limits.min_requests} each are needed")
+            for name, s, c in short
+        ),
+        *kept,
+    )
     verdict = "waiting" if not enough else "pass" if all(f.passed for f in kept) else "fail"
     return Comparison(serving, canary, kept, verdict)
 
@@ -210,6 +222,8 @@ def rows(comparison: Comparison) -> list[tuple[str, str, str]]:
         ("bad audio", f"{s.bad_audio} ({s.bad_audio_ratio:.1%})", f"{c.bad_audio} ({c.bad_audio_ratio:.1%})"),
         ("refused (busy)", str(s.refused), str(c.refused)),
         ("invalid", str(s.invalid), str(c.invalid)),
+        ("queue wait p50 (not judged)", _ms(s.queued_p50), _ms(c.queued_p50)),
+        ("queue wait p99 (not judged)", _ms(s.queued_p99), _ms(c.queued_p99)),
         ("first chunk p50", _ms(s.first_chunk_p50), _ms(c.first_chunk_p50)),
         ("first chunk p99", _ms(s.first_chunk_p99), _ms(c.first_chunk_p99)),
         ("total p50", _ms(s.total_p50), _ms(c.total_p50)),
