@@ -93,8 +93,6 @@ CONTRACT = HISTOGRAMS | {
 NOT_CHARTED = {"cosyvoice_instance_info", "cosyvoice_lb_gpu_info", "cosyvoice_instance_ready"}
 # (and the outputs dir's state: an alert, not a chart)
 NOT_CHARTED |= {"cosyvoice_outputs_failing", "cosyvoice_results_not_kept_total"}
-# (and the speech check's speaker similarity: not on the dashboard's speech row yet)
-NOT_CHARTED |= {"cosyvoice_speaker_similarity"}
 
 ALERTS = {  # name: (expr, for, severity)
     "CosyVoiceFirstPackageSlow": (

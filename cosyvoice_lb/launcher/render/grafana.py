@@ -242,6 +242,21 @@ def _sections() -> list[tuple[str, int, list[dict[str, Any]]]]:
                     ],
                 ),
                 _series(
+                    "Speaker similarity",
+                    "Cosine of each checked answer's speaker embedding to its prompt's (upstream's campplus.onnx "
+                    "in the model dir; answers spoken with a prompt), per instance: a drop is a voice drifting.",
+                    [
+                        (
+                            "histogram_quantile(0.1, sum by (name, le) (rate(cosyvoice_speaker_similarity_bucket[30m])))",
+                            "{{name}} p10",
+                        ),
+                        (
+                            "histogram_quantile(0.5, sum by (name, le) (rate(cosyvoice_speaker_similarity_bucket[30m])))",
+                            "{{name}} p50",
+                        ),
+                    ],
+                ),
+                _series(
                     "Speech checks",
                     "Checks per second by kind and outcome (failed: above --asr-max-error; unchecked: no recogniser).",
                     [(f"sum by (kind, outcome) (rate(cosyvoice_speech_checks_total[{rate}]))", "{{kind}} {{outcome}}")],
