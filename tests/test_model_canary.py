@@ -184,3 +184,16 @@ def test_too_few_answers_heard_is_waiting_and_none_heard_a_failure():
     found = compare(Side.of(many(30)), Side.of(heard_few), LIMITS)
     assert found.verdict == "waiting" and found.failed[0].name == "answers heard"
     assert compare(Side.of(many(30)), Side.of(many(30, error=None)), LIMITS).verdict == "fail"
+
+
+def test_a_canary_is_not_restarted_by_name(tmp_path):
+    from cosyvoice_lb.launcher.errors import ClusterError
+
+    layout = Layout(tmp_path)
+    layout.run.mkdir()
+    state.not_restarted(layout, ["instance-2"])  # (no canary: nothing refused)
+    state.write(layout, Canary(("instance-2",), {"engine": "simulated"}))
+    state.not_restarted(layout, None)  # (--all leaves it out)
+    state.not_restarted(layout, ["instance-0"])
+    with pytest.raises(ClusterError, match="canary abort"):
+        state.not_restarted(layout, ["instance-0", "instance-2"])

@@ -143,9 +143,12 @@ def test_a_broken_model_is_shown_worse_refused_and_aborted_without_a_trace(clust
     assert done.returncode == 0, done.stdout + done.stderr
     assert "canary ready: instance-2" in done.stdout
     code, body = status(state_dir)
+    assert code == 0, body["problems"]  # (a canary out of the serving rotation is no problem)
     assert body["canary"]["slots"] == ["instance-2"]
     assert [i["name"] for i in body["instances"] if i["canary"]] == ["instance-2"]
     assert "canary in progress" in cli("status", *common).stdout
+    refused = cli("restart", "instance-2", *common)
+    assert refused.returncode != 0 and "canary abort" in refused.stderr
     canary_pid = [p.pid for p in canary_processes(state_dir)]
     again = cli(*up, timeout=180)  # the same settings again: the canary stays as it was
     assert again.returncode == 0, again.stdout + again.stderr

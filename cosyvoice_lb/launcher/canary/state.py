@@ -19,6 +19,7 @@ from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings, declarations, flag
 from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.errors import ClusterError
 
 MODES = ("mirror", "share")
 # A setting the canary may change: what an instance is started with, and the Python that runs it.
@@ -159,6 +160,17 @@ def displaced(layout: Layout, parked: set[str]) -> Canary | None:
         return None
     remove(layout)
     return found
+
+
+def not_restarted(layout: Layout, asked: list[str] | None) -> None:
+    """Refuse a restart by name of a canary's slot (``restart --all`` leaves it out): it
+    never serves, so a restart's wait for it to serve would never end."""
+    found = [n for n in asked or [] if n in names(layout)]
+    if found:
+        raise ClusterError(
+            f"{', '.join(found)} runs the canary of a model roll-out, not a serving instance: "
+            "'cosyvoice-lb canary abort' stops it ('canary start' again runs a fresh one)"
+        )
 
 
 def write(layout: Layout, canary: Canary) -> None:

@@ -278,7 +278,7 @@ def instance_findings(result: ClusterStatus, item: InstanceStatus, body: dict) -
         result.warnings.append(
             f"{item.name} is drained by hand (out of rotation): 'cosyvoice-lb undrain {item.name}' puts it back"
         )
-    elif not item.in_rotation:
+    elif not item.in_rotation and not item.canary:  # (a model roll-out's canary: in a pool of its own)
         result.problems.append(f"{item.name} is ready but not in nginx's rotation yet")
 
 

@@ -356,7 +356,8 @@ def restartable(c: Cluster, slots: tuple[Slot, ...], names: list[str] | None) ->
     """The programs to restart (every running instance for None), or why not."""
     instances = [s.name for s in slots]
     parked = {s.name for s in Slots.read(c.layout, c.supervisor, slots).parked}
-    names = [n for n in instances if n not in parked] if names is None else names
+    canary_state.not_restarted(c.layout, names)  # (a model roll-out's canary: the canary command's)
+    names = [n for n in instances if n not in parked | canary_state.names(c.layout)] if names is None else names
     known = c.supervisor.processes()
     unknown = [n for n in names if n not in known]
     if unknown:

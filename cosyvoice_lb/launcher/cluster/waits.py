@@ -32,11 +32,11 @@ def loop_reported(c: Cluster, since: float) -> None:
 
 def others_serving(c: Cluster, name: str) -> None:
     """Before a drained stop of ``name``: wait until every other instance (but those given
-    up on, or drained by hand) serves, so the stop costs one instance of capacity and never
+    up on, drained by hand, or a model roll-out's canary) serves, so the stop costs one instance of capacity and never
     the last one."""
     deadline = c.clock() + c.timeouts.others_serving
     while True:
-        instances = [i for i in c.read_status().instances if i.name != name and not i.failed and not i.parked]
+        instances = [i for i in c.read_status().instances if i.name != name and not (i.failed or i.parked or i.canary)]
         # (drained by hand: out of rotation on purpose, nothing to wait for; but not the only ones left)
         others = [i for i in instances if not i.drained]
         drained = [i.name for i in instances if i.drained]
