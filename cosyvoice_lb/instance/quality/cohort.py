@@ -81,16 +81,20 @@ class CohortMiddleware:
         self.app, self.cohort, self.clock = app, cohort, clock
         self.segment_header = segment_header.lower().encode("latin-1")
 
-    def compared(self, scope: Scope) -> bool:
+    def mark(self, scope: Scope) -> bytes | None:
+        """A compared request's ``X-Cvlb-Cohort`` (b"" when unmarked, on a canary); None for
+        a request not compared."""
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path", "") not in SPEECH_PATHS:
-            return False
+            return None
         headers = dict(scope.get("headers", []))
         if self.segment_header in headers:  # (a long text's segment: its text was counted)
-            return False
-        return self.cohort.role == "canary" or headers.get(HEADER, b"") == b"serving"
+            return None
+        mark = headers.get(HEADER, b"")
+        return mark if self.cohort.role == "canary" or mark == b"serving" else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self.compared(scope):
+        mark = self.mark(scope)
+        if mark is None:
             return await self.app(scope, receive, send)
         started = self.clock()
         sample = Sample(at=time.time())
@@ -104,14 +108,13 @@ class CohortMiddleware:
                 if message.get("body") and sample.first_chunk is None:
                     sample.first_chunk = self.clock() - started
                 if not message.get("more_body", False):  # the last byte: what the client waited for
-                    sample.total = self.clock() - started if sample.total is None else sample.total
+                    sample.total = self.clock() - started
             await send(message)
 
         token = comparing.set(sample)
         raised = False
-        copy = dict(scope.get("headers", [])).get(HEADER, b"") == b"canary"
         try:
-            if copy:  # nginx's mirrored copy: made to its end, whoever still listens
+            if mark == b"canary":  # nginx's mirrored copy: made to its end, whoever still listens
                 await self.app(scope, deaf(receive), mute(sending))
             else:
                 await self.app(scope, receive, sending)
@@ -121,7 +124,8 @@ class CohortMiddleware:
         finally:
             comparing.reset(token)
             state = scope.get("state", {})
-            sample.total = self.clock() - started
+            if sample.total is None:  # (no last byte went out)
+                sample.total = self.clock() - started
             sample.outcome = (
                 "bad_audio"
                 if status == 502

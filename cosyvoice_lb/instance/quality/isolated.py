@@ -63,7 +63,7 @@ class Isolated:
 
     def __init__(self, make: Callable[[], Recognizer], timeout: float = 120.0):
         self.make, self.timeout = make, timeout
-        self.name = getattr(make, "name", "") or getattr(getattr(make, "func", None), "name", "")
+        self.name = ""  # (the recogniser's own, said by its process once it loaded)
         self._lock = threading.Lock()
         self._proc: Any = None
         self._conn: Any = None

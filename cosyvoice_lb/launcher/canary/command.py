@@ -134,7 +134,7 @@ def promote_command(state_dir: str, force: bool) -> None:
     report = views.line_reporter(time.monotonic())
     canary, found = rollout.promote(layout_for(state_dir), force, report, say=click.echo)
     print_comparison(found)
-    click.echo(f"promoted: every instance now runs {canary.describe().split(' on ', 1)[-1].rsplit(' (', 1)[0]}")
+    click.echo(f"promoted: every instance now runs {canary.changed()}")
 
 
 @canary_group.command("abort")

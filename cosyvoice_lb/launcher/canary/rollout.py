@@ -37,6 +37,7 @@ from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.lifecycle import regroup, up
 from cosyvoice_lb.launcher.cluster.rollout import Slots, surge_room
 from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.health.probe import loopback_session
 from cosyvoice_lb.launcher.plan.planner import Slot
 from cosyvoice_lb.launcher.render.disk import recorded
 
@@ -83,7 +84,7 @@ def start(
             f"--share {percent:g}: at most 50 (as many requests again are the serving side's half of the comparison)"
         )
     changes = state.checked_changes(c.settings, changes)
-    free = _room(c, slots, instances, say)
+    c, free = _room(c, slots, instances, say)
     canary = Canary(
         slots=tuple(s.name for s in free),
         changes=changes,
@@ -100,7 +101,7 @@ def start(
             on_progress(Progress(0, instances, f"starting {name} (canary: {canary.describe()})"))
             regroup(c, name)  # (supervisord takes the slot's canary program: no roll-out does, it is no Slots')
             c.supervisor.start(name)
-        _wait_ready(c, canary)
+        _wait_ready(c, canary, {s.name: s.port for s in free})
     except BaseException as exc:
         said = str(exc) if isinstance(exc, ClusterError) else f"{type(exc).__name__}: {exc}"
         _remove(c, canary, on_progress, say)
@@ -108,9 +109,10 @@ def start(
     return canary
 
 
-def _room(c: Cluster, slots: tuple[Slot, ...], instances: int, say: Say) -> list[Slot]:
+def _room(c: Cluster, slots: tuple[Slot, ...], instances: int, say: Say) -> tuple[Cluster, list[Slot]]:
     """Parked slots with memory for ``instances`` canaries now; fewer parked slots than that
-    are planned first, as ``--surge`` plans them (the cluster keeps it, said)."""
+    are planned first, as ``--surge`` plans them (the cluster keeps it, said). Returns the
+    cluster under the settings it has then (what the canary's own render must keep)."""
     now = Slots.read(c.layout, c.supervisor, slots)
     if len(now.parked) < instances and c.settings.surge < instances:
         say(f"planning --surge {instances} for the canary's slot(s) (the cluster keeps it)")
@@ -124,17 +126,16 @@ def _room(c: Cluster, slots: tuple[Slot, ...], instances: int, say: Say) -> list
             f"no room for {instances} canary instance(s): {len(free)} parked slot(s) with memory now "
             f"({len(now.parked)} parked). Free memory, or plan more with 'cosyvoice-lb up --surge N'"
         )
-    return free
+    return c, free
 
 
-def _wait_ready(c: Cluster, canary: Canary) -> None:
+def _wait_ready(c: Cluster, canary: Canary, ports: dict[str, int]) -> None:
     """Until each canary is ready and in its pool (the health loop's report), or has failed."""
-    ports = {s.name: s.port for s in (recorded(c.layout) or (None, ()))[1]}
 
     def ready() -> bool:
-        tracks = read_report(c.layout)
+        tracks, procs = read_report(c.layout), c.supervisor.processes()
         for name in canary.slots:
-            proc = c.supervisor.processes().get(name)
+            proc = procs.get(name)
             if proc is None or proc.state in ("FATAL", "EXITED", "STOPPED"):
                 raise ClusterError(
                     f"{name} (canary) stopped: {proc.state if proc else 'missing'}\n{c.supervisor.tail(name, 1500)}"
@@ -203,10 +204,10 @@ def promote(
 # --- the comparison ---------------------------------------------------------------------------
 
 
-def cohort_of(port: int, timeout: float = 5.0) -> dict:
+def cohort_of(port: int, timeout: float = 5.0, session: requests.Session | None = None) -> dict:
     """An instance's compared requests (its ``GET /cohort``); {} when it does not answer."""
     try:
-        answer = requests.get(f"http://127.0.0.1:{port}/cohort", timeout=timeout)
+        answer = (session or loopback_session(1)).get(f"http://127.0.0.1:{port}/cohort", timeout=timeout)
         return answer.json() if answer.status_code == 200 else {}
     except (requests.RequestException, ValueError):
         return {}
@@ -217,7 +218,8 @@ def comparison(layout: Layout, fetch: Fetch | None = None) -> Comparison:
     canary = _in_progress(layout)
     found = recorded(layout)
     slots = found[1] if found else ()
-    ask = fetch or cohort_of
+    session = loopback_session(len(slots))  # (no proxy from the environment: loopback only)
+    ask = fetch or (lambda port: cohort_of(port, session=session))
     with ThreadPoolExecutor(max_workers=max(1, len(slots))) as pool:
         answers = list(pool.map(lambda s: ask(s.port), slots))
     sides: dict[str, list[dict]] = {"serving": [], "canary": []}

@@ -56,10 +56,12 @@ class Canary:
         """The canary's settings: the serving instances' with its changes."""
         return dataclasses.replace(serving, **self.changes)
 
+    def changed(self) -> str:
+        """What it runs that the serving instances do not, as flags."""
+        return ", ".join(f"{flag(k)} {v}" for k, v in sorted(self.changes.items()))
+
     def describe(self) -> str:
-        changed = ", ".join(f"{flag(k)} {v}" for k, v in sorted(self.changes.items()))
-        traffic = f"{self.mode} {self.percent:g}%"
-        return f"{', '.join(self.slots)} on {changed} ({traffic})"
+        return f"{', '.join(self.slots)} on {self.changed()} ({self.mode} {self.percent:g}%)"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
