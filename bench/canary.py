@@ -2,7 +2,7 @@
 """Two model roll-outs on a real cluster, each compared before it is promoted: what
 ``cosyvoice-lb canary status`` prints for a broken new model and for a good one.
 
-    python bench/canary.py [--seconds 40] [--clients 3]
+    python bench/canary.py [--seconds 60] [--clients 3]
 
 A cluster of the ``flite`` engine (2 instances, ``--surge 1``, pocketsphinx listening) on
 127.0.0.1, ``--clients`` threads sending one common text to ``/v1/audio/speech`` (bounded by
@@ -90,7 +90,7 @@ class Clients:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=40.0, help="load per phase before the comparison")
+    parser.add_argument("--seconds", type=float, default=60.0, help="load per phase before the comparison")
     parser.add_argument("--clients", type=int, default=3)
     args = parser.parse_args()
     if not shutil.which("flite"):
