@@ -106,7 +106,8 @@ def test_derived_timeouts_keep_their_margins():
         Settings(request_timeout=90.0, drain_timeout=30.0, probe_interval=1.0, probe_timeout=2.0, startup_timeout=300.0)
     )
     assert t.nginx_api_read == 95 and t.nginx_retry_window == 90  # the instance's 504 arrives first
-    assert t.supervisord_stop_wait == 35 and t.nginx_worker_shutdown == 35  # after the drain, not before
+    assert t.supervisord_stop_wait == 35 and t.nginx_worker_shutdown == 125  # after the drain and a session
+    assert t.nginx_stream_read == 125  # (the instance closes a session at its limit first)
     assert t.serving == 360 and t.others_serving == 330 and t.health_stale == 10.0
     assert Timeouts(Settings(request_timeout=0.5)).nginx_retry_window == 1  # never 0 (= no bound to nginx)
     assert Timeouts(Settings(probe_interval=10.0)).loop_answer == 100.0

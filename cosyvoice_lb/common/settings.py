@@ -34,6 +34,7 @@ from cosyvoice_lb.common.engine_settings import EngineSettings
 from cosyvoice_lb.common.networks import networks
 from cosyvoice_lb.common.schedule import SEPARATOR, schedule_check
 from cosyvoice_lb.common.speech_check_settings import SpeechCheckSettings
+from cosyvoice_lb.common.stream_settings import StreamSettings
 
 ENV_PREFIX = "COSYVOICE_LB_"
 
@@ -46,7 +47,7 @@ MAX_JOB_CHARS = 200_000
 
 
 @dataclass(frozen=True)
-class Settings(SpeechCheckSettings, EngineSettings):
+class Settings(StreamSettings, SpeechCheckSettings, EngineSettings):
     """The whole configuration of one cluster (the engine's share first: ``engine_settings``)."""
 
     instances: str = setting(

@@ -58,8 +58,16 @@ class Timeouts:
     @property
     def nginx_worker_shutdown(self) -> int:
         """How long a reloaded nginx's old workers may finish what they serve: as long as an
-        instance may drain, plus the same moment as :attr:`supervisord_stop_wait`."""
-        return int(self.settings.drain_timeout + 5)
+        instance may drain, plus the same moment as :attr:`supervisord_stop_wait`; and no
+        less than a streaming session may last (every rotation change reloads nginx, which
+        must not cut a voice agent's reply off)."""
+        return int(max(self.settings.drain_timeout, self.settings.stream_max_seconds) + 5)
+
+    @property
+    def nginx_stream_read(self) -> int:
+        """nginx's read and send timeouts on a streaming session: the instance ends a session
+        at its limits itself (with a close code that says which); this is the backstop."""
+        return math.ceil(self.settings.stream_max_seconds + 5)
 
     @property
     def supervisord_stop_wait(self) -> int:

@@ -29,7 +29,7 @@ from cosyvoice_lb.instance.audio.check import REASONS as AUDIO_REASONS
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
-ROUTES = ("api", "openai", "ui", "segment")
+ROUTES = ("api", "openai", "ui", "segment", "stream")
 OUTCOMES = ("ok", "invalid", "refused", "timeout", "cancelled", "failed")
 CHECKS = ("request", "warm_up", "canary")  # where bad audio was found
 # why: the audio check's reasons, and the speech check's (a warm-up or canary heard saying

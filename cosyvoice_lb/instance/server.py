@@ -49,6 +49,7 @@ from cosyvoice_lb.instance.access.auth import PolicyFile
 from cosyvoice_lb.instance.access.gate import Gate
 from cosyvoice_lb.instance.api.forms import read_form
 from cosyvoice_lb.instance.api.openai import add_openai_routes
+from cosyvoice_lb.instance.api.speech_socket import StreamLimits, add_stream_route
 from cosyvoice_lb.instance.api.streams import AudioStream, audio_source, collect_wav, first_of, streaming_headers
 from cosyvoice_lb.instance.audio.outputs import Outputs
 from cosyvoice_lb.instance.audio.wav import pcm16, wav_header
@@ -190,12 +191,13 @@ def build_app(
     voice_map: dict[str, str] | None = None,
     ui: bool = True,
     cohort: Cohort | None = None,
+    stream: StreamLimits | None = None,
 ) -> Any:
     """The FastAPI app: ``/ping``, ``/v1/tts``, the OpenAI-compatible routes
     (``openai_api``) and the Gradio UI at ``/`` (``ui=False``, --no-ui: no Gradio imported,
     ``/`` a 404 that names the API); with a ``policy``, all but ``/ping`` behind the gate
     (``gate.py``). ``fanout``: where long texts' segments go; ``cohort``: the requests a model
-    roll-out compares (``quality.cohort``)."""
+    roll-out compares (``quality.cohort``); ``stream``: the streaming sessions' limits."""
     engine, admission = pipeline.engine, pipeline.admission
     started = time.time() if started is None else started
     app = FastAPI(title="cosyvoice-lb instance", docs_url=None, redoc_url=None)
@@ -315,6 +317,7 @@ def build_app(
         return Response(wav.data, media_type="audio/wav", headers=headers)
 
     add_openai_routes(app, pipeline, fanout, voice_map or {}, port)
+    add_stream_route(app, pipeline, voice_map or {}, stream or StreamLimits(), policy)
 
     # Gradio is mounted at "/" and would answer everything else under /v1/ with its own 404.
     @app.api_route(
@@ -454,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
         voice_map=voice_map,
         ui=not settings.no_ui,
         cohort=Cohort("canary" if args.canary else "serving"),
+        stream=StreamLimits(settings.stream_max_chars, settings.stream_idle_timeout, settings.stream_max_seconds),
     )
 
     def load() -> None:

@@ -27,6 +27,10 @@ from cosyvoice_lb.instance.access.auth import SESSION_COOKIE, SESSION_SECONDS, P
 
 # (/metrics: the instance's own, on loopback; it refuses what came through nginx)
 OPEN = frozenset({"/ping", "/ping/brief", "/metrics", "/cohort", "/login", "/logout"})
+# WebSockets whose first message may carry the token instead (a browser cannot set headers on
+# one): let through without credentials, marked, and the route checks that message
+# (``api.speech_socket``). Never a token in the URL: URLs land in logs.
+TOKEN_IN_FIRST_MESSAGE = frozenset({"/v1/audio/speech/stream"})
 MAX_LOGIN_BODY = 8192
 REALM = 'Bearer realm="cosyvoice-lb"'
 
@@ -90,6 +94,31 @@ def login_page(next_path: str, message: str = "") -> bytes:
     return form_page("cosyvoice-lb: log in", "Log in", "/login", fields, message).encode()
 
 
+def same_origin(headers: dict[str, str]) -> bool:
+    """A browser's WebSocket comes from this site (its Origin names the Host it asks), or is no
+    browser's (no Origin): a session cookie must not open sockets for another site's page."""
+    origin = headers.get("origin", "")
+    if not origin:
+        return True
+    host = headers.get("x-forwarded-host") or headers.get("host", "")
+    return origin.split("://", 1)[-1].rstrip("/").lower() == host.lower()
+
+
+async def refuse_socket(scope: Scope, send: Send, status: int, message: str) -> None:
+    """Refuse a WebSocket's handshake with an HTTP answer in the one shape (or, on a server
+    without the denial extension, a plain 403)."""
+    if "websocket.http.response" not in scope.get("extensions", {}):
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    body = json.dumps(error_body(status, message)).encode()
+    fields = [("content-type", "application/json"), ("content-length", str(len(body))), *error_headers(status).items()]
+    if status == 401:
+        fields.append(("www-authenticate", REALM))
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in fields]
+    await send({"type": "websocket.http.response.start", "status": status, "headers": raw})
+    await send({"type": "websocket.http.response.body", "body": body})
+
+
 class Gate:
     """ASGI middleware: lets a request through when no policy is set, when it asks for an
     open path, or when it carries credentials the policy accepts."""
@@ -109,10 +138,18 @@ class Gate:
         if path in OPEN or policy.bearer_ok(headers.get("authorization", "")):
             return await self.app(scope, receive, send)
         if policy.session_ok(session_cookie(headers), self.clock()):
+            if scope["type"] == "websocket" and not same_origin(headers):
+                return await refuse_socket(scope, send, 403, "a WebSocket from another site: open it from this one")
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket" and path in TOKEN_IN_FIRST_MESSAGE and "authorization" not in headers:
+            scope.setdefault("state", {})["cvlb_token_needed"] = True
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})  # refuses the handshake (403)
-            return None
+            offered = "authorization" in headers
+            message = "the API token is not valid" if offered else "this service needs credentials"
+            return await refuse_socket(
+                scope, send, 401, f"{message}: send the header 'Authorization: Bearer <API token>'"
+            )
         if scope.get("method") == "GET" and "text/html" in headers.get("accept", ""):
             target = path + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
             location = "/login?next=" + quote(target, safe="")

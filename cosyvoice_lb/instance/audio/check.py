@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,8 +95,11 @@ class AudioCheck:
     """One synthesis judged as it is made: :meth:`chunk` for each chunk (before it is sent),
     :meth:`finish` once at the end. Each returns a :class:`Fault`, or None when all is well."""
 
-    def __init__(self, text: str, speed: float = 1.0, sample_rate: int = 16000):
-        self.bounds = duration_bounds(text, speed)
+    def __init__(self, text: str | Callable[[], str], speed: float = 1.0, sample_rate: int = 16000):
+        # (a callable: the text as it grows, a streaming session's; the bounds follow it)
+        self.text = text if callable(text) else lambda: text
+        self.speed = speed
+        self.bounds = duration_bounds(self.text(), speed)
         self.rate = max(1, int(sample_rate))
         self.samples = 0
         self.peak = 0.0
@@ -117,6 +121,8 @@ class AudioCheck:
             return Fault("out_of_range", f"{over} of {audio.size} samples of a chunk are beyond ±1 (peak {peak:.3g})")
         self.samples += audio.size
         self.peak = max(self.peak, peak)
+        if self.seconds > self.bounds.longest:
+            self.bounds = duration_bounds(self.text(), self.speed)
         if self.seconds > self.bounds.longest:  # (a runaway is stopped as it runs, not at its end)
             return Fault(
                 "too_long",
@@ -126,6 +132,7 @@ class AudioCheck:
         return None
 
     def finish(self) -> Fault | None:
+        self.bounds = duration_bounds(self.text(), self.speed)
         if self.samples == 0 or self.bounds.units == 0:
             return None  # no audio: the pipeline's "no audio"; nothing to say: nothing to judge
         if self.peak < SILENCE_PEAK:

@@ -82,6 +82,11 @@ def split_text(text: str, max_chars: int, first_chars: int | None = None) -> lis
     return segments
 
 
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each sentence of ``text`` by the rules above, whitespace excluded."""
+    return _sentences(text)
+
+
 def _sentences(text: str) -> list[tuple[int, int]]:
     """(start, end) of each sentence, surrounding whitespace excluded; whitespace-only ones left out."""
     n = len(text)

@@ -35,6 +35,13 @@ class SynthesisRequest:
     # set (a threading.Event) once the client went away: an engine may stop at once, even
     # inside a step that makes no chunk (the whole of a non-streamed synthesis)
     cancel: Any = field(default=None, compare=False, repr=False)
+    # the text as its client writes it (a streaming session, see ``speech.text_feed``): an
+    # iterator of pieces, for an engine that says ``streams_text``; ``text`` is then "".
+    text_stream: Any = field(default=None, compare=False, repr=False)
+
+    def spoken(self) -> Any:
+        """What it says: ``text``, or a streaming session's text as it grows (a callable)."""
+        return getattr(self.text_stream, "so_far", None) or self.text
 
 
 class EngineError(RuntimeError):
@@ -60,6 +67,13 @@ class Engine(Protocol):
 
     def synthesize(self, request: SynthesisRequest) -> Iterator[np.ndarray]:
         """Yield mono float32 chunks in [-1, 1] at ``sample_rate``."""
+
+
+def streams_text(engine: Engine, mode: str) -> bool:
+    """The engine speaks text as it arrives in ``mode`` (upstream's bistream): one synthesis
+    for a whole streaming session. Else the session is spoken sentence by sentence."""
+    check = getattr(engine, "streams_text", None)
+    return bool(check(mode)) if check is not None else False
 
 
 def clones(engine: Engine) -> bool:

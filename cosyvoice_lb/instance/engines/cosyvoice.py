@@ -266,6 +266,12 @@ class CosyVoiceEngine:
         with self.turns.turn(alone):
             yield from self._synthesize(mode, request)
 
+    def streams_text(self, mode: str) -> bool:
+        """Upstream's bistream (text as a generator): CosyVoice2/3 on upstream's own LLM (not
+        vLLM, which upstream refuses it), in the modes whose prompt text carries the
+        end-of-prompt marker it asserts on (zero-shot, instruct)."""
+        return self.version >= 2 and not self.vllm and mode in ("zero_shot", "instruct")
+
     def close(self) -> None:
         """Stop what outlives the process unless stopped: vLLM's engine process."""
         if self.vllm and self.model is not None:
@@ -276,6 +282,8 @@ class CosyVoiceEngine:
         if request.seed is not None:
             seed_everything(request.seed)
         text, prompt_text, instruct_text = request.text, request.prompt_text, request.instruct_text
+        if request.text_stream is not None:  # (upstream's frontend takes a generator as is)
+            text = (piece for piece in request.text_stream)
         if self.version == 3:
             text, prompt_text, instruct_text = v3_prompt(mode, text, prompt_text, instruct_text)
         elif self.version == 2:

@@ -198,6 +198,44 @@ class Ticket:
         self._admission._release(self._key, outcome)
 
 
+class Lease(Ticket):
+    """An engine slot held for a whole streaming session (text in, audio out): its syntheses
+    run on it one after another (:meth:`Admission.admit` with ``lease``) and never queue.
+    While the session waits for its client's text (:meth:`waiting`) it is not stalled: a
+    client thinking is not a hang. :meth:`release` (once, at the session's end) frees it."""
+
+    def __init__(self, admission: Admission, key: str):
+        super().__init__(admission, key)
+        self.idle = False
+
+    def waiting(self, idle: bool) -> None:
+        """The session waits for its client's text (True) or has text to speak (False)."""
+        self.idle = idle
+        self._admission._mark(self._key, math.inf if idle else self._admission.clock())
+
+    def synthesis(self) -> Ticket:
+        return _OnLease(self)
+
+
+class _OnLease(Ticket):
+    """One synthesis of a session, on its lease: its end counts it served or failed and
+    leaves the slot with the session."""
+
+    def __init__(self, lease: Lease):
+        super().__init__(lease._admission, lease._key)
+        self._lease = lease
+
+    def working(self) -> None:
+        if not self._lease.idle:
+            super().working()
+
+    def release(self, outcome: bool | None) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._admission._count(self._key, outcome)
+
+
 class Admission:
     """``on_change`` is called (outside the lock) whenever the work held here or the phase
     changed: the router publishes the instance's load then (see ``routing``)."""
@@ -290,14 +328,23 @@ class Admission:
     # --- slots, queue, deadlines ---------------------------------------------------------
 
     def admit(
-        self, *, bounded: bool = False, deadline: float | None = None, cost: float = 0.0, background: bool = False
+        self,
+        *,
+        bounded: bool = False,
+        deadline: float | None = None,
+        cost: float = 0.0,
+        background: bool = False,
+        lease: Lease | None = None,
     ) -> Ticket:
         """Wait for an engine slot. ``bounded``: refuse with :class:`Overloaded` when the
         slots and the queue are full (the API; the UI and the warm-up wait their turn).
         ``deadline`` (on this clock): no slot by then raises :class:`TimedOut`. ``cost``:
         the synthesis' estimated seconds (what it adds to this instance's load).
         ``background``: served after every interactive waiter, refused rather than kept
-        waiting long (see the module's docstring)."""
+        waiting long (see the module's docstring). ``lease``: a session's slot, held
+        already (see :meth:`lease`): the synthesis runs on it at once."""
+        if lease is not None:
+            return lease.synthesis()
         waiter = Waiter(cost, background)
         with self._lock:
             self._refuse(waiter, bounded)
@@ -311,6 +358,27 @@ class Admission:
         if not waiter.granted:
             self._wait(waiter, deadline)
         return Ticket(self, waiter.key)
+
+    def lease(self, cost: float = 0.0) -> Lease:
+        """A slot for a streaming session, now or never: :class:`NotReady` when the instance
+        does not take work, :class:`Overloaded` (503: nginx tries another instance) when no
+        slot is free or anyone waits for one. A session never queues: its client is a live
+        conversation, and another instance may have a slot free."""
+        waiter = Waiter(cost)
+        with self._lock:
+            if self._phase is not Phase.READY:
+                raise NotReady(NOT_READY[self._phase])
+            if not self._free or self._line:
+                raise Overloaded(
+                    f"this instance has no engine slot free for a streaming session ({len(self._inflight)} "
+                    f"synthesizing, {len(self._line)} waiting): retry, another instance may be free"
+                )
+            self._take(waiter)
+            self._inflight[waiter.key][1] = math.inf  # (its client's text comes first)
+        self._changed()
+        lease = Lease(self, waiter.key)
+        lease.idle = True
+        return lease
 
     def _refuse(self, waiter: Waiter, bounded: bool) -> None:
         """Raise :class:`Overloaded` when ``waiter`` may not even wait (under the lock)."""
@@ -371,6 +439,16 @@ class Admission:
         with self._lock:
             if key in self._inflight:
                 self._inflight[key][1] = last
+
+    def _count(self, key: str, outcome: bool | None) -> None:
+        """A session's synthesis ended on its lease: counted, the slot kept, not stalled."""
+        with self._lock:
+            if outcome is True:
+                self._served += 1
+            elif outcome is False:
+                self._failed += 1
+            if key in self._inflight:
+                self._inflight[key][1] = math.inf
 
     def _release(self, key: str, outcome: bool | None) -> None:
         with self._lock:

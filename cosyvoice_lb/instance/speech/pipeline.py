@@ -75,6 +75,7 @@ class Job:
     route: str = "api"  # where it came in (see ``metrics.ROUTES``)
     arrived: float = 0.0  # on the admission clock: its first package is timed from here
     background: bool = False  # served after interactive requests (see ``admission``)
+    lease: Any = None  # a streaming session's engine slot: it runs on it (see ``admission.Lease``)
 
 
 class Pipeline:
@@ -345,9 +346,8 @@ class Pipeline:
         clock, metrics = self.admission.clock, self.metrics if count else None
         queued = clock()
         chars = len(job.request.text)
-        ticket = self.admission.admit(
-            bounded=bounded, deadline=deadline, cost=self.rate.estimate(chars), background=job.background
-        )
+        cost, background, lease = self.rate.estimate(chars), job.background, job.lease
+        ticket = self.admission.admit(bounded=bounded, deadline=deadline, cost=cost, background=background, lease=lease)
         admitted = clock()
         if metrics is not None:
             metrics.queued(job.route, admitted - queued)
@@ -361,7 +361,7 @@ class Pipeline:
             raise
         outcome: bool | None = None
         made: Iterator[Any] | None = None
-        check = AudioCheck(job.request.text, job.request.speed, self.engine.sample_rate)
+        check = AudioCheck(job.request.spoken(), job.request.speed, self.engine.sample_rate)
         tap = self.tap(job.request, count)
         try:
             request = job.request if cancelled is None else replace(job.request, cancel=cancelled)
@@ -479,8 +479,7 @@ class Pipeline:
             raise NoAudio()
         return wav_bytes(audio, self.engine.sample_rate)
 
-    def problems(self) -> list[str]:
-        """What is wrong with this instance although it serves (``/ping`` says it)."""
+    def problems(self) -> list[str]:  # what is wrong with this instance although it serves (``/ping`` says it)
         return [self.storage_problem] if self.storage_problem else []
 
     def keep(self, audio: np.ndarray | WavBuilder) -> str:
