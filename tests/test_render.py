@@ -1138,3 +1138,24 @@ def test_the_rendered_concurrency_becomes_the_instances_admission_slots(tmp_path
     argv = instance_argvs(settings, the_plan)["instance-0"]
     parsed, args = parse_instance_args(argv[2:])
     assert build_pipeline(parsed, args.port).admission.concurrency == 6  # (not what auto is for simulated: 1)
+
+
+def test_streaming_sessions_are_upgraded_to_one_instance_with_no_last_resort_and_outlive_reloads():
+    settings = Settings(stream_max_seconds=200.0, drain_timeout=30.0, rate_limit="5r/s", retries=3)
+    files = rendered(settings=settings)
+    http = parse_nginx(files["nginx/nginx.conf"]).one("http")
+    server = public_server(http)
+    stream = server.one("location", "=", "/v1/audio/speech/stream")
+    # a refusal (503: no slot free) goes to the next instance, never to the last resort,
+    # which would queue it: a session never queues
+    assert stream.values("proxy_pass") == [["http://cvlb_instances"]]
+    upstreams = parse_nginx(files["nginx/upstreams.conf"])
+    assert not [s for s in upstreams.one("upstream", "cvlb_instances").values("server") if "backup" in s]
+    # the upgrade headers come from the server level: a location of its own would drop them
+    assert stream.values("proxy_set_header") == []
+    assert ["Upgrade", "$http_upgrade"] in server.values("proxy_set_header")
+    assert stream.values("proxy_read_timeout") == [["205s"]] and stream.values("proxy_send_timeout") == [["205s"]]
+    assert stream.values("proxy_buffering") == [["off"]]
+    assert stream.values("limit_req")[0][0] == "zone=cvlb_rate"  # a session's handshake is a request
+    # every rotation change reloads nginx: its old workers let a session run to its limit
+    assert parse_nginx(files["nginx/nginx.conf"]).values("worker_shutdown_timeout") == [["205s"]]
