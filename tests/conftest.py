@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from upstream_support import upstream, upstream_vllm  # noqa: F401 - the session fixtures (marked upstream, vllm)
+from upstream_support import upstream, upstream_bistream, upstream_vllm  # noqa: F401 - the session fixtures
 
 from cosyvoice_lb.launcher.cluster.ports import free_port_block, port_free  # noqa: F401 - the tests' port picker
 
@@ -175,6 +175,21 @@ def instance_samples(cluster: dict, index: int) -> dict[tuple[str, tuple], float
 def status(state_dir: Path) -> tuple[int, dict]:
     done = cli("status", "--state-dir", str(state_dir), "--json")
     return done.returncode, json.loads(done.stdout)
+
+
+def vanish(ws) -> None:
+    """A WebSocket client (``websockets.sync``) that goes as a crashed process goes: no close
+    frame, its socket shut. What had arrived is drained, so the library's reader thread, which
+    waits for each message to be taken, ends too (else the test process cannot exit)."""
+    import socket
+
+    ws.socket.shutdown(socket.SHUT_RDWR)
+    ws.socket.close()
+    try:
+        while True:
+            ws.recv(timeout=5)
+    except Exception:  # noqa: BLE001 - ConnectionClosed once drained (or a timeout: nothing came)
+        pass
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.5):

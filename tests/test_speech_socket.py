@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import uvicorn_serving, wait_for
+from conftest import uvicorn_serving, vanish, wait_for
 from test_auth import TOKEN
 
 from cosyvoice_lb.instance.access.auth import SESSION_COOKIE, Policy, PolicyFile, digest
@@ -220,7 +220,7 @@ def test_a_client_that_vanishes_mid_sentence_frees_the_slot_at_once(url, espeak)
     ws.send(json.dumps({"type": "input.text.delta", "delta": "This sentence is long enough to take a while. " * 4}))
     ws.recv(timeout=10)  # session.created
     assert espeak.admission.snapshot().inflight == 1
-    ws.socket.close()  # gone without a close frame, as a crashed client goes
+    vanish(ws)  # gone without a close frame, as a crashed client goes
     wait_for(lambda: espeak.admission.snapshot().inflight == 0, 3)
     assert espeak.admission.snapshot().served <= served + 4
 
@@ -292,7 +292,7 @@ def test_an_engine_reading_text_lets_go_when_its_client_vanishes():
         ws.recv(timeout=10)
         ws.send(json.dumps({"type": "input.text.delta", "delta": "Waiting for "}))
         ws.recv(timeout=10)
-        ws.socket.close()
+        vanish(ws)
         wait_for(lambda: p.admission.snapshot().inflight == 0, 3)
         assert engine.ended.wait(3)  # the engine, blocked reading text, was let go
         assert p.admission.snapshot().served == 0  # (neither served nor failed: its client left)

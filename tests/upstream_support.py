@@ -182,7 +182,7 @@ def retire(cache: Path, prefix: str, current: Path) -> None:
     """Remove what earlier requirements or code left (several GB each): one of each kind is
     kept. A dir another run is building (its lock held) is left alone."""
     for old in cache.glob(f"{prefix}*"):
-        if old == current or not old.is_dir() or (prefix == "model-" and old.name.startswith("model-w")):
+        if old == current or not old.is_dir() or (prefix == "model-" and old.name.startswith(("model-w", "model-b"))):
             continue
         with locked(cache / f"{old.name}.lock", wait=False) as held:
             if held:
@@ -191,12 +191,13 @@ def retire(cache: Path, prefix: str, current: Path) -> None:
                     leftover.unlink(missing_ok=True)
 
 
-def small_model(root: Path, python: Path, cache: Path, width: int = 0) -> Path:
+def small_model(root: Path, python: Path, cache: Path, width: int = 0, bistream: bool = False) -> Path:
     """The small CosyVoice3 model dir for this checkout and Python (built in seconds, then
-    kept); ``width``: its LLM that wide (build_model.py --llm-width)."""
+    kept); ``width``: its LLM that wide (build_model.py --llm-width); ``bistream``: one that
+    ends as upstream's bistream decode wants (build_model.py --bistream)."""
     builder, config = HERE / "build_model.py", HERE / "cosyvoice3.yaml"
-    key = digest(builder, config, str(python).encode(), str(width).encode(), *code_of(root))
-    prefix = f"model-w{width}-" if width else "model-"
+    key = digest(builder, config, str(python).encode(), str(width).encode(), str(bistream).encode(), *code_of(root))
+    prefix = f"model-w{width}-" if width else "model-b-" if bistream else "model-"
     model = cache / f"{prefix}{key}"
     with locked(cache / f"model-{key}.lock"):
         if not (model / "llm.pt").is_file():
@@ -206,7 +207,8 @@ def small_model(root: Path, python: Path, cache: Path, width: int = 0) -> Path:
             log.unlink(missing_ok=True)
             run_logged(
                 [str(python), str(builder), "--cosyvoice-root", str(root), "--out", str(model)]
-                + (["--llm-width", str(width)] if width else []),
+                + (["--llm-width", str(width)] if width else [])
+                + (["--bistream"] if bistream else []),
                 log,
                 600,
                 "building the small CosyVoice3 model",
@@ -225,6 +227,13 @@ def upstream() -> Upstream:
     named = os.environ.get(PYTHON_VAR, "").strip()
     python = Path(named).expanduser() if named else environment(cache)
     return Upstream(root=root, python=python, model_dir=small_model(root, python, cache))
+
+
+@pytest.fixture(scope="session")
+def upstream_bistream(upstream: Upstream) -> Upstream:
+    """As ``upstream``, with the small model whose LLM ends as upstream's bistream wants."""
+    cache = cache_dir()
+    return Upstream(upstream.root, upstream.python, small_model(upstream.root, upstream.python, cache, bistream=True))
 
 
 @pytest.fixture(scope="session")
@@ -255,6 +264,7 @@ if __name__ == "__main__":  # .ci/run: upstream's environments built while the l
     cache = cache_dir()
     plain = environment(cache)
     print(f"{plain} and {small_model(root, plain, cache)} are ready", flush=True)
+    print(f"{small_model(root, plain, cache, bistream=True)} is ready", flush=True)
     wheel, why = cpu_wheel(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
     if not wheel:
         raise SystemExit(why)

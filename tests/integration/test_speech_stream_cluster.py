@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import cli, free_port_block, instance_samples, unexpected_tracebacks, wait_for
+from conftest import cli, free_port_block, instance_samples, unexpected_tracebacks, vanish, wait_for
 
 websockets = pytest.importorskip("websockets")
 from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
@@ -134,7 +134,7 @@ def test_a_session_killed_mid_sentence_frees_its_slot(cluster):
     ws.recv(timeout=10)
     ws.send(json.dumps({"type": "input.text.delta", "delta": "This sentence takes a while to speak. " * 6}))
     assert inflight(cluster) == 1
-    ws.socket.close()  # the client process died: no close frame
+    vanish(ws)  # the client process died: no close frame
     wait_for(lambda: inflight(cluster) == 0, 5)
 
 

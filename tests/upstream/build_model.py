@@ -190,6 +190,25 @@ def build_onnx(where: Path) -> None:
     )
 
 
+def end_like_bistream(llm) -> None:
+    """What upstream's bistream decode (text fed as a generator) wants besides: its end is the
+    end-of-speech token (6562), never another stop token, and the text tokens it reads between
+    speech tokens must not look like a stop. Here the LLM says 6562 right after the task token
+    (which bistream appends once the text is done) and never else, and text tokens read like
+    speech ones. Other modes keep their stop (6561) unless their last input is the task token
+    (cross-lingual, instruct): those then say nothing, so this model is for zero-shot."""
+    import torch
+
+    rows = SPEECH_TOKENS
+    with torch.no_grad():
+        text = llm.llm.model.model.embed_tokens.weight
+        text[:, 0], text[:, 1] = 3.0, 0.0
+        speech = llm.speech_embedding.weight
+        speech[:, 1] = 0.0
+        speech[rows + 2, 1] = 3.0  # the task token (CosyVoice3LM.task_id)
+        llm.llm_decoder.weight[rows + 1, 1] = 20.0  # end of speech (CosyVoice3LM.eos_token)
+
+
 def speak_like_a_trained_model(llm) -> None:
     """Random weights fall into a few tokens and stop at once: 199 of the 200 stop tokens
     end an utterance before upstream's minimum length (2 speech tokens per text token; it
@@ -230,7 +249,9 @@ def small_config(width: int) -> str:
     return text
 
 
-def build(root: Path, out: Path, full: bool = False, device: str = "cpu", width: int = 0) -> None:
+def build(
+    root: Path, out: Path, full: bool = False, device: str = "cpu", width: int = 0, bistream: bool = False
+) -> None:
     for path in (root / "third_party" / "Matcha-TTS", root):
         sys.path.insert(0, str(path))
     import torch
@@ -255,6 +276,8 @@ def build(root: Path, out: Path, full: bool = False, device: str = "cpu", width:
         configs = load_hyperpyyaml(f, overrides={"qwen_pretrain_path": str(qwen)})
     configs["llm"].float()  # (the Qwen inside loads as its config says: bfloat16 with --full)
     speak_like_a_trained_model(configs["llm"])
+    if bistream:
+        end_like_bistream(configs["llm"])
     for name in ("llm", "flow", "hift"):
         torch.save({k: v.cpu() for k, v in configs[name].state_dict().items()}, work / f"{name}.pt")
     torch.save({}, work / "spk2info.pt")
@@ -272,6 +295,9 @@ def main() -> None:
         "--llm-width", type=int, default=0, help="the small model's LLM width (head dim half of it; 64+ for vLLM)"
     )
     parser.add_argument(
+        "--bistream", action="store_true", help="an LLM that ends as upstream's bistream decode wants (zero-shot only)"
+    )
+    parser.add_argument(
         "--device", default="auto", help="where the weights are made: cpu, cuda (auto: cuda for --full if seen)"
     )
     args = parser.parse_args()
@@ -283,7 +309,7 @@ def main() -> None:
         device = "cuda" if args.full and torch.cuda.is_available() else "cpu"
     if args.llm_width and (args.full or args.llm_width % 2 or args.llm_width < 32):
         parser.error("--llm-width: an even width of 32 or more, for the small model (not with --full)")
-    build(args.cosyvoice_root.resolve(), args.out.resolve(), args.full, device, args.llm_width)
+    build(args.cosyvoice_root.resolve(), args.out.resolve(), args.full, device, args.llm_width, args.bistream)
     print(f"built {args.out} in {time.monotonic() - started:.1f} s")
 
 

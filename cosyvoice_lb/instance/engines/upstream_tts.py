@@ -216,15 +216,35 @@ def llm_seed() -> int | None:
     return LLM.seed
 
 
+class Enough(Exception):
+    """A streaming session's LLM made as many speech tokens as upstream allows for the text it
+    read (``MAX_TOKEN_TEXT_RATIO`` per text token): its end, as upstream's ``max_len`` is."""
+
+
+# Upstream's bound on speech tokens per text token (its LLM's max_token_text_ratio). Its
+# bistream decode has none once the text is done: a model that never says EOS would run on.
+MAX_TOKEN_TEXT_RATIO = 20
+
+
+def _counted(text: Iterator[Any], fed: list[int]) -> Iterator[Any]:
+    """Upstream's text token generator, its tokens counted in ``fed[0]`` as the LLM reads them."""
+    for token in text:
+        fed[0] += 1
+        yield token
+
+
 class Tokens(list):
     """One request's speech tokens: the append that brings as many as the reader waits for
     (``wanted``) wakes it, not every one (each wake-up costs the LLM thread the GIL); while
     ``held``, the LLM thread waits at its next append; once ``stopped`` (or its client's
     ``cancel`` is set), the next append ends the LLM thread."""
 
-    def __init__(self, ready: threading.Condition, cancel: threading.Event | None = None):
+    def __init__(
+        self, ready: threading.Condition, cancel: threading.Event | None = None, limit: Callable[[], int] | None = None
+    ):
         super().__init__()
         self.ready = ready
+        self.limit = limit  # the most tokens there may be now (a streaming session's: see Enough)
         self.stopped = False
         self.held = False
         self.cancel = cancel
@@ -236,6 +256,8 @@ class Tokens(list):
     def append(self, token: Any) -> None:
         if self.ended():
             raise Stopped()
+        if self.limit is not None and len(self) >= self.limit():
+            raise Enough()
         with self.ready:
             while self.held and not self.ended():
                 self.ready.wait(0.1)  # (a client's cancel sets no condition: looked at again soon)
@@ -299,7 +321,12 @@ def _synthesis(
     key = str(uuid.uuid1())
     seed, cancel = CALL.seed, CALL.cancel
     run = Run(cancel)
-    tokens = Tokens(run.ready, cancel)
+    limit = None
+    if inspect.isgenerator(inputs["text"]):  # a streaming session's text (upstream's bistream)
+        fed = [0]
+        inputs = {**inputs, "text": _counted(inputs["text"], fed)}
+        limit = lambda: fed[0] * MAX_TOKEN_TEXT_RATIO  # noqa: E731
+    tokens = Tokens(run.ready, cancel, limit)
     with model.lock:
         model.tts_speech_token_dict[key], model.llm_end_dict[key] = tokens, False
         model.hift_cache_dict[key] = None
@@ -392,6 +419,8 @@ def _produce(model: Any, key: str, run: Run, job: Callable[..., None], args: tup
     LLM.seed = seed
     try:
         job(*args)
+    except Enough:
+        log.info("a streaming session's LLM reached %d speech tokens per text token: its end", MAX_TOKEN_TEXT_RATIO)
     except Stopped:
         if upstream_vllm.uses_vllm(model):
             try:
