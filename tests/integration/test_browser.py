@@ -88,6 +88,36 @@ def test_two_browsers_generate_speech_through_nginx(cluster):
     print(f"browser visitors served by: {sorted(served_by)}")
 
 
+def test_the_voice_agent_tab_plays_speech_before_the_text_is_written(cluster):
+    """The tab's page writes text into a streaming session piece by piece and plays each
+    piece of audio as it comes: the first sentence is heard before the text is done."""
+    text = "This first sentence is short. " + "The rest of the reply is written more slowly, piece by piece. " * 3
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--no-first-run", "--autoplay-policy=no-user-gesture-required"],
+        )
+        try:
+            page = browser.new_page()
+            page.goto(cluster["url"], wait_until="networkidle", timeout=90000)
+            page.get_by_role("tab", name="Voice agent (streaming)").click()
+            demo = page.frame_locator("iframe[title='streaming session']")
+            demo.locator("#text").fill(text)
+            demo.locator("#pace").fill("40")
+            demo.get_by_role("button", name="Speak as it is written").click()
+            frame = next(f for f in page.frames if f.url.endswith("/stream-demo"))
+            frame.wait_for_function("document.body.dataset.closed !== undefined", timeout=60000)
+            seen = frame.evaluate("({...document.body.dataset})")
+            log = frame.locator("#log").inner_text()
+        finally:
+            browser.close()
+    assert seen["closed"] == "1000", log
+    assert int(seen["done"]) >= 4 and int(seen["played"]) >= 4, log  # each sentence played as it came
+    assert int(seen["firstAudio"]) < int(seen["textDone"]), log  # heard before the text was written
+    assert int(seen["bytes"]) > 24000 * 2, log  # more than a second of speech
+    print(f"voice agent tab: {log!r}")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_the_download_button_gives_the_whole_result_as_a_wav(cluster, tmp_path, stream):
     """What the page plays, its download gives whole: a WAV that decodes, as long as the

@@ -13,6 +13,7 @@ import shutil
 import threading
 from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,10 @@ MODE_LABELS = {
 }
 
 # The live player's largest piece: Gradio encodes each before asking for the next.
+# The Voice agent tab: a page of its own (a frame in the tab: Gradio runs no script of a tab's
+# HTML) that writes text into a streaming session and plays the audio as it comes.
+DEMO_PATH = "/stream-demo"
+DEMO_PAGE = Path(__file__).resolve().parent.parent / "assets" / "stream_demo.html"
 LIVE_SLICE_SECONDS = 2
 # An event the page calls but API clients do not see (gradio 6 reads it as api_visibility="private").
 PRIVATE: dict[str, Any] = {"api_name": False}
@@ -124,7 +129,7 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = No
     """Mount the UI on ``app`` (FastAPI) at "/" and return what Gradio returns. A text past
     --max-chars goes to the cluster in segments (``fanout``), as from the API."""
     import gradio as gr
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import HTMLResponse, JSONResponse
     from gradio.processing_utils import save_bytes_to_cache
     from gradio.utils import get_upload_folder
 
@@ -292,6 +297,11 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = No
         long_form_tab(gr, ui, fanout.balancer.url if fanout else "", voice_choices(saved_voices(pipeline),
                       engine.speakers()), get_upload_folder())  # fmt: skip
 
+        with gr.Tab("Voice agent (streaming)"):
+            gr.HTML(
+                f'<iframe src="{DEMO_PATH}" title="streaming session" style="width:100%;height:34rem;border:0"></iframe>'
+            )
+
         def refresh():
             """At each page load: what the loaded model offers (built-in speakers are only
             known once it is loaded)."""
@@ -303,6 +313,10 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = No
             )
 
         ui.load(refresh, outputs=[mode, speaker, voice], api_name=False)
+
+    @app.get(DEMO_PATH, include_in_schema=False)
+    async def stream_demo():  # the Voice agent tab's page (static: it holds no secret)
+        return HTMLResponse(DEMO_PAGE.read_text(encoding="utf-8"), headers={"Cache-Control": "no-store"})
 
     @app.get("/gradio_api/stream/{session}/{run}/{component}/playlist-file", include_in_schema=False)
     async def no_stream_download(session: str, run: str, component: str):

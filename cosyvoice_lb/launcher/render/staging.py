@@ -24,8 +24,8 @@ _PACKAGE = Path(cosyvoice_lb.__file__).resolve().parent
 INSTANCE_PACKAGES = ("instance", "common")
 
 
-# The instance's data files beside its code (the speech check's prompt).
-ASSETS = ("*.wav",)
+# The instance's data files beside its code (the speech check's prompt, the Voice agent tab's page).
+ASSETS = ("*.wav", "*.html")
 
 
 def instance_files() -> dict[str, str | bytes]:
