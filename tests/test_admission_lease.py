@@ -15,7 +15,7 @@ from cosyvoice_lb.instance.speech.admission import Admission, NotReady, Overload
 def test_a_lease_takes_a_free_slot_or_is_refused_at_once():
     admission = ready(concurrency=2, max_queue=10)
     first, second = admission.lease(), admission.lease()
-    assert admission.snapshot().inflight == 2
+    assert admission.snapshot().inflight == 2 and admission.snapshot().sessions == 2
     with pytest.raises(Overloaded, match="no engine slot free for a streaming session"):
         admission.lease()  # (never queued: another instance may have a slot)
     first.release(None)
@@ -23,7 +23,7 @@ def test_a_lease_takes_a_free_slot_or_is_refused_at_once():
     assert admission.snapshot().inflight == 2
     for lease in (second, third):
         lease.release(None)
-    assert admission.snapshot().idle and admission.snapshot().served == 0
+    assert admission.snapshot().idle and admission.snapshot().served == 0 and admission.snapshot().sessions == 0
 
 
 def test_a_lease_is_refused_while_anyone_waits_or_the_instance_takes_no_work():

@@ -166,6 +166,9 @@ def test_start_drain_takes_it_out_and_counts_one_restart():
         (DrainAction.TERM, Probe("ready", inflight=0, waiting=0), 1.0, True),
         (DrainAction.TERM, Probe("ready", inflight=1, stalled=(0.1,)), 1.0, False),  # one still synthesizing
         (DrainAction.TERM, Probe("ready", inflight=0, waiting=1), 1.0, False),  # one queued, still to be served
+        # streaming sessions last as long as their clients write: the instance's drain ends them
+        (DrainAction.TERM, Probe("ready", inflight=2, sessions=2, stalled=(0.0, 0.0)), 1.0, True),
+        (DrainAction.TERM, Probe("ready", inflight=2, sessions=1, stalled=(0.0, 0.1)), 1.0, False),
         (DrainAction.TERM, Probe("ready", inflight=1, stalled=(0.1,)), 30.5, True),  # --drain-timeout
         (DrainAction.TERM, Probe("failed"), 1.0, True),  # does not answer: TERM now (it drains itself anyway)
         (DrainAction.HOLD, Probe("ready", inflight=0), 1.0, True),

@@ -69,6 +69,11 @@ def server():
         ),
         (
             200,
+            {"ready": True, "stalled_seconds": [0.0], "inflight": 1, "sessions": 1},
+            Probe("ready", stalled=(0.0,), inflight=1, sessions=1),
+        ),
+        (
+            200,
             {"ready": True, "stalled_seconds": "long"},
             Probe("failed", detail="/ping answered stalled_seconds='long', not a list of numbers"),
         ),

@@ -109,9 +109,8 @@ def ping_body(
     """What ``/ping`` says: readiness, and per synthesis the seconds since its last chunk (a
     synthesis making no progress is what "hung" means to the health loop); ``routing``: what
     routing by work sees here (measured seconds per character, queued seconds, declines);
-    ``problems``: what is wrong although it serves (e.g. results not kept on a full disk);
-    ``bad_audio``: the syntheses that failed the audio check, by reason (see ``canary``);
-    ``speech``: the speech check, the last warm-up's or canary's verdict first (``quality``)."""
+    ``problems``: what is wrong although it serves (e.g. results not kept on a full disk); ``bad_audio``:
+    failed audio checks by reason (``canary``); ``speech``: the speech check, the last verdict first."""
     return {
         "ready": snapshot.ready,
         "state": snapshot.phase.value,
@@ -120,6 +119,7 @@ def ping_body(
         "pid": os.getpid(),
         "code": CODE,
         "inflight": snapshot.inflight,
+        "sessions": snapshot.sessions,  # (of inflight: streaming sessions, which a drain closes)
         "waiting": snapshot.waiting,
         "busy_seconds": snapshot.busy_seconds,
         "stalled_seconds": list(snapshot.stalled_seconds),

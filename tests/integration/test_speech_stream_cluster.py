@@ -233,3 +233,40 @@ def test_fifty_sessions_at_once_each_served_or_refused_clearly(cluster):
     assert odd == [], odd
     assert outcomes.count("served") >= INSTANCES * 2  # every slot served at least one
     wait_for(lambda: inflight(cluster) == 0, 10)
+
+
+def test_a_drained_restart_finishes_the_sentence_then_closes_going_away(cluster):
+    ws = session(cluster["url"])
+    ws.send(json.dumps({"type": "session.config"}))
+    ws.recv(timeout=10)
+    serving = [i for i, p in enumerate(pings(cluster)) if p.get("inflight") == 1]
+    assert len(serving) == 1
+    ws.send(json.dumps({"type": "input.text.delta", "delta": "This sentence is spoken to its end. And then"}))
+    first = ws.recv(timeout=20)
+    assert isinstance(first, bytes)
+    restart = threading.Thread(
+        target=cli, args=("restart", f"instance-{serving[0]}", "--state-dir", str(cluster["state_dir"])), daemon=True
+    )
+    restart.start()
+    writing = threading.Event()
+
+    def keep_writing() -> None:  # (a slow agent: within --stream-idle-timeout, no sentence ends)
+        while not writing.wait(0.5):
+            try:
+                ws.send(json.dumps({"type": "input.text.delta", "delta": " and"}))
+            except ConnectionClosed:
+                return
+
+    writer = threading.Thread(target=keep_writing, daemon=True)
+    writer.start()
+    got, _ = frames(ws, ("error",))
+    writing.set()
+    assert got[-1]["error"]["status"] == 503 and "stopping" in got[-1]["error"]["message"]
+    assert closed_with(ws) == 1001
+    restart.join(120)
+    with session(cluster["url"]) as again:  # the other instance, or the restarted one
+        again.send(json.dumps({"type": "session.config"}))
+        again.send(json.dumps({"type": "input.text.delta", "delta": "Back."}))
+        again.send(json.dumps({"type": "input.text.done"}))
+        got, audio = frames(again)
+        assert got[-1]["type"] == "done" and audio

@@ -94,6 +94,7 @@ class Snapshot:
     served: int
     failed: int
     error: str
+    sessions: int = 0  # of ``inflight``: streaming sessions (a drain closes them at their sentence's end)
 
     @property
     def ready(self) -> bool:
@@ -216,10 +217,13 @@ class Lease(Ticket):
     def synthesis(self) -> Ticket:
         return _OnLease(self)
 
+    def release(self, outcome: bool | None) -> None:
+        self._admission._sessions.discard(self._key)
+        super().release(outcome)
+
 
 class _OnLease(Ticket):
-    """One synthesis of a session, on its lease: its end counts it served or failed and
-    leaves the slot with the session."""
+    """One synthesis of a session, on its lease: counted at its end; the slot stays the session's."""
 
     def __init__(self, lease: Lease):
         super().__init__(lease._admission, lease._key)
@@ -265,6 +269,7 @@ class Admission:
         self._failed = 0
         self._phase = Phase.LOADING
         self._error = ""
+        self._sessions: set[str] = set()  # the slots streaming sessions hold (see Lease)
 
     # --- the instance's phase ------------------------------------------------------------
 
@@ -375,6 +380,7 @@ class Admission:
                 )
             self._take(waiter)
             self._inflight[waiter.key][1] = math.inf  # (its client's text comes first)
+            self._sessions.add(waiter.key)
         self._changed()
         lease = Lease(self, waiter.key)
         lease.idle = True
@@ -443,10 +449,7 @@ class Admission:
     def _count(self, key: str, outcome: bool | None) -> None:
         """A session's synthesis ended on its lease: counted, the slot kept, not stalled."""
         with self._lock:
-            if outcome is True:
-                self._served += 1
-            elif outcome is False:
-                self._failed += 1
+            self._served, self._failed = self._served + (outcome is True), self._failed + (outcome is False)
             if key in self._inflight:
                 self._inflight[key][1] = math.inf
 
@@ -491,4 +494,5 @@ class Admission:
                 self._served,
                 self._failed,
                 self._error,
+                len(self._sessions),
             )

@@ -27,6 +27,7 @@ class Probe:
     served: int = 0
     inflight: int = 0
     waiting: int = 0
+    sessions: int = 0  # of inflight: streaming sessions (the instance's own drain closes them)
     stalled: tuple[float, ...] = ()  # per synthesis in flight: seconds since its last chunk
 
     @property
@@ -62,14 +63,17 @@ def read_ping(status_code: int, body: Any) -> Probe:
             return Probe("failed", detail=f"/ping answered busy_seconds={busy!r}, not a number")
         if not isinstance(stalled, list) or not all(_number(s) for s in stalled):
             return Probe("failed", detail=f"/ping answered stalled_seconds={stalled!r}, not a list of numbers")
-        counts = [body.get(k, 0) for k in ("served", "inflight", "waiting")]
-        served, inflight, waiting = (int(c) if isinstance(c, int) and not isinstance(c, bool) else 0 for c in counts)
+        counts = [body.get(k, 0) for k in ("served", "inflight", "waiting", "sessions")]
+        served, inflight, waiting, sessions = (
+            int(c) if isinstance(c, int) and not isinstance(c, bool) else 0 for c in counts
+        )
         return Probe(
             "ready",
             busy_seconds=float(busy),
             served=served,
             inflight=inflight,
             waiting=waiting,
+            sessions=sessions,
             stalled=tuple(float(s) for s in stalled),
         )
     if status_code == 503 and body.get("state") == "loading":

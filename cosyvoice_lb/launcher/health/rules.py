@@ -233,12 +233,14 @@ def pick_recycle(
 
 def drain_done(track: Track, probe: Probe, policy: Policy, now: float) -> bool:
     """Whether a planned stop may signal the instance now: nothing it could still finish
-    (a hung one: nothing still making progress), it stopped answering, or --drain-timeout."""
+    (a hung one: nothing still making progress), it stopped answering, or --drain-timeout.
+    A streaming session is not waited for: it lasts as long as its client writes, and the
+    instance's own drain (on the signal) lets it finish its sentence, then closes it."""
     if now - track.draining_since > policy.drain_timeout or probe.status != "ready":
         return True
     if track.drain_signal is DrainAction.KILL:
         return probe.progressing(policy.hang_timeout) == 0
-    return probe.inflight == 0 and probe.waiting == 0
+    return probe.inflight - probe.sessions <= 0 and probe.waiting == 0
 
 
 def start_drain(track: Track, reason: str, action: DrainAction, now: float, kind: str = "") -> Track:
