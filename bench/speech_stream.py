@@ -199,7 +199,8 @@ def main() -> int:
         print(
             f"\n{args.engine}: a {len(REPLY)}-character reply written {args.piece} characters every "
             f"{args.pace_ms:g} ms ({writing:.0f} ms in all; the first sentence at "
-            f"{first_sentence_end(REPLY) / args.piece * args.pace_ms:.0f} ms), {args.runs} runs each, median (min..max)"
+            f"{(-(-first_sentence_end(REPLY) // args.piece) - 1) * args.pace_ms:.0f} ms), {args.runs} runs each, "
+            "median (min..max)"
         )
         for title, key in (
             ("last character of the first sentence -> its first audio", "sentence_to_audio"),

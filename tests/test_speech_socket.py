@@ -139,6 +139,16 @@ def test_audio_of_a_sentence_comes_before_the_text_is_done(url, espeak):
     wait_for(lambda: espeak.admission.snapshot().inflight == 0, 5)
 
 
+def test_a_sentence_with_nothing_to_say_is_passed_over_not_refused(url):
+    with connect(url) as ws:
+        ws.send(json.dumps({"type": "session.config"}))
+        for piece in ("First part. ", "* * * ", "... ", "Second part."):
+            ws.send(json.dumps({"type": "input.text.delta", "delta": piece}))
+        ws.send(json.dumps({"type": "input.text.done"}))
+        got, audio = events(ws)
+        assert got[-1]["type"] == "done" and got[-1]["sentences"] == 2 and audio
+
+
 def test_vllm_omnis_names_and_base64_events(url):
     with connect(url) as ws:
         ws.send(json.dumps({"type": "session.config", "model": "any", "stream_format": "events"}))

@@ -52,7 +52,7 @@ from cosyvoice_lb.instance.speech.admission import Lease, NotReady, Phase
 from cosyvoice_lb.instance.speech.failures import describe
 from cosyvoice_lb.instance.speech.pipeline import Job, Pipeline
 from cosyvoice_lb.instance.speech.text_feed import Sentences, TextFeed
-from cosyvoice_lb.instance.speech.validation import BadRequest, check_text
+from cosyvoice_lb.instance.speech.validation import WORD, BadRequest, check_text
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -393,13 +393,16 @@ class _SentenceSink:
         self.queue, self.sentences = queue, sentences
 
     def put(self, delta: str) -> None:
-        for sentence in self.sentences.feed(delta):
-            self.queue.put_nowait(sentence)
+        self.speak(self.sentences.feed(delta))
 
     def end(self) -> None:
-        for sentence in self.sentences.finish():
-            self.queue.put_nowait(sentence)
+        self.speak(self.sentences.finish())
         self.queue.put_nowait(None)
+
+    def speak(self, sentences: list[str]) -> None:
+        for sentence in sentences:
+            if WORD.search(sentence):  # ("* * *", "..." between sentences: nothing to say)
+                self.queue.put_nowait(sentence)
 
     def tail(self) -> str:
         return self.sentences.pending[-16:]

@@ -419,7 +419,7 @@ class Pipeline:
     def tap(self, request: SynthesisRequest, count: bool) -> Tap:
         """Where a live answer's audio goes for the speech check, after it was sent (a share of
         them, ``--asr-sample``; never the warm-up's or a canary's: those are checked whole)."""
-        if self.speech is None or not count:
+        if self.speech is None or not count or not request.text:  # ("": a session's text stream)
             return NO_TAP
         return self.speech.tap(request.text, self.engine.sample_rate, request.prompt_wav)
 
