@@ -103,15 +103,16 @@ async def serve(
             pipeline.metrics.request("stream", "refused")
             await ws.send_denial_response(JSONResponse(error_body(status, str(exc)), status, headers))
             return
-    await ws.accept()
     session = Session(ws, pipeline, voice_map, limits, policy)
+    session.lease, outcome = lease, "cancelled"  # (its slot goes back however it ends, the accept too)
     try:
+        await ws.accept()
         outcome = await session.run(lease)
     finally:
         if session.lease is not None:
             session.lease.release(None)
-    pipeline.metrics.request("stream", outcome)
-    log.info("stream session %s %s: %s", session.id, outcome, json.dumps(session.summary()))
+        pipeline.metrics.request("stream", outcome)
+        log.info("stream session %s %s: %s", session.id, outcome, json.dumps(session.summary()))
 
 
 class Session:
