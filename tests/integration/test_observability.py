@@ -107,6 +107,15 @@ def test_each_synthesis_is_observed_once_wherever_it_came_from(cluster):
     long = http.post(url + "/v1/tts", json={"text": LONG}, timeout=120)
     assert long.status_code == 200
     Client(url + "/", verbose=False).predict("Hello from the UI.", 1.0, api_name="/generate")
+    from websockets.sync.client import connect
+
+    with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream") as ws:  # a session: 2 sentences
+        ws.send(json.dumps({"type": "session.config"}))
+        ws.send(json.dumps({"type": "input.text.delta", "delta": "A session. Two sentences."}))
+        ws.send(json.dumps({"type": "input.text.done"}))
+        while not (isinstance(frame := ws.recv(timeout=60), str) and json.loads(frame)["type"] in ("done", "error")):
+            pass
+        assert json.loads(frame)["type"] == "done" and json.loads(frame)["sentences"] == 2
     time.sleep(3)  # the health loop probes all along: never counted
     after = totals(cluster)
     grew = {k: requests_by(after)[k] - requests_by(before)[k] for k in requests_by(after)}
@@ -119,6 +128,7 @@ def test_each_synthesis_is_observed_once_wherever_it_came_from(cluster):
         ("openai", "ok"): 2,
         ("ui", "ok"): 1,
         ("segment", "ok"): segments,
+        ("stream", "ok"): 1,  # a session, once
     }
     # one first package, one audio duration per synthesis: the long text's are its segments'
     for name in (
@@ -128,7 +138,7 @@ def test_each_synthesis_is_observed_once_wherever_it_came_from(cluster):
         "cosyvoice_real_time_factor_count",
     ):
         grown = {r: by_route(after, name)[r] - by_route(before, name)[r] for r in ROUTES}
-        assert grown == {"api": 3, "openai": 2, "ui": 1, "segment": segments}, name
+        assert grown == {"api": 3, "openai": 2, "ui": 1, "segment": segments, "stream": 2}, name  # (its sentences)
     audio = sum(by_route(after, "cosyvoice_audio_duration_seconds_sum").values()) - sum(
         by_route(before, "cosyvoice_audio_duration_seconds_sum").values()
     )
