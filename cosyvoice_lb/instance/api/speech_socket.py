@@ -91,7 +91,7 @@ async def serve(
     ws: WebSocket, pipeline: Pipeline, voice_map: dict[str, str], limits: StreamLimits, policy: PolicyFile | None
 ) -> None:
     """One session, from the handshake to the close; counted in the metrics by outcome."""
-    token_needed = bool(ws.scope.get("state", {}).get("cvlb_token_needed"))
+    token_needed = bool(ws.scope.get("state", {}).get("cvlb_token_needed"))  # (the gate's mark)
     lease: Lease | None = None
     if not token_needed:
         try:
@@ -104,6 +104,7 @@ async def serve(
             await ws.send_denial_response(JSONResponse(error_body(status, str(exc)), status, headers))
             return
     session = Session(ws, pipeline, voice_map, limits, policy)
+    session.token_needed = token_needed
     session.lease, outcome = lease, "cancelled"  # (its slot goes back however it ends, the accept too)
     try:
         await ws.accept()
@@ -129,6 +130,7 @@ class Session:
         self.clock = clock
         self.id = uuid.uuid4().hex[:12]
         self.lease: Lease | None = None
+        self.token_needed = False  # its credentials come in its first message
         self.started = clock()
         self.omni = False  # the client speaks vLLM-Omni's names
         self.chars = self.sentences = self.bytes = 0
@@ -248,7 +250,7 @@ class Session:
             sink: Any = feed
         else:
             sentences: asyncio.Queue[str | None] = asyncio.Queue()
-            speaker = self.speak_sentences(sentences, config, encoder)
+            speaker = self.speak_sentences(sentences, payload, config, encoder)
             sink = _SentenceSink(sentences, Sentences(min(300, pipeline.limits.max_chars)))
         await self.both(self.listen(sink), speaker)
         await self.send_audio(encoder.finish(), config.events)
@@ -275,7 +277,7 @@ class Session:
         if message.kind != "config":
             raise Ended(400, 'the first message must be {"type": "session.config", ...}: the voice and the format')
         config = protocol.read_config(message.fields, self.pipeline.limits.max_upload_bytes)
-        if self.ws.scope.get("state", {}).get("cvlb_token_needed") and not self.token_ok(config.token):
+        if self.token_needed and not self.token_ok(config.token):
             offered = "the token in session.config is not valid" if config.token else "this service needs credentials"
             raise Ended(401, f'{offered}: send the header Authorization: Bearer <token>, or "token" in session.config')
         return config
@@ -345,18 +347,19 @@ class Session:
             feed.stop()  # (first: an engine still reading the text stops there, and lets go)
             await audio.aclose()
 
-    async def speak_sentences(self, sentences: asyncio.Queue, config: protocol.Config, encoder: Encoder) -> None:
+    async def speak_sentences(
+        self, sentences: asyncio.Queue, payload: dict, config: protocol.Config, encoder: Encoder
+    ) -> None:
+        """Each sentence as a request of its own: ``payload`` (the config's, checked once) with its text."""
         loop, pipeline = asyncio.get_running_loop(), self.pipeline
         while True:
             sentence = await sentences.get()
             if sentence is None or self.draining:
                 return
-            payload, _, _ = speech_request(
-                {**config.body, "input": sentence}, self.voice_map, pipeline.engine.speakers()
-            )
+            said = {**payload, "text": sentence}
             try:
                 job = await loop.run_in_executor(
-                    None, partial(pipeline.prepare, payload, config.prompt_audio, route="stream")
+                    None, partial(pipeline.prepare, said, config.prompt_audio, route="stream")
                 )
             except NotReady:
                 if pipeline.admission.phase is Phase.DRAINING:  # (before the listener saw it)
