@@ -23,6 +23,7 @@ from cosyvoice_lb.launcher import views
 from cosyvoice_lb.launcher.canary.command import canary_group
 from cosyvoice_lb.launcher.canary.state import CanaryError
 from cosyvoice_lb.launcher.cluster import lifecycle
+from cosyvoice_lb.launcher.cluster.backup_command import backup_command, restore_command
 from cosyvoice_lb.launcher.cluster.foreground import StopSignals, stay
 from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.cluster.log_relay import RelayThread
@@ -361,6 +362,8 @@ def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
 
 main.add_command(k8s_group)
 main.add_command(canary_group)
+main.add_command(backup_command)
+main.add_command(restore_command)
 
 
 if __name__ == "__main__":
