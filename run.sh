@@ -20,11 +20,12 @@ say() { printf '%s\n' "$*" >&2; }
 
 POLICY_RC=/usr/sbin/policy-rc.d
 
-# Debian's prometheus and redis-server packages are servers: their install starts one
-# (Prometheus on every address, :9090) and enables it at boot. The tests need promtool and
-# a redis-server binary they start themselves on loopback, not services: a policy-rc.d that
-# refuses every start (exit 101) stands for the install (unless the box has its own), the
-# services are disabled afterwards, and recommends (node-exporter, another server) are left out.
+# Debian's prometheus, prometheus-alertmanager and redis-server packages are servers: their
+# install starts one (Prometheus on every address, :9090) and enables it at boot. The tests
+# need promtool, amtool, and the Alertmanager and redis-server binaries they start themselves
+# on loopback, not services: a policy-rc.d that refuses every start (exit 101) stands for the
+# install (unless the box has its own), the services are disabled afterwards, and recommends
+# (node-exporter, another server) are left out.
 install_servers() {
     local ours=""
     if [ ! -e "$POLICY_RC" ]; then
@@ -59,7 +60,11 @@ system_packages() {
         command -v chromium >/dev/null 2>&1 || missing+=(chromium)
         command -v ffmpeg >/dev/null 2>&1 || missing+=(ffmpeg)
         command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+        # the alerts' way to a webhook (up --alertmanager) and its config's check (amtool)
+        command -v amtool >/dev/null 2>&1 || missing+=(prometheus-alertmanager)
         command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+        # `systemd-analyze verify` checks the boot unit `service install` writes
+        command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
         # the flite engine's tests (real speech that the speech check's recogniser understands)
         command -v flite >/dev/null 2>&1 || missing+=(flite)
     fi
@@ -77,7 +82,7 @@ system_packages() {
         local pkg plain=() servers=()
         for pkg in "${missing[@]}"; do
             case "$pkg" in
-                prometheus | redis-server) servers+=("$pkg") ;;
+                prometheus | prometheus-alertmanager | redis-server) servers+=("$pkg") ;;
                 *) plain+=("$pkg") ;;
             esac
         done
@@ -89,6 +94,10 @@ system_packages() {
         if [[ " ${missing[*]} " == *" prometheus "* ]]; then
             say "  (the tests need only its promtool: stop the server it starts with"
             say "   sudo systemctl disable --now prometheus)"
+        fi
+        if [[ " ${missing[*]} " == *" prometheus-alertmanager "* ]]; then
+            say "  (the tests start their own Alertmanager on loopback: stop the service with"
+            say "   sudo systemctl disable --now prometheus-alertmanager)"
         fi
         if [[ " ${missing[*]} " == *" redis-server "* ]]; then
             say "  (the tests start their own redis-server on loopback: stop the service with"

@@ -37,6 +37,7 @@ VERSIONS = ("1.30.0", "1.37.0")
 CRDS = {
     "ServiceMonitor": "monitoring.coreos.com/",
     "PrometheusRule": "monitoring.coreos.com/",
+    "AlertmanagerConfig": "monitoring.coreos.com/",
     "ScaledObject": "keda.sh/",
 }
 V3 = Settings(engine="cosyvoice3", model_dir="/models/cv3", max_chars=300, drain_timeout=40, instance_concurrency="1")

@@ -5,6 +5,7 @@ refuses with these."""
 
 from __future__ import annotations
 
+from cosyvoice_lb.common.alert_settings import alert_contradictions
 from cosyvoice_lb.common.checks import size
 from cosyvoice_lb.common.settings import Settings, declarations, flag, is_loopback
 from cosyvoice_lb.common.sizes import parse_size
@@ -20,7 +21,7 @@ def setting_errors(settings: Settings) -> list[str]:
         for message in [f.metadata["check"](flag(f.name), getattr(settings, f.name))]
         if message
     ]
-    return found + contradictions(settings) + limits_apart(settings)
+    return found + contradictions(settings) + alert_contradictions(settings) + limits_apart(settings)
 
 
 def contradictions(settings: Settings) -> list[str]:

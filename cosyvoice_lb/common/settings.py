@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from cosyvoice_lb.common.alert_settings import AlertSettings
 from cosyvoice_lb.common.checks import (
     above_zero,
     at_least,
@@ -47,7 +48,7 @@ MAX_JOB_CHARS = 200_000
 
 
 @dataclass(frozen=True)
-class Settings(StreamSettings, SpeechCheckSettings, EngineSettings):
+class Settings(AlertSettings, StreamSettings, SpeechCheckSettings, EngineSettings):
     """The whole configuration of one cluster (the engine's share first: ``engine_settings``)."""
 
     instances: str = setting(

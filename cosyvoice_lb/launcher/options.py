@@ -50,6 +50,7 @@ def absolute(settings: Settings) -> Settings:
         "api_token_file",
         "ui_auth",
         "admin_token_file",
+        "alert_smtp_password_file",
     ):
         value = getattr(settings, name)
         if value:

@@ -283,8 +283,8 @@ def instance_findings(result: ClusterStatus, item: InstanceStatus, body: dict) -
 
 
 def service_findings(result: ClusterStatus, programs: dict[str, ProcessInfo]) -> None:
-    """nginx, the health loop, the panel, the jobs process and the CUDA MPS daemons: their
-    states, in place."""
+    """nginx, the health loop, the panel, the jobs process, the CUDA MPS daemons and the
+    Alertmanager (--alertmanager): their states, in place."""
     for name in SERVICES:
         proc = programs.get(name)
         state = proc.state if proc else "MISSING"
@@ -292,10 +292,11 @@ def service_findings(result: ClusterStatus, programs: dict[str, ProcessInfo]) ->
         if state != "RUNNING":
             result.problems.append(f"{name} is {state.lower()}")
     for name, proc in sorted(programs.items()):
-        if name.startswith("mps-gpu"):
+        if name.startswith("mps-gpu") or name == "alertmanager":
             result.daemons[name] = {"state": proc.state, "pid": proc.pid}
+            what = "CUDA MPS" if name.startswith("mps-gpu") else "alerts reach nobody"
             if proc.state != "RUNNING":
-                result.problems.append(f"{name} (CUDA MPS) is {proc.state.lower()}: see 'cosyvoice-lb logs {name}'")
+                result.problems.append(f"{name} ({what}) is {proc.state.lower()}: see 'cosyvoice-lb logs {name}'")
 
 
 def jobs_findings(result: ClusterStatus, report: dict | None, now: float, uptime: float) -> None:

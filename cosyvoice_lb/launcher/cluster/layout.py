@@ -151,6 +151,16 @@ class Layout:
         return self.monitoring / "alerts.yml"
 
     @property
+    def alertmanager_yml(self) -> Path:
+        """The config of the cluster's Alertmanager (--alertmanager): its receivers, no secret."""
+        return self.monitoring / "alertmanager.yml"
+
+    @property
+    def alertmanager_data(self) -> Path:
+        """Alertmanager's storage: silences and the notifications it sent."""
+        return self.root / "alertmanager"
+
+    @property
     def grafana_dashboard(self) -> Path:
         return self.monitoring / "grafana-dashboard.json"
 

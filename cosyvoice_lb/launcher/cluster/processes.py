@@ -59,6 +59,8 @@ def is_cluster_program(args: list[str], layout: Layout) -> bool:
     pairs = list(zip(args, args[1:]))
     if ("-c", str(layout.supervisord_conf)) in pairs or ("-c", str(layout.nginx_conf)) in pairs:
         return True
+    if f"--config.file={layout.alertmanager_yml}" in args:  # (the cluster's Alertmanager)
+        return True
     if any(
         flag in ("--starts-file", "--pipe-dir") and value.startswith(str(layout.run) + os.sep) for flag, value in pairs
     ):  # (an instance; a CUDA MPS daemon's wrapper)

@@ -35,6 +35,10 @@ RPC_ERRORS = (
     EOFError,
 )
 
+# Programs no request goes through, which nothing needs to drain or wait for: when their
+# config changes, supervisord replaces them at once (the cluster's Alertmanager).
+SIDE_PROGRAMS = ("alertmanager",)
+
 
 class TimedUnixConnection(http.client.HTTPConnection):
     """HTTP over a unix socket with a timeout on connect and on every read (supervisor's own
@@ -183,8 +187,14 @@ class Supervisor:
         return read_tail(path, length)
 
     def reload(self) -> tuple[list[str], list[str], list[str]]:
-        """Re-read the config file; (added, changed, removed) groups, not yet applied."""
+        """Re-read the config file; (added, changed, removed) groups, not yet applied, but for
+        the programs that serve no request (:data:`SIDE_PROGRAMS`): a changed one is replaced
+        at once, and left out."""
         added, changed, removed = self._rpc("reloadConfig")[0]
+        for name in [n for n in changed if n in SIDE_PROGRAMS]:
+            self.remove_group(name)
+            self.add_group(name)
+            changed.remove(name)
         return added, changed, removed
 
     def add_group(self, name: str) -> None:

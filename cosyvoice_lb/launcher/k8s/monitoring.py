@@ -10,6 +10,8 @@ and the PrometheusRule that alerts on what it scrapes. Pure builders, as in
 - The PrometheusRule carries the box's alert rules
   (:func:`~cosyvoice_lb.launcher.render.prometheus.alert_groups`, the one source), in the
   scope of a pod (:func:`pod_scope`).
+- With ``--alert-webhook``, an AlertmanagerConfig routes the PrometheusRule's alerts to it
+  (:func:`alertmanager_config`).
 - ``--monitor-label KEY=VALUE`` labels both objects, so that a Prometheus picking them with
   ``serviceMonitorSelector`` / ``ruleSelector`` finds them (:func:`parse_monitor_labels`).
 """
@@ -21,9 +23,11 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from cosyvoice_lb.common.alert_settings import webhook_urls
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.k8s.objects import Deployment, labels, secret_name, selector
+from cosyvoice_lb.launcher.render.alertmanager import Timing
 from cosyvoice_lb.launcher.render.prometheus import RuleScope, alert_groups
 
 # The label that tells a pod's instances apart: the one a box's Prometheus puts on an
@@ -108,6 +112,38 @@ def prometheus_rule(settings: Settings, deployment: Deployment) -> dict[str, Any
         "kind": "PrometheusRule",
         "metadata": _metadata(deployment),
         "spec": {"groups": alert_groups(settings, pod_scope(deployment))},
+    }
+
+
+# The AlertmanagerConfig picks the PrometheusRule's alerts by their names (every one starts
+# so, whatever its severity); the operator adds a matcher on the object's own namespace, a
+# label every one of them carries.
+ALERT_MATCHERS = ({"name": "alertname", "matchType": "=~", "value": "CosyVoice.+"},)
+
+
+def alertmanager_config(settings: Settings, deployment: Deployment) -> dict[str, Any] | None:
+    """The Prometheus Operator's AlertmanagerConfig: the PrometheusRule's alerts, firing and
+    resolved, to every ``--alert-webhook`` URL, grouped and repeated as on a box (None
+    without a webhook: the Alertmanager's own routes apply then)."""
+    urls = webhook_urls(settings.alert_webhook)
+    if not urls:
+        return None
+    timing = Timing()
+    return {
+        "apiVersion": "monitoring.coreos.com/v1alpha1",
+        "kind": "AlertmanagerConfig",
+        "metadata": _metadata(deployment),
+        "spec": {
+            "route": {
+                "receiver": "webhook",
+                "groupBy": ["alertname"],
+                "groupWait": timing.group_wait,
+                "groupInterval": timing.group_interval,
+                "repeatInterval": timing.repeat_interval,
+                "matchers": [dict(m) for m in ALERT_MATCHERS],
+            },
+            "receivers": [{"name": "webhook", "webhookConfigs": [{"url": url, "sendResolved": True} for url in urls]}],
+        },
     }
 
 

@@ -33,6 +33,14 @@ def find_nginx(name: str) -> str:
     return found
 
 
+ALERTMANAGERS = ("prometheus-alertmanager", "alertmanager")  # Debian's name, upstream's
+
+
+def alertmanager_binary() -> str:
+    """Alertmanager's path, Debian's name first ("" when neither is on PATH)."""
+    return next((found for name in ALERTMANAGERS if (found := shutil.which(name))), "")
+
+
 # Run by the instances' Python: import what an instance imports, for real (a package whose
 # uninstall left files behind is only a namespace, which find_spec calls found), and check
 # that its gradio can read the API schema its pydantic writes (gradio 5.4 cannot read
@@ -203,6 +211,12 @@ def check_tools(settings: Settings) -> None:
     check_settings(settings)
     check_state_dir(Path(settings.state_dir).expanduser().resolve())
     find_nginx(settings.nginx)
+    if settings.alertmanager and not alertmanager_binary():
+        raise ClusterError(
+            "--alertmanager: Alertmanager not found on PATH; install it with "
+            "'sudo apt-get install -y prometheus-alertmanager' (then 'sudo systemctl disable --now "
+            "prometheus-alertmanager': the cluster runs its own)"
+        )
     if not Path(settings.python).exists():
         raise ClusterError(f"--python {settings.python} does not exist: name the Python that runs instances")
     if settings.resolved_engine == "espeak" and not shutil.which("espeak-ng"):
@@ -254,6 +268,10 @@ def check_ports(settings: Settings, slots: tuple[Slot, ...], held: set[int]) -> 
     """Refuse ports someone else holds (``held``: the running cluster's own)."""
     wanted = [(settings.listen_host, settings.port, "public", "stop what holds it or choose another with --port")]
     wanted += [("127.0.0.1", s.port, f"{s.name}'s", "choose another range with --base-port") for s in slots]
+    if settings.alertmanager and not held:  # (a first start: a running cluster's may hold it itself)
+        wanted += [
+            ("127.0.0.1", settings.alertmanager_port, "Alertmanager's", "choose another with --alertmanager-port")
+        ]
     for host, port, what, hint in wanted:
         if port in held:
             continue

@@ -25,6 +25,7 @@ from cosyvoice_lb.launcher.cluster.mps import client_env
 from cosyvoice_lb.launcher.plan.footprint import vllm_cpu_kv_space
 from cosyvoice_lb.launcher.plan.planner import Plan, Slot
 from cosyvoice_lb.launcher.render.addresses import balancer_url, listen_address
+from cosyvoice_lb.launcher.render.alertmanager import alertmanager_program
 from cosyvoice_lb.launcher.render.monitoring import monitoring_files
 from cosyvoice_lb.launcher.render.templates import template_environment
 
@@ -45,6 +46,7 @@ class Programs:
     nginx: str
     run_as_user: str = ""  # nginx `user` when the launcher runs as root
     worker_processes: int = 2
+    alertmanager: str = "prometheus-alertmanager"  # (Debian's name for it; run with --alertmanager)
 
 
 def instance_command(
@@ -287,6 +289,11 @@ def render(
             f"public port {settings.port} collides with an instance port "
             f"({plan.slots[0].port}..{plan.slots[-1].port}): change --port or --base-port"
         )
+    if settings.alertmanager and settings.alertmanager_port in {settings.port, *(s.port for s in plan.slots)}:
+        raise RenderError(
+            f"--alertmanager-port {settings.alertmanager_port} collides with the public port or an instance "
+            "port: choose another with --alertmanager-port"
+        )
     env = template_environment()
     timeouts = Timeouts(settings)
     overflow = overflow_of(settings, layout)  # the last resort: routing by work on, or not
@@ -332,6 +339,7 @@ def render(
         api_tries=api_tries(settings, len(plan.slots), overflow),
         overflow=overflow,
         nginx_command=shlex.join(nginx_command(programs, layout)),
+        alertmanager=alertmanager_program(settings, layout, programs.alertmanager),
     )
     return {
         layout.relative(layout.supervisord_conf): env.get_template("supervisord.conf.j2").render(**context),

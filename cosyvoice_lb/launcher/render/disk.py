@@ -22,7 +22,14 @@ from cosyvoice_lb.launcher.cluster.supervision import Supervisor
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan.footprint import make_plan
 from cosyvoice_lb.launcher.plan.planner import Plan, Slot
-from cosyvoice_lb.launcher.plan.preflight import check_model, check_settings, check_state_dir, find_nginx
+from cosyvoice_lb.launcher.plan.preflight import (
+    ALERTMANAGERS,
+    alertmanager_binary,
+    check_model,
+    check_settings,
+    check_state_dir,
+    find_nginx,
+)
 from cosyvoice_lb.launcher.render.cluster import Programs, render
 from cosyvoice_lb.launcher.render.credentials import write_admin_access, write_policy, write_segment_key
 from cosyvoice_lb.launcher.render.staging import CODE_FILE, stage
@@ -44,6 +51,7 @@ def programs_for(settings: Settings) -> Programs:
         nginx=find_nginx(settings.nginx),
         run_as_user=user,
         worker_processes=max(1, min(4, os.cpu_count() or 1)),
+        alertmanager=alertmanager_binary() or ALERTMANAGERS[0],
     )
 
 

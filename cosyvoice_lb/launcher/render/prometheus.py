@@ -33,6 +33,7 @@ from cosyvoice_lb.common.timeouts import Timeouts
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.planner import Slot
 from cosyvoice_lb.launcher.render.addresses import balancer_url
+from cosyvoice_lb.launcher.render.alertmanager import alertmanager_target
 from cosyvoice_lb.launcher.render.templates import template_environment
 
 
@@ -68,8 +69,10 @@ def balancer_target(settings: Settings) -> str:
 
 def prometheus_config(settings: Settings, layout: Layout) -> str:
     """prometheus.yml: the instances' job (file SD from ``targets.json``), the cluster's job
-    (nginx's /metrics with the scrape token's file) and the alert rules, by absolute path."""
-    return _from_template("prometheus.yml.j2", layout=layout, balancer=balancer_target(settings))
+    (nginx's /metrics with the scrape token's file) and the alert rules, by absolute path;
+    with --alertmanager, the cluster's Alertmanager to send the alerts to."""
+    alerting = alertmanager_target(settings) if settings.alertmanager else ""
+    return _from_template("prometheus.yml.j2", layout=layout, balancer=balancer_target(settings), alertmanager=alerting)
 
 
 @dataclass(frozen=True)
