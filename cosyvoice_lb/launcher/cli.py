@@ -31,6 +31,7 @@ from cosyvoice_lb.launcher.cluster.status import ClusterStatus, status
 from cosyvoice_lb.launcher.cluster.supervision import SupervisionError
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.k8s.command import k8s_group
+from cosyvoice_lb.launcher.model.command import prepare_model_command
 from cosyvoice_lb.launcher.options import CLUSTER_OPTIONS, PLAN_OPTIONS, fail, options, settings_from
 from cosyvoice_lb.launcher.plan import calibration, footprint
 from cosyvoice_lb.launcher.plan.planner import PlanError
@@ -361,6 +362,7 @@ def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
 
 
 main.add_command(k8s_group)
+main.add_command(prepare_model_command)
 main.add_command(canary_group)
 main.add_command(backup_command)
 main.add_command(restore_command)

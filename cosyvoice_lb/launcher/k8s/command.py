@@ -9,6 +9,7 @@ import click
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.k8s.jobs import jobs_fields, jobs_options, per_pod_warning
+from cosyvoice_lb.launcher.k8s.network import network_fields, network_options
 from cosyvoice_lb.launcher.k8s.options import keda_fields, keda_options, pod_fields, pod_options
 from cosyvoice_lb.launcher.options import CLUSTER_OPTIONS, fail, options
 
@@ -45,6 +46,7 @@ def k8s_group() -> None:
 @pod_options
 @keda_options
 @jobs_options
+@network_options
 def k8s_render_command(
     out_dir: str,
     k8s_name: str,
@@ -86,6 +88,7 @@ def k8s_render_command(
         **pod_fields(kwargs),  # TLS, client addresses, the pod's size and place (k8s/options.py)
         **keda_fields(kwargs),  # --timezone, --prometheus-url: --schedule's KEDA ScaledObject
         **jobs_fields(kwargs),  # --jobs-redis-secret: the Secret the pods read the jobs' Redis from
+        **network_fields(kwargs),  # --network-policy (who reaches the pods), --pod-label
     )
     for path in write_manifests(settings, deployment, out_dir):
         click.echo(str(path))

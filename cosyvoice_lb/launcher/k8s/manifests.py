@@ -32,7 +32,8 @@ from cosyvoice_lb.launcher.cluster.layout import layout_for
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.k8s.ingress import api_ingress, tls_problem, ui_ingress
 from cosyvoice_lb.launcher.k8s.jobs import jobs_problem, written_url
-from cosyvoice_lb.launcher.k8s.monitoring import prometheus_rule, service_monitor
+from cosyvoice_lb.launcher.k8s.monitoring import alertmanager_config, prometheus_rule, service_monitor
+from cosyvoice_lb.launcher.k8s.network import policy_file
 from cosyvoice_lb.launcher.k8s.objects import (
     PRE_STOP_SECONDS,
     Deployment,
@@ -182,6 +183,7 @@ def manifests(settings: Settings, deployment: Deployment) -> dict[str, str]:
         + "---\n"
         + _dump(api_ingress(settings, deployment)),
         **_autoscaler_file(settings, deployment),
+        **policy_file(settings, deployment, _dump),  # --network-policy's networkpolicy.yaml
         "pdb.yaml": _dump(disruption_budget(deployment), "# A node drain takes one pod at a time."),
         "servicemonitor.yaml": _dump(
             service_monitor(deployment, per_pod),
@@ -192,11 +194,23 @@ def manifests(settings: Settings, deployment: Deployment) -> dict[str, str]:
             prometheus_rule(settings, deployment),
             "# Prometheus Operator: the box's alert rules (its alerts.yml), for this deployment's pods.",
         ),
+        **_alerting_file(settings, deployment),
         "prometheus-adapter-rules.yaml": _dump_files(
             adapter_config(deployment, yaml.safe_dump(adapter_rules(), sort_keys=False, width=120)),
             ADAPTER_HEADER.format(name=adapter_config_name(deployment)),
         ),
     }
+
+
+def _alerting_file(settings: Settings, deployment: Deployment) -> dict[str, str]:
+    found = alertmanager_config(settings, deployment)
+    if found is None:
+        return {}
+    header = (
+        "# Prometheus Operator: the PrometheusRule's alerts, firing and resolved, to --alert-webhook. An Alertmanager\n"
+        "# takes it when its alertmanagerConfigSelector matches these labels (see --monitor-label)."
+    )
+    return {"alertmanagerconfig.yaml": _dump(found, header)}
 
 
 AUTOSCALER_FILES = ("hpa.yaml", "scaledobject.yaml")  # one of them: --schedule's KEDA ScaledObject, else the HPA
@@ -248,4 +262,6 @@ def write_manifests(settings: Settings, deployment: Deployment, out_dir: str) ->
         written.append(out / name)
     for stale in set(AUTOSCALER_FILES) - set(files):  # (a render before, with or without --schedule)
         (out / stale).unlink(missing_ok=True)  # two autoscalers on one Deployment would fight
+    if "networkpolicy.yaml" not in files:  # (a render before with --network-policy: not applied again)
+        (out / "networkpolicy.yaml").unlink(missing_ok=True)
     return written

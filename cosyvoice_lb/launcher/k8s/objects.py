@@ -79,6 +79,11 @@ class Deployment:
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
     # --jobs-redis-secret NAME[:KEY] as (name, key): the Secret the pods read --jobs-redis from (k8s/jobs.py)
     jobs_redis_secret: tuple[str, ...] = ()
+    # --network-policy: who may reach the pods (k8s/network.py); --pod-label: on the pod template only
+    network_policy: bool = False
+    ingress_namespace: str = "ingress-nginx"  # the ingress controller's namespace
+    monitoring_namespace: str = "monitoring"  # Prometheus's ("" = none)
+    pod_labels: tuple[tuple[str, str], ...] = ()
 
 
 def labels(deployment: Deployment) -> dict[str, str]:

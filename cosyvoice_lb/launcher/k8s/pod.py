@@ -13,6 +13,7 @@ from typing import Any
 
 from cosyvoice_lb.common.settings import Settings, envvar
 from cosyvoice_lb.launcher.k8s.jobs import jobs_env
+from cosyvoice_lb.launcher.k8s.network import pod_template_labels
 from cosyvoice_lb.launcher.k8s.objects import (
     OUTPUTS,
     OWN,
@@ -26,9 +27,17 @@ from cosyvoice_lb.launcher.k8s.objects import (
     Deployment,
     _meta,
     claim_name,
-    labels,
     secret_name,
     selector,
+)
+from cosyvoice_lb.launcher.k8s.prepare import (
+    PYTHON,
+    init_containers,
+    model_mount,
+    needs_prepare,
+    prepared_dir,
+    prepared_mount,
+    prepared_volume,
 )
 from cosyvoice_lb.launcher.k8s.scheduling import placement
 from cosyvoice_lb.launcher.k8s.sizing import PodSize
@@ -56,6 +65,8 @@ def pod_settings(settings: Settings, deployment: Deployment) -> Settings:
         changes["trusted_proxies"] = deployment.pod_cidr
     if settings.resolved_engine == "cosyvoice3" and not settings.cosyvoice_root:
         changes["cosyvoice_root"] = COSYVOICE_ROOT
+    if needs_prepare(settings):  # (--load-vllm / --load-trt: the initContainer's dir, k8s/prepare.py)
+        changes["model_dir"] = prepared_dir(settings)
     return dataclasses.replace(settings, **changes)
 
 
@@ -70,7 +81,7 @@ def pod_env(settings: Settings) -> list[dict[str, str]]:
         {"name": envvar("outputs_dir"), "value": f"{OUTPUTS}/$(POD_NAME)"},
         {"name": envvar("api_token_file"), "value": f"{STATE}/api-tokens"},
         {"name": envvar("admin_token_file"), "value": f"{STATE}/admin-tokens"},
-        {"name": envvar("python"), "value": "/opt/cosyvoice-lb/bin/python"},
+        {"name": envvar("python"), "value": PYTHON},
     ]
     for f in dataclasses.fields(Settings):
         value = getattr(settings, f.name)
@@ -124,18 +135,16 @@ def pod_container(settings: Settings, deployment: Deployment, size: PodSize) -> 
             {"name": "tokens", "mountPath": SECRETS, "readOnly": True},
             {"name": "voices", "mountPath": VOICES},
             {"name": "outputs", "mountPath": OUTPUTS},
-            *(
-                [{"name": "model", "mountPath": settings.model_dir, "readOnly": True}]
-                if deployment.model_volume and settings.model_dir
-                else []
-            ),
+            *model_mount(settings, deployment),
+            *prepared_mount(settings, read_only=True),  # (--load-vllm / --load-trt: what the initContainer made)
         ],
     }
 
 
-def pod_volumes(deployment: Deployment) -> list[dict[str, Any]]:
-    """The pod's volumes: its own state dir, the tokens' Secret, the two shared claims, and
-    the model's claim (read-only) when --model-volume is given."""
+def pod_volumes(deployment: Deployment, settings: Settings | None = None) -> list[dict[str, Any]]:
+    """The pod's volumes: its own state dir, the tokens' Secret, the two shared claims, the
+    model's claim (read-only) when --model-volume is given, and with --load-vllm / --load-trt
+    the emptyDir the model dir is prepared in."""
     return [
         {"name": "state", "emptyDir": {}},
         {"name": "tokens", "secret": {"secretName": secret_name(deployment), "defaultMode": 0o440}},
@@ -146,13 +155,17 @@ def pod_volumes(deployment: Deployment) -> list[dict[str, Any]]:
             if deployment.model_volume
             else []
         ),
+        *(prepared_volume(settings) if settings is not None else []),
     ]
 
 
 def pod_spec(settings: Settings, deployment: Deployment, grace: int, size: PodSize) -> dict[str, Any]:
     """The pod template's spec: the non-root user, one pod per host (preferred or required),
     the node selector and tolerations asked for, the container and its volumes, and
-    ``grace`` seconds to drain on SIGTERM."""
+    ``grace`` seconds to drain on SIGTERM; with --load-vllm / --load-trt, the initContainer
+    that prepares the model dir first."""
+    main = pod_container(settings, deployment, size)
+    prepare = init_containers(settings, deployment, main, pod_settings(settings, deployment).cosyvoice_root)
     return {
         "terminationGracePeriodSeconds": grace,
         "securityContext": {
@@ -162,8 +175,9 @@ def pod_spec(settings: Settings, deployment: Deployment, grace: int, size: PodSi
             "fsGroup": USER_ID,
         },
         **placement(deployment),
-        "containers": [pod_container(settings, deployment, size)],
-        "volumes": pod_volumes(deployment),
+        **({"initContainers": prepare} if prepare else {}),
+        "containers": [main],
+        "volumes": pod_volumes(deployment, settings),
     }
 
 
@@ -179,7 +193,7 @@ def deployment_object(settings: Settings, deployment: Deployment, grace: int, si
             # One pod more at a time, never one less: a model load takes minutes.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
-                "metadata": {"labels": labels(deployment)},
+                "metadata": {"labels": pod_template_labels(deployment)},  # (--pod-label: here only)
                 "spec": pod_spec(settings, deployment, grace, size),
             },
         },

@@ -1,0 +1,1 @@
+"""The model dir: what `prepare-model` makes of a read-only one for --load-vllm and --load-trt."""
