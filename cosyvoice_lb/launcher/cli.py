@@ -39,6 +39,7 @@ from cosyvoice_lb.launcher.render.cluster import RenderError
 from cosyvoice_lb.launcher.render.cluster import warnings as render_warnings
 from cosyvoice_lb.launcher.render.credentials import access_of, open_warning
 from cosyvoice_lb.launcher.render.disk import render_only
+from cosyvoice_lb.launcher.service.command import service_group
 
 USER_ERRORS = (PlanError, SizeError, RenderError, ClusterError, SupervisionError, CanaryError)
 
@@ -364,6 +365,7 @@ def logs_command(state_dir: str, name: str, follow: bool, lines: int) -> None:
 main.add_command(k8s_group)
 main.add_command(prepare_model_command)
 main.add_command(canary_group)
+main.add_command(service_group)
 main.add_command(backup_command)
 main.add_command(restore_command)
 

@@ -1,0 +1,1 @@
+"""Starting the cluster at boot: a systemd unit that runs `up --foreground`."""
