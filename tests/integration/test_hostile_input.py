@@ -510,7 +510,9 @@ def test_ui_upload_route_takes_any_file_into_its_own_cache_only(cluster, web, fi
         # the answer names the file by a marker, never by the server's own directories
         assert not paths[0].startswith("/") and ".." not in paths[0], paths
         assert str(cluster["state_dir"]) not in paths[0], paths
-        stored = [p for p in gradio_dir(cluster).rglob(Path(paths[0]).name) if p.read_bytes() == content]
+        stored = [
+            p for p in gradio_dir(cluster).rglob(Path(paths[0]).name) if p.is_file() and p.read_bytes() == content
+        ]
         assert stored, f"{paths[0]} is not in the instance's own cache"
     else:
         assert 400 <= r.status_code < 500

@@ -27,6 +27,7 @@ from cosyvoice_lb.instance.speech.fanout import FanOut, blocking
 from cosyvoice_lb.instance.speech.pipeline import Pipeline
 from cosyvoice_lb.instance.speech.validation import MAX_SPEED, MIN_SPEED, BadRequest, prompt_span
 from cosyvoice_lb.instance.ui.long_form import MAX_TXT_BYTES, long_form_tab, voice_choices
+from cosyvoice_lb.instance.ui.owners import KEPT_SECONDS
 from cosyvoice_lb.instance.ui.uploads import GradioFiles
 
 MODE_LABELS = {
@@ -249,7 +250,7 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = No
     for fn in (generate, generate_file):
         fn.__annotations__["request"] = gr.Request
 
-    with gr.Blocks(title="cosyvoice-lb", delete_cache=(3600, 3600)) as ui:
+    with gr.Blocks(title="cosyvoice-lb", delete_cache=(KEPT_SECONDS, KEPT_SECONDS)) as ui:
         gr.Markdown(f"## Text to speech\nEngine `{engine.name}` · instance on port {port}")
         with gr.Tab("Speech"):
             text = gr.Textbox(
@@ -329,7 +330,15 @@ def mount_ui(app: Any, pipeline: Pipeline, port: int, fanout: FanOut | None = No
 
     app = gr.mount_gradio_app(app, ui, path="/")
     texts = MAX_TXT_BYTES if fanout else 0  # (the long-form tab's .txt, where the tab has a balancer)
+    # Gradio deletes the files it made when the instance stops, but those a component keeps:
+    # an upload is left to its records' hour (a restart keeps it for its sender).
+    keep = next(iter(ui.blocks.values())).keep_in_cache
     app.add_middleware(
-        GradioFiles, folder=get_upload_folder(), max_bytes=limits.max_upload_bytes, uploads=cloning, texts=texts
+        GradioFiles,
+        folder=get_upload_folder(),
+        max_bytes=limits.max_upload_bytes,
+        uploads=cloning,
+        texts=texts,
+        keep=keep,
     )
     return app

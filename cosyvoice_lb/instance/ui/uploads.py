@@ -8,7 +8,9 @@ middleware, in front of the mounted UI:
   up to the prompt size limit) or a long-form .txt input (only a .txt that starts as UTF-8
   text, up to its own limit); anything else is a 4xx JSON answer;
 * serves an upload back only to the session that sent it (nginx's route cookie), for the
-  prompt player's preview; results are served as Gradio serves them;
+  prompt player's preview, for an hour; a result once an answer named it; any other file in
+  Gradio's folder to nobody. Who may fetch what is kept on disk (``owners.py``), so it holds
+  after the instance restarts;
 * spells Gradio's temp dir as a short relative marker in what goes out, and back in what
   comes in, so no answer names a path of the server.
 
@@ -21,18 +23,18 @@ import codecs
 import json
 import os
 import re
-import secrets
 from urllib.parse import unquote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosyvoice_lb.common.error_body import refusal
 from cosyvoice_lb.instance.access.gate import cookie
+from cosyvoice_lb.instance.ui.owners import FileOwners
 
 API = "/gradio_api"
 ROUTE_COOKIE = "cvlb_route"  # nginx's sticky key: one per browser or gradio_client
 MULTIPART_SLACK = 64 * 1024  # a multipart body's boundaries and headers around the file
-KEPT_UPLOADS = 4096  # (uploads remembered for their owner; the oldest are forgotten first)
+MARKER = "files/"  # how Gradio's folder is spelled outward: the same across restarts, naming nothing
 REFUSED = ("/process_recording", "/proxy=")  # Gradio routes this UI never uses
 FORMATS = "WAV, MP3, FLAC, OGG, WebM, M4A or AIFF"
 REWRITTEN_TYPES = (b"application/json", b"text/")
@@ -88,14 +90,30 @@ async def refuse(send: Send, status: int, message: str) -> None:
 class GradioFiles:
     """ASGI middleware for Gradio's file routes (see the module's docstring). ``folder``:
     Gradio's upload and cache dir; ``max_bytes``: the largest prompt audio; ``uploads``:
-    whether the UI takes prompt audio at all; ``texts``: the largest .txt it takes (0: none)."""
+    whether the UI takes prompt audio at all; ``texts``: the largest .txt it takes (0: none);
+    ``keep``: Gradio's set of files its clean-up leaves (it deletes all the others when the
+    process stops): each upload goes in, left to its records' expiry; ``owners``: the records."""
 
-    def __init__(self, app: ASGIApp, folder: str, max_bytes: int, uploads: bool, texts: int = 0):
+    def __init__(
+        self,
+        app: ASGIApp,
+        folder: str,
+        max_bytes: int,
+        uploads: bool,
+        texts: int = 0,
+        keep: set[str] | None = None,
+        owners: FileOwners | None = None,
+    ):
         self.app, self.max_bytes, self.uploads, self.texts = app, max_bytes, uploads, texts
         # (Gradio's folder and its resolved spelling: answers may name either)
         self.prefixes = sorted({os.path.join(os.path.abspath(folder), ""), os.path.join(os.path.realpath(folder), "")})
-        self.marker = f"files-{secrets.token_hex(4)}/"  # (per process: it names nothing)
-        self.owners: dict[str, str] = {}  # upload path -> route cookie of who sent it
+        self.marker = MARKER
+        self.keep = keep
+        self.owners = owners or FileOwners(folder)
+        self.swept = self.owners.clock()
+        self.owners.sweep()  # (what expired while the instance was down)
+        named = b"|".join(re.escape(p.encode()) for p in self.prefixes)
+        self.named = re.compile(rb"(?:" + named + rb')[^"\\\s?#]+')
 
     def outward(self, data: bytes) -> bytes:
         for prefix in self.prefixes:
@@ -133,11 +151,16 @@ class GradioFiles:
     async def serve_file(self, scope: Scope, receive: Receive, send: Send, route: str, headers: dict[str, str]):
         asked = unquote(route[len("/file=") :] if route.startswith("/file=") else route[len("/file/") :])
         full = os.path.realpath(self.inward_path(asked))  # (".." and links resolved before the checks)
-        if not full.startswith(os.path.join(os.path.realpath(self.prefixes[0]), "")):
+        if self.owners.relative(full) is None:
             return await refuse(send, 404, "no such file: this UI serves its own results only")
-        owner = self.owners.get(full)
-        if owner is not None and (not owner or owner != route_of(headers)):
-            return await refuse(send, 404, "no such file: an upload is served back only to the session that sent it")
+        if not self.owners.serves(full, route_of(headers)):
+            minutes = self.owners.kept / 60
+            return await refuse(
+                send,
+                404,
+                f"no such file: an upload is served back only to the browser that sent it, for {minutes:g} "
+                "minutes (upload it again), and a result only once it was made here",
+            )
         new_path = f"{API}/file={full}"
         scope = dict(scope, path=new_path, raw_path=new_path.encode())
         await self.app(scope, receive, send)
@@ -171,16 +194,32 @@ class GradioFiles:
         start = next(m for m in answer if m["type"] == "http.response.start")
         data = b"".join(m.get("body", b"") for m in answer if m["type"] == "http.response.body")
         if start["status"] == 200:
-            try:
-                for path in json.loads(data):
-                    self.owners[os.path.realpath(path)] = owner
-            except (ValueError, TypeError):
-                pass
-            while len(self.owners) > KEPT_UPLOADS:
-                self.owners.pop(next(iter(self.owners)))
+            self.record(data, owner)
         data = self.outward(data)
         await send(dict(start, headers=set_length(start.get("headers", []), len(data))))
         await send({"type": "http.response.body", "body": data})
+
+    def record(self, answer: bytes, owner: str) -> None:
+        """The upload route's answer (the paths Gradio wrote): each kept for ``owner`` only."""
+        try:
+            paths = [str(path) for path in json.loads(answer)]
+        except (ValueError, TypeError):
+            return
+        for path in paths:
+            self.owners.grant(path, owner)
+            if self.keep is not None:  # (as Gradio may spell it: through a link or not)
+                self.keep.update({path, os.path.abspath(path), os.path.realpath(path)})
+        now = self.owners.clock()
+        if now - self.swept >= self.owners.kept / 4:  # (a running instance's expired uploads go too)
+            self.swept = now
+            self.owners.sweep()
+            if self.keep is not None:
+                self.keep.difference_update([p for p in self.keep if not os.path.exists(p)])
+
+    def publish(self, data: bytes) -> None:
+        """The files an answer names are results (an upload keeps its owners)."""
+        for found in set(self.named.findall(data)):
+            self.owners.publish(found.decode("utf-8", "replace"))
 
     def too_large_message(self) -> str:
         said = []
@@ -224,12 +263,15 @@ class GradioFiles:
                 buffer.append(message.get("body", b""))
                 if message.get("more_body"):
                     return None
-                data = self.outward(b"".join(buffer))
+                whole = b"".join(buffer)
+                self.publish(whole)
+                data = self.outward(whole)
                 await send(dict(start, headers=set_length(start["headers"], len(data))))
                 return await send({"type": "http.response.body", "body": data})
             if start:  # a stream (Gradio's event stream sends whole events): piece by piece
                 await send(start)
                 state["start"] = {}
+            self.publish(message.get("body", b""))
             await send(dict(message, body=self.outward(message.get("body", b""))))
             return None
 
