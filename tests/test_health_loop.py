@@ -377,12 +377,30 @@ def test_a_refused_supervisord_call_does_not_stop_the_step(make_rig):
 
 def test_orphaned_nginx_workers_get_a_graceful_quit_while_nginx_is_down(make_rig):
     rig = make_rig()
-    assert rig.host.orphans_asked == []  # nginx RUNNING: nothing to look for
+    rig.host.orphans_asked.clear()
+    rig.step()
+    assert rig.host.orphans_asked == []  # the same nginx RUNNING, checked before: nothing to look for
     rig.host.orphans = [FakeProcess(61)]
     rig.sup.set("nginx", "BACKOFF", 0)
     rig.step()
     assert rig.host.orphans_asked == [(8080, 0)]
     assert rig.host.killed == [([FakeProcess(61)], signal.SIGQUIT)]
+
+
+def test_orphans_beside_a_new_running_master_are_found_once(make_rig):
+    """With reuseport a new master binds beside the old one's workers and may be RUNNING
+    before a step sees it STARTING: it is still looked at, once."""
+    rig = make_rig()
+    rig.host.orphans = [FakeProcess(61)]
+    rig.sup.set("nginx", "RUNNING", 4242)
+    rig.host.orphans_asked.clear()
+    rig.step()
+    assert rig.host.orphans_asked == [(8080, 4242)]
+    assert rig.host.killed == [([FakeProcess(61)], signal.SIGQUIT)]
+    rig.host.orphans = []
+    rig.step()
+    rig.step()
+    assert rig.host.orphans_asked == [(8080, 4242)] * 2  # (gone: not looked for again)
 
 
 def test_a_restarted_loop_picks_up_its_tracks_from_health_json(make_rig):

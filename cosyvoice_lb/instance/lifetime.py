@@ -34,8 +34,14 @@ def draining_server(
     Waiting for syntheses rather than for connections matters: a browser tab keeps
     Gradio's heartbeat stream open forever, and that must not hold a stop for the full
     drain time.
+
+    Its answers leave whole: head and body in one write (``whole_responses``).
     """
     import uvicorn
+
+    from cosyvoice_lb.instance.whole_responses import http_protocol
+
+    config.http = http_protocol()  # (read when the server loads the config, in run)
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame):

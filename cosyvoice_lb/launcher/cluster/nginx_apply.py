@@ -1,7 +1,7 @@
 """Applying nginx's rendered config to the running nginx, checked rather than assumed: a
 graceful reload, and a restart through supervisord where a reload cannot move the
-listener (the same port on another address: the new socket cannot be bound beside the
-old one). Afterwards nginx runs the new config and listens where it says, or this raises.
+listener (the new socket cannot be bound beside the old one: with ``reuseport`` on the
+public listener it can, on the same port). Afterwards nginx runs the new config and listens where it says, or this raises.
 """
 
 from __future__ import annotations

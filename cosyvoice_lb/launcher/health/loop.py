@@ -73,6 +73,7 @@ class HealthLoop:
         room: Room | None = None,
     ):
         self.layout, self.settings, self.slots = layout, settings, slots
+        self.nginx_checked = 0  # (the nginx master last found RUNNING with no orphan beside it)
         # A model roll-out's canary (read at start: `canary start` and `abort` restart the
         # loop): probed like any instance, never in the serving rotation, in pools of its own.
         self.canary = canary_state.read(layout)
@@ -324,12 +325,16 @@ class HealthLoop:
 
     def clear_orphan_nginx(self, nginx: ProcessInfo | None) -> None:
         """Workers of a SIGKILLed nginx master keep the public port, so the master that
-        supervisord starts next can never bind it. QUIT is their graceful stop: they close
-        the port at once (the new master binds it on its next try) and finish what they
-        are serving."""
-        if nginx is None or nginx.state == "RUNNING":
+        supervisord starts next can never bind it -- or, with ``reuseport``, binds beside
+        them, and they serve on with the old config. QUIT is their graceful stop: they close
+        the port at once and finish what they are serving. Looked for while nginx is not
+        RUNNING, and once for each new master that is (the few seconds it is STARTING may
+        fall between two steps)."""
+        if nginx is None or (nginx.state == "RUNNING" and nginx.pid == self.nginx_checked):
             return
         orphans = self.host.orphan_nginx(self.settings.port, nginx.pid)
+        if nginx.state == "RUNNING" and not orphans:
+            self.nginx_checked = nginx.pid
         if orphans:
             log.warning(
                 "nginx: gracefully stopping %d orphaned worker(s) holding port %d (pids %s)",
