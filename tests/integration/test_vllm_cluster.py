@@ -1,6 +1,8 @@
 """Upstream's vLLM path, for real: `up --load-vllm` on upstream's code in a Python with a CPU
 build of vLLM (tests/upstream/requirements-vllm.txt), the small model with an LLM 128 wide
-(head dim 64, which vLLM's CPU attention takes), one instance at 6 syntheses, through nginx.
+(head dim 64, which vLLM's CPU attention takes), one instance at 6 syntheses, through nginx,
+loading what `cosyvoice-lb prepare-model --load-vllm` made from a read-only copy of the model
+(as a pod does): the copy is left as it was and the load writes into neither.
 
 What the instance promises holds on it: syntheses share vLLM's engine steps and the flow and
 HiFT runs; streams keep their chunk schedule; a saved voice speaks from the speaker cache; a
@@ -11,12 +13,15 @@ drains what runs and leaves no process; a load error is logged with its tracebac
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -76,10 +81,55 @@ def up(upstream, state_dir: Path, model_dir: Path, *extra: str):
     return done, port, base
 
 
+def read_only_copy(model_dir: Path, into: Path) -> Path:
+    """The model as a read-only volume holds it: no export of an earlier load, nothing writable."""
+    shutil.copytree(model_dir, into, ignore=shutil.ignore_patterns("vllm", "*.plan"))
+    for path in [into, *into.rglob("*")]:
+        path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o222)
+    return into
+
+
+def writable_again(root: Path) -> None:
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(stat.S_IMODE(path.stat().st_mode) | 0o200)
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every entry under ``root``: its mode, size, mtime and (a file's) content digest."""
+    found = {}
+    for path in sorted([root, *root.rglob("*")]):
+        info = path.lstat()
+        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+        found[str(path.relative_to(root))] = (info.st_mode, info.st_size, info.st_mtime_ns, digest)
+    return found
+
+
+def prepare(upstream, model: Path, out: Path, *flags: str):
+    return cli(
+        "prepare-model", "--model-dir", str(model), "--out", str(out), *flags,
+        "--python", str(upstream.python), "--cosyvoice-root", str(upstream.root), timeout=900,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def cluster(upstream_vllm):
+def prepared(upstream_vllm, tmp_path_factory):
+    """The small model as a pod mounts it (a read-only copy) and the dir `prepare-model
+    --load-vllm` made from it: what the cluster here loads, as on Kubernetes."""
+    root = tmp_path_factory.mktemp("vllm-model")
+    model = read_only_copy(upstream_vllm.model_dir, root / "ro" / "cv3")
+    before = snapshot(model)
+    out = root / "prepared" / "cv3"
+    done = prepare(upstream_vllm, model, out, "--load-vllm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    yield {"model": model, "before": before, "out": out, "done": done, "made": snapshot(out)}
+    writable_again(root / "ro")
+
+
+@pytest.fixture(scope="module")
+def cluster(upstream_vllm, prepared):
     state_dir = Path(tempfile.mkdtemp(prefix="cvvl-", dir="/tmp"))
-    done, port, base = up(upstream_vllm, state_dir, upstream_vllm.model_dir)
+    done, port, base = up(upstream_vllm, state_dir, prepared["out"])
     http = requests.Session()
     http.trust_env = False
     yield {
@@ -139,6 +189,31 @@ def test_up_loads_upstreams_vllm_path_with_an_engine_process_of_its_own(cluster)
     assert len(engine_processes(pid)) == 1
     # its KV cache as planned for a CPU slot (vLLM's own default would be 4 GiB)
     assert psutil.Process(pid).environ()["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_a_read_only_model_prepared_for_vllm_loads_and_speaks_and_stays_untouched(cluster, prepared):
+    """`prepare-model` wrote the export beside links into the read-only model, which it left
+    as it was; the instance loads from the prepared dir and writes into neither; a second
+    run finds it up to date and redoes nothing."""
+    model, out, done = prepared["model"], prepared["out"], prepared["done"]
+    assert f"prepared {out}" in done.stdout and f"--model-dir {out}" in done.stdout
+    export = out / "vllm"
+    assert (export / "config.json").is_file() and any(export.glob("*.safetensors")) and not export.is_symlink()
+    for entry in out.iterdir():  # the rest: links into the model
+        if entry.name not in ("vllm", ".cosyvoice-lb-prepared.json"):
+            assert entry.is_symlink() and entry.resolve().parent == model.resolve(), entry
+    assert sorted(p.name for p in out.parent.iterdir()) == [".cv3.lock", "cv3"]  # (no temp dir)
+
+    audio = decoded(tts(cluster, {"text": "Spoken from a prepared model dir.", "mode": "cross_lingual"}))
+    assert audio.size > 0.5 * RATE
+    assert f"from {out}" in log_of(cluster)
+    # the read-only copy: not a byte, not a mode, not a time changed; the load wrote into neither
+    assert snapshot(model) == prepared["before"] and snapshot(out) == prepared["made"]
+
+    started = time.monotonic()
+    again = prepare(cluster["upstream"], model, out, "--load-vllm")
+    assert again.returncode == 0 and "is up to date" in again.stdout, again.stdout + again.stderr
+    assert time.monotonic() - started < 30 and snapshot(out) == prepared["made"]  # nothing redone or rewritten
 
 
 def test_concurrent_syntheses_share_engine_steps_and_flow_and_hift_runs(cluster):
