@@ -3,16 +3,17 @@
 does to short interactive requests.
 
     python bench/jobs.py [--chars 50000] [--instances 4] [--repeats 2] [--requests 1000]
-                         [--rate 12] [--ms-per-char 1] [--job-slots auto] [--fairness-only]
-                         [--csv PATH]
+                         [--rate 12] [--ms-per-char 1] [--job-slots auto]
+                         [--fairness-only | --scale-only] [--csv PATH]
 
 Starts clusters of the simulated engine (a GPU-bound instance's load model: a wait of
 --ms-per-char per character, one synthesis at a time per instance) with the CLI, one after
 the other, on free 127.0.0.1 ports, and always takes them down again (also on Ctrl-C and
 SIGTERM):
 
-  cluster      --instances N, --job-slots auto (the default: N - 1, one instance's worth kept
-               for interactive requests; --job-slots K here instead)
+  cluster      --instances N, --job-slots auto (the default: jobs take all N while no
+               interactive request comes and yield down to a quarter, at least 1, the moment
+               one does; --job-slots K here instead)
   all slots    --instances N, --job-slots N (what the job alone could use)
   one          1 instance (--job-slots auto is then 1)
 
@@ -24,6 +25,8 @@ clients send) at --rate per second, Poisson arrivals (open loop: a slow answer d
 the offered load down), first with no job, then while jobs of --max-job-chars run (enough
 of them queued that they outlast the load; checked after). p50/p90/p99 of each, and the
 ratio during / without. --fairness-only: "cluster" alone, its job once, then the load.
+--scale-only: "cluster" and "all slots", the job --repeats times on each, no load (the job's
+throughput at --job-slots against all of the slots).
 
 Prints the command, a table per part and the ratios the targets are about: the job on N
 instances <= 0.3 x one instance, the short requests' p99 during a job <= 1.5 x without.
@@ -131,6 +134,18 @@ def percentiles(results: list[load.Result]) -> tuple[float, float, float]:
     return float(p50), float(p90), float(p99)
 
 
+def write_csv(path: str, scale: dict[str, list[float]], fairness: dict[str, list[load.Result]]) -> None:
+    with open(path, "w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["part", "setup", "repeat_or_request", "status", "seconds"])
+        for name, values in scale.items():
+            for i, value in enumerate(values):
+                writer.writerow(["job", name, i, 200, f"{value:.4f}"])
+        for name, results in fairness.items():
+            for i, r in enumerate(results):
+                writer.writerow(["short", name, i, r.status, f"{r.latency:.5f}"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chars", type=int, default=50_000)
@@ -142,7 +157,9 @@ def main() -> int:
     parser.add_argument("--base-ms", type=float, default=10.0)
     parser.add_argument("--segment-chars", type=int, default=200)
     parser.add_argument("--job-slots", default="auto", help='the "cluster" setup\'s --job-slots')
-    parser.add_argument("--fairness-only", action="store_true", help='"cluster" only, its job once')
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--fairness-only", action="store_true", help='"cluster" only, its job once')
+    only.add_argument("--scale-only", action="store_true", help='"cluster" and "all slots", no load')
     parser.add_argument("--csv", default=str(ROOT / "bench" / "results" / "jobs.csv"))
     args = parser.parse_args()
     load.stop_on_sigterm()
@@ -156,6 +173,8 @@ def main() -> int:
     )
     if args.fairness_only:
         setups, args.repeats = setups[:1], 1
+    if args.scale_only:
+        setups = setups[:2]
     scale: dict[str, list[float]] = {}
     fairness: dict[str, list[load.Result]] = {}
     job_progress = ""
@@ -165,7 +184,7 @@ def main() -> int:
             cluster.http.post(cluster.url + "/v1/tts", json={"text": SHORT}, timeout=60)  # (warm)
             scale[name] = [job_seconds(cluster, text, limit) for _ in range(args.repeats)]
             print(f"  {args.chars} characters: {' '.join(f'{s:.2f}' for s in scale[name])} s", flush=True)
-            if name != "cluster":
+            if name != "cluster" or args.scale_only:
                 continue
             print(f"  {args.requests} short requests at {args.rate:g}/s, no job", flush=True)
             fairness["no job"] = short_load(cluster, args, seed=1)
@@ -187,7 +206,7 @@ def main() -> int:
     command = (f"$ python bench/jobs.py --chars {args.chars} --instances {n} --repeats {args.repeats} "
                f"--requests {args.requests} --rate {args.rate:g} --ms-per-char {args.ms_per_char:g}"
                f"{' --job-slots ' + args.job_slots if args.job_slots != 'auto' else ''}"
-               f"{' --fairness-only' if args.fairness_only else ''}")  # fmt: skip
+               f"{' --fairness-only' if args.fairness_only else ''}{' --scale-only' if args.scale_only else ''}")  # fmt: skip
     print(f"\n{command}")
     print(f"simulated engine, {args.ms_per_char:g} ms/char + {args.base_ms:g} ms; segments of <= {args.segment_chars} "
           f"characters\n")  # fmt: skip
@@ -197,6 +216,11 @@ def main() -> int:
     for name, instances, slots in setups:
         ratio = statistics.median(scale[name]) / one
         print(f"{name:12}{instances:>10}{slots:>10}{spread(scale[name]):>26}{ratio:>8.3f}")
+    if args.scale_only:
+        ratio = statistics.median(scale["cluster"]) / statistics.median(scale["all slots"])
+        print(f"\njob with --job-slots {args.job_slots} / with all {n} slots: {ratio:.3f} (target <= 1.1)")
+        write_csv(args.csv, scale, fairness)
+        return 0 if ratio <= 1.1 else 1
     print(f"\nshort requests ({SHORT!r}, {args.rate:g}/s Poisson, {args.requests} each) on {n} instances")
     print(f"{'':14}{'requests':>9}{'failed':>7}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'beyond p99':>11}")
     ps = {}
@@ -213,15 +237,7 @@ def main() -> int:
     print(f"\njob: {n} instances / one = {scale_ratio:.3f} with --job-slots {args.job_slots}, {all_ratio:.3f} with all "
           f"{n} (target <= 0.3)")  # fmt: skip
     print(f"short requests during a job / without: p99 {p99_ratio:.3f} (target <= 1.5), p50 {p50_ratio:.3f}")
-    with open(args.csv, "w", newline="") as out:
-        writer = csv.writer(out)
-        writer.writerow(["part", "setup", "repeat_or_request", "status", "seconds"])
-        for name, values in scale.items():
-            for i, value in enumerate(values):
-                writer.writerow(["job", name, i, 200, f"{value:.4f}"])
-        for name, results in fairness.items():
-            for i, r in enumerate(results):
-                writer.writerow(["short", name, i, r.status, f"{r.latency:.5f}"])
+    write_csv(args.csv, scale, fairness)
     return 0 if min(scale_ratio, all_ratio) <= 0.3 and p99_ratio <= 1.5 else 1  # (nan: not met)
 
 

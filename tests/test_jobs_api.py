@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,15 +230,21 @@ def test_the_owner_is_the_token_or_the_user_a_session_proves():
     assert policy.owner({"cookie": f"{SESSION_COOKIE}={user_session}"}, now + 30 * 86400) == ""
 
 
-def test_job_slots_auto_leaves_one_instance_s_worth_for_requests():
+def test_job_slots_auto_takes_every_serving_slot_and_yields_down_to_a_quarter():
     from cosyvoice_lb.common.settings import Settings
-    from cosyvoice_lb.jobs.__main__ import job_slots
+    from cosyvoice_lb.jobs.__main__ import job_share, job_slots
     from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 
     slots = tuple(Slot(index=i, port=7860 + i, gpu=None, memory=0, concurrency=c) for i, c in enumerate((4, 4, 4, 2)))
-    assert job_slots(Settings(), slots, Roles(serving=3, spares=1)) == 8  # 12 serving, less one instance's 4
-    assert job_slots(Settings(), slots[:1], Roles(serving=1)) == 1  # (at least one)
-    assert job_slots(Settings(job_slots="5"), slots, Roles(serving=3)) == 5
+    assert job_slots(Settings(), slots, Roles(serving=3, spares=1)) == 12  # the 3 serving instances' 4 each
+    share = job_share(Settings(), slots, Roles(serving=3, spares=1), Path("/nonexistent/routing.board"))
+    assert share is not None
+    # a quarter while interactive requests come; less one instance's 4 while no board can be read
+    assert (share.share.floor, share.share.ceiling, share.share.fallback) == (3, 12, 8)
+    assert share() == 8  # (no board here)
+    assert job_slots(Settings(), slots[:1], Roles(serving=1)) == 4
+    assert job_slots(Settings(job_slots="5"), slots, Roles(serving=3)) == 5  # N: fixed, no share
+    assert job_share(Settings(job_slots="5"), slots, Roles(serving=3), Path("x")) is None
 
 
 def test_the_redis_url_comes_from_the_environment_first():

@@ -391,8 +391,9 @@ class Settings(AlertSettings, StreamSettings, SpeechCheckSettings, EngineSetting
     )
     job_slots: str = setting(
         "auto",
-        "Segments of jobs in flight at once, cluster-wide: N, or auto (the serving instances' "
-        "syntheses at once less one instance's worth, at least 1), so jobs leave room for requests.",
+        "Segments of jobs in flight at once, cluster-wide: N (fixed), or auto: jobs yield to interactive "
+        "requests, every serving synthesis slot while none comes, a quarter of them (at least 1) the moment "
+        "one does, growing back after a quiet second (docs/jobs.md).",
         metavar="N|auto",
         check=concurrency,
     )

@@ -39,6 +39,7 @@ from cosyvoice_lb.jobs.metrics import Instrumented, JobMetrics, Reporter, counti
 from cosyvoice_lb.jobs.results import results_dir
 from cosyvoice_lb.jobs.service import Config, build_app
 from cosyvoice_lb.jobs.store import open_store
+from cosyvoice_lb.jobs.yielding import BoardDemand, Yielding, share_for
 from cosyvoice_lb.launcher.cluster import record
 from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
@@ -51,15 +52,27 @@ log = logging.getLogger("cosyvoice_lb.jobs")
 RETENTION_EVERY = 60.0  # seconds between two sweeps of finished jobs past --job-max-age
 
 
-def job_slots(settings: Settings, slots: tuple[Slot, ...], roles: Roles) -> int:
-    """--job-slots: N, or auto: the serving instances' syntheses at once, less one
-    instance's worth (requests keep room), at least 1."""
-    if str(settings.job_slots).strip() != "auto":
-        return max(1, int(settings.job_slots))
+def serving_slots(slots: tuple[Slot, ...], roles: Roles) -> tuple[int, int]:
+    """(the serving instances' syntheses at once, the most one instance makes)."""
     serving = slots[: roles.serving] or slots
     total = sum(max(1, slot.concurrency) for slot in serving)
-    one = max((max(1, slot.concurrency) for slot in serving), default=1)
-    return max(1, total - one)
+    return total, max((max(1, slot.concurrency) for slot in serving), default=1)
+
+
+def job_slots(settings: Settings, slots: tuple[Slot, ...], roles: Roles) -> int:
+    """--job-slots: N, or auto: at most every serving instance's syntheses at once (fewer
+    while interactive requests come: :func:`job_share`)."""
+    if str(settings.job_slots).strip() != "auto":
+        return max(1, int(settings.job_slots))
+    return serving_slots(slots, roles)[0]
+
+
+def job_share(settings: Settings, slots: tuple[Slot, ...], roles: Roles, board: Path) -> Yielding | None:
+    """--job-slots auto: the jobs' share that yields to interactive requests, as the routing
+    board at ``board`` shows them (:mod:`cosyvoice_lb.jobs.yielding`); None for a fixed N."""
+    if str(settings.job_slots).strip() != "auto":
+        return None
+    return Yielding(share_for(*serving_slots(slots, roles)), BoardDemand(board))
 
 
 def redis_url(settings: Settings, environ: Mapping[str, str] = os.environ) -> str:
@@ -101,8 +114,11 @@ def read_token(layout: Layout, settings: Settings) -> str:
     raise ValueError(f"{path} holds no token: run cosyvoice-lb up again")
 
 
-def make_runner(settings: Settings, layout: Layout, store: JobStore, slots: int, metrics: JobMetrics) -> Any:
-    """The runner over the store, sending through nginx with its own credentials; None in a
+def make_runner(
+    settings: Settings, layout: Layout, store: JobStore, slots: int, metrics: JobMetrics, share: Yielding | None = None
+) -> Any:
+    """The runner over the store, sending through nginx with its own credentials, at most
+    ``slots`` segments out (``share``: fewer while interactive requests come); None in a
     build without it."""
     try:
         from cosyvoice_lb.jobs import results, runner, sender
@@ -127,6 +143,7 @@ def make_runner(settings: Settings, layout: Layout, store: JobStore, slots: int,
         worker=f"{socket.gethostname()}:{os.getpid()}",
         slots=slots,
         segment_chars=job_segment_chars(settings),
+        share=share,
     )
 
 
@@ -193,8 +210,10 @@ def serve(layout: Layout, found: record.ClusterRecord) -> None:
     stop = threading.Event()
     threads = []
     slots = job_slots(settings, found.slots, found.roles)
-    runner = make_runner(settings, layout, store, slots, metrics)
+    share = job_share(settings, found.slots, found.roles, layout.routing_board)
+    runner = make_runner(settings, layout, store, slots, metrics, share)
     if runner is not None:
+        metrics.segments = lambda: (runner.allowed, runner.out, share.share.yields if share else 0)
         threads.append(threading.Thread(target=runner.run, args=(stop,), name="job-runner", daemon=True))
     keeper = Retention(store, results_root(settings, layout), settings.job_max_age, outputs_budget(settings, layout))
     threads.append(threading.Thread(target=keeper.run, args=(stop,), name="job-retention", daemon=True))
@@ -203,7 +222,13 @@ def serve(layout: Layout, found: record.ClusterRecord) -> None:
     for thread in threads:
         thread.start()
     socket_path = jobs_socket(layout)
-    log.info("jobs API on %s, store %s, %d segment(s) in flight at most", socket_path, store.describe(), slots)
+    log.info(
+        "jobs API on %s, store %s, %d segment(s) in flight at most%s",
+        socket_path,
+        store.describe(),
+        slots,
+        f" ({share.share.floor} while interactive requests come)" if share else "",
+    )
     server = uvicorn.Server(uvicorn.Config(app, uds=str(socket_path), log_level="warning", access_log=False))
     try:
         server.run()  # (uvicorn's own SIGTERM/SIGINT handling ends it)

@@ -54,6 +54,8 @@ class JobMetrics:
         self.durations = {status: [0] * (len(BUCKETS) + 1) for status in FINAL}
         self.duration_sums = dict.fromkeys(FINAL, 0.0)
         self.running: dict[str, tuple[int, int]] = {}  # job id -> (done, total), in the order claimed
+        # the runner's (segments it may have out now, has out, times it yielded to interactive requests)
+        self.segments: Callable[[], tuple[int, int, int]] | None = None
 
     def segment_done(self, job: model.Job) -> None:
         with self._lock:
@@ -93,9 +95,13 @@ class JobMetrics:
                 counts = store.counts()
             except StoreError as exc:
                 error = str(exc)
+        allowed, out, yields = self.segments() if self.segments is not None else (0, 0, 0)
         with self._lock:
             running = [{"id": job_id, "done": d, "total": t} for job_id, (d, t) in self.running.items()]
             return {
+                "segments_allowed": allowed,
+                "segments_out": out,
+                "yields": yields,
                 "updated": now,
                 "counts": counts,
                 "error": error,
@@ -237,6 +243,18 @@ def families(snapshot: Mapping[str, Any]) -> list[Any]:
         ("cosyvoice_job_segment_retries", "retries", "Segments of jobs sent again after a try that failed retryably."),
     ):
         out.append(CounterMetricFamily(name, what, value=float(snapshot.get(key, 0))))
+    for name, key, what in (
+        ("cosyvoice_job_segment_slots", "segments_allowed", "Segments of jobs this process may have out now."),
+        ("cosyvoice_job_segments_in_flight", "segments_out", "Segments of jobs this process has out now."),
+    ):
+        out.append(GaugeMetricFamily(name, what, value=float(snapshot.get(key, 0))))
+    out.append(
+        CounterMetricFamily(
+            "cosyvoice_job_yields",
+            "Times the jobs' share fell to its floor because interactive requests came (--job-slots auto).",
+            value=float(snapshot.get("yields", 0)),
+        )
+    )
     duration = HistogramMetricFamily(
         "cosyvoice_job_duration_seconds",
         "Seconds from a job's creation to its end, for the jobs that finished here, by final status.",

@@ -8,7 +8,9 @@ they are joined and encoded into the job's result, and the job succeeds.
 
 - Slots: at most ``slots`` segments are out at a time, over every job this runner holds; a
   job's segments start in order, the oldest job's first, and a new job is claimed only when a
-  slot would stay free otherwise.
+  slot would stay free otherwise. With ``share`` (:mod:`cosyvoice_lb.jobs.yielding`) the
+  bound is what it says at each round (fewer while interactive requests come): a segment out
+  is never called back, the next is sent only once fewer are out.
 - Retries: a segment that failed for a reason a retry can change (nothing answered, every
   instance busy, bad audio) is sent again after a backoff (doubling, capped), at most
   ``retries`` more times; any other failure (the input, a poison request, the credentials, a
@@ -146,6 +148,7 @@ class Runner:
         retries: int = RETRIES,
         backoff: float = BACKOFF,
         max_backoff: float = MAX_BACKOFF,
+        share: Callable[[], int] | None = None,
     ) -> None:
         model.check_worker(worker, lease)
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
@@ -155,6 +158,8 @@ class Runner:
         self.worker, self.slots, self.segment_chars, self.lease = worker, slots, segment_chars, lease
         self.clock, self.sleep = clock, sleep
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self.share = share
+        self.allowed = self.out = 0  # the segments that may be out, and are, at the last round (for metrics)
         self.active: dict[str, Active] = {}  # in the order claimed
         self.closed = self.closing = False
         self._store_warned = -STORE_LOG_EVERY
@@ -406,7 +411,8 @@ class Runner:
         )
 
     def _submit(self) -> None:
-        free = self.slots - self.in_flight
+        allowed = self.slots if self.share is None else max(0, min(self.slots, self.share()))
+        free = allowed - self.in_flight
         now = self.clock()
         for active in list(self.active.values()):
             while free > 0 and not active.stopped and active.assembling is None:
@@ -417,6 +423,7 @@ class Runner:
                 text = active.segments[index]
                 active.inflight[index] = self._pool.submit(self.send, active.job.params, text, active.seed)
                 free -= 1
+        self.allowed, self.out = allowed, self.in_flight
 
     # --- failures ------------------------------------------------------------------------
 

@@ -4,8 +4,9 @@ reads the others' rows when it decides whether to take a request (``routing``).
 
 A fixed layout in a memory-mapped file, so a read is a few memory loads, not a syscall
 per peer: a header (magic, routing mode, slack), then one row per slot, written only by
-that slot's instance (its pid, readiness, load, seconds per character and a ring of the
-requests it declined) except the rotation byte, which the health loop writes. Fields are
+that slot's instance (its pid, readiness, load, seconds per character, the interactive
+requests it has taken and holds, which the job runner yields to, and a ring of the requests
+it declined) except the rotation byte, which the health loop writes. Fields are
 8-byte aligned; a reader may see one field newer than another, which an estimate
 tolerates. The health loop creates the file (0600) and sets the header; an instance opens
 it when it is there and never creates it.
@@ -34,10 +35,12 @@ ROW = 64 + 8 * RING
 SIZE = HEADER + ROWS * ROW
 # header: magic 8s @0, work B @8, slack d @16
 # row: pid q @0, until d @8, per_char d @16, ready B @24, busy B @25, rotation B @26,
-#      ring position I @28, ring RING*Q @64
+#      ring position I @28, interactive taken Q @32, interactive now Q @40, ring RING*Q @64
 _HEAD = struct.Struct("<8sB7xd")
 _ROW = struct.Struct("<qddBBB")
 _RING_POS = 28
+_INTERACTIVE = struct.Struct("<QQ")
+_INTERACTIVE_AT = 32
 
 
 class Board:
@@ -119,6 +122,7 @@ class Board:
         struct.pack_into("<qdd", self.memory, at, pid, load.until, per_char)
         self.memory[at + 24] = int(ready)
         self.memory[at + 25] = int(load.busy)
+        _INTERACTIVE.pack_into(self.memory, at + _INTERACTIVE_AT, max(0, load.interactive), max(0, load.asking))
 
     def mark_declined(self, slot: int, key: int) -> None:
         if not 0 <= slot < ROWS:
@@ -130,8 +134,10 @@ class Board:
 
     def row(self, slot: int) -> tuple[int, Backlog, float, bool, bool]:
         """(pid, load, seconds per character, ready, in rotation) of one slot."""
-        pid, until, per_char, ready, busy, rotation = _ROW.unpack_from(self.memory, self._row(slot))
-        return pid, Backlog(until, bool(busy)), per_char, bool(ready), bool(rotation)
+        at = self._row(slot)
+        pid, until, per_char, ready, busy, rotation = _ROW.unpack_from(self.memory, at)
+        interactive, asking = _INTERACTIVE.unpack_from(self.memory, at + _INTERACTIVE_AT)
+        return pid, Backlog(until, bool(busy), interactive, asking), per_char, bool(ready), bool(rotation)
 
     def declined(self, slot: int, key: int) -> bool:
         at = self._row(slot) + 64
@@ -150,6 +156,19 @@ class Board:
             if pid and ready and self.alive(pid):
                 found.append(Peer(other, load, self.declined(other, key)))
         return found
+
+    def interactive(self) -> tuple[int, int]:
+        """Over every instance's row: the interactive requests taken (a sum that changes
+        whenever one comes) and those in flight or waiting now (a dead instance's not)."""
+        taken = asking = 0
+        for slot in range(ROWS):
+            at = self._row(slot)
+            (pid,) = struct.unpack_from("<q", self.memory, at)
+            if pid:
+                count, now = _INTERACTIVE.unpack_from(self.memory, at + _INTERACTIVE_AT)
+                taken += count
+                asking += now if now and self.alive(pid) else 0
+        return taken, asking
 
     def rates(self, slot: int) -> list[float]:
         """The seconds per character the other slots in rotation measured (0: not yet)."""

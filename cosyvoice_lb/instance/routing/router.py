@@ -72,7 +72,9 @@ class Router:
 
     def check(self, try_id: str, last: bool) -> Decision:
         """Whether to take a request: ``try_id`` is nginx's id of the client request (the same
-        on each try; "" when it did not come through nginx), ``last`` marks nginx's last resort."""
+        on each try; "" when it did not come through nginx), ``last`` marks nginx's last resort.
+        An instance whose every slot background work holds (a job's segments) declines for any
+        peer that would start the request sooner, slack or not: a segment is not interrupted."""
         now = self.clock()
         if last:
             with self._lock:
@@ -90,7 +92,10 @@ class Router:
             def peers():  # read only if decide weighs them (not when this instance is free enough)
                 yield from board.peers(self.slot, key)
 
-            decision = decide(self.backlog(), peers(), now, slack, last)
+            own = self.backlog()
+            if own.busy and not own.asking:  # (background work alone holds it: a sooner peer is worth a hop)
+                slack = 0.0
+            decision = decide(own, peers(), now, slack, last)
             if decision.decline:
                 board.mark_declined(self.slot, key)
                 with self._lock:

@@ -21,7 +21,7 @@ import hashlib
 import heapq
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cosyvoice_lb.common.settings import Settings
 
@@ -36,10 +36,14 @@ RESERVATION_SECONDS = 1.0  # a request taken but not yet queued counts this long
 class Backlog:
     """What an instance has queued, as it publishes it: ``until`` is when an engine slot is
     expected to come free for a request arriving now (monotonic clock, shared by the
-    processes of a box), ``busy`` whether every engine slot is taken."""
+    processes of a box), ``busy`` whether every engine slot is taken; ``interactive`` the
+    interactive requests the instance has taken since it started and ``asking`` those in
+    flight or waiting now (long-form jobs send fewer segments while they come)."""
 
     until: float = 0.0
     busy: bool = False
+    interactive: int = field(default=0, compare=False)  # (not load: what jobs read, not routing)
+    asking: int = field(default=0, compare=False)
 
     def wait(self, now: float) -> float:
         """Seconds a request arriving now would wait. Past the expected time with every slot

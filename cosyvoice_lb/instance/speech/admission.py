@@ -15,8 +15,10 @@ refused), nor in the backlog routing weighs (it starts only when nobody interact
 It waits at most ``background_wait`` seconds (and half the request's time left, so that its
 synthesis still fits), behind at most ``background_queue`` others, else it is refused with
 :class:`Overloaded` (503, Retry-After): nginx tries another instance, then the job runner
-retries later. A slot a background synthesis holds is not taken back; ``--job-slots``
-bounds how many it can hold.
+retries later. A slot a background synthesis holds is not taken back; the job runner
+sends fewer segments the moment interactive requests come (``--job-slots``): ``load`` counts
+the interactive requests taken here and those in flight or waiting, published on the
+routing board for it (``cosyvoice_lb.jobs.yielding``).
 
 Standard library only (the instance runs in the model's environment); the clock is passed
 in, so every rule is tested without sleeping.
@@ -28,14 +30,13 @@ import enum
 import math
 import threading
 import time
-import uuid
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cosyvoice_lb.common.timeouts import STAMP_AHEAD, STAMP_SLACK
 from cosyvoice_lb.instance.routing.rule import RESERVATION_SECONDS, Backlog, queue_load
+from cosyvoice_lb.instance.speech.waiting_line import Line, Waiter
 
 Clock = Callable[[], float]
 
@@ -128,51 +129,6 @@ def is_background(headers: Any) -> bool:
     """Whether a request's headers (lower-case keys, or any case) mark it background work."""
     value = headers.get(BACKGROUND_HEADER.lower()) or headers.get(BACKGROUND_HEADER) or ""
     return str(value).strip() == "1"
-
-
-@dataclass(eq=False)
-class Waiter:
-    """One request waiting for an engine slot; ``granted`` (under the admission's lock) once
-    a slot is its own, then ``event`` is set."""
-
-    cost: float
-    background: bool = False
-    key: str = field(default_factory=lambda: uuid.uuid4().hex)
-    granted: bool = False
-    event: threading.Event = field(default_factory=threading.Event)
-
-
-class Line:
-    """The order in which waiters get the slots that come free: every interactive waiter,
-    oldest first, before any background one, oldest first. Not locked: the admission's
-    lock guards it."""
-
-    def __init__(self) -> None:
-        self.interactive: deque[Waiter] = deque()
-        self.background: deque[Waiter] = deque()
-
-    def __len__(self) -> int:
-        return len(self.interactive) + len(self.background)
-
-    def join(self, waiter: Waiter) -> None:
-        (self.background if waiter.background else self.interactive).append(waiter)
-
-    def leave(self, waiter: Waiter) -> None:
-        queue = self.background if waiter.background else self.interactive
-        if waiter in queue:
-            queue.remove(waiter)
-
-    def next(self) -> Waiter | None:
-        """The waiter the next free slot goes to (out of the line), or None."""
-        for queue in (self.interactive, self.background):
-            if queue:
-                return queue.popleft()
-        return None
-
-    def costs(self) -> list[float]:
-        """The interactive waiters' estimated seconds, in order: what a new interactive
-        request would wait behind."""
-        return [waiter.cost for waiter in self.interactive]
 
 
 class Ticket:
@@ -270,6 +226,8 @@ class Admission:
         self._phase = Phase.LOADING
         self._error = ""
         self._sessions: set[str] = set()  # the slots streaming sessions hold (see Lease)
+        self._background: set[str] = set()  # the slots background syntheses hold
+        self._interactive = 0  # interactive requests taken, ever (what long-form jobs yield to)
 
     # --- the instance's phase ------------------------------------------------------------
 
@@ -352,6 +310,7 @@ class Admission:
             return lease.synthesis()
         waiter = Waiter(cost, background)
         with self._lock:
+            self._interactive += not background  # (a refused one too: jobs yield to it all the same)
             self._refuse(waiter, bounded)
             if self._free:  # (a free slot: nobody waits)
                 self._take(waiter)
@@ -379,6 +338,7 @@ class Admission:
                     f"synthesizing, {len(self._line)} waiting): retry, another instance may be free"
                 )
             self._take(waiter)
+            self._interactive += 1
             self._inflight[waiter.key][1] = math.inf  # (its client's text comes first)
             self._sessions.add(waiter.key)
         self._changed()
@@ -411,6 +371,8 @@ class Admission:
         self._free -= 1
         now = self.clock()
         self._inflight[waiter.key] = [now, now, waiter.cost]  # busy time counts from here, not from the queue
+        if waiter.background:
+            self._background.add(waiter.key)
         waiter.granted = True
         waiter.event.set()
 
@@ -456,6 +418,7 @@ class Admission:
     def _release(self, key: str, outcome: bool | None) -> None:
         with self._lock:
             self._inflight.pop(key, None)
+            self._background.discard(key)
             if outcome is True:
                 self._served += 1
             elif outcome is False:
@@ -470,14 +433,17 @@ class Admission:
 
     def load(self) -> Backlog:
         """The work held here now, for routing (see ``routing.queue_load``): in flight,
-        waiting (interactive), and taken but not yet queued."""
+        waiting (interactive), and taken but not yet queued; with the interactive requests
+        taken so far and those in flight or waiting now."""
         with self._lock:
             now = self.clock()
             self._reserved = [r for r in self._reserved if r[0] > now]
             inflight = [(start, cost) for start, _, cost in self._inflight.values()]
             # (background waiters start only when nobody interactive waits: they delay no one)
             queued = self._line.costs() + [seconds for _, seconds in self._reserved]
-            return queue_load(now, inflight, queued, self.concurrency)
+            asking = len(self._inflight) - len(self._background) + len(self._line.interactive)
+            backlog = queue_load(now, inflight, queued, self.concurrency)
+            return replace(backlog, interactive=self._interactive, asking=asking)
 
     def snapshot(self) -> Snapshot:
         now = self.clock()
