@@ -133,7 +133,7 @@ def test_the_download_button_gives_the_whole_result_as_a_wav(cluster, tmp_path, 
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         try:
             page = browser.new_context(accept_downloads=True).new_page()
-            page.goto(cluster["url"], wait_until="networkidle")
+            page.goto(cluster["url"], wait_until="networkidle", timeout=90000)
             page.get_by_label("Text").fill(text)
             if stream:
                 page.get_by_label("Stream", exact=True).check()
@@ -194,7 +194,7 @@ def test_a_browser_logs_in_and_then_generates_speech(closed_cluster, user, passw
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         try:
             page = browser.new_page()
-            page.goto(closed_cluster["url"], wait_until="networkidle")
+            page.goto(closed_cluster["url"], wait_until="networkidle", timeout=90000)
             assert "/login" in page.url  # sent to the login, not to the UI
             page.get_by_label("User").fill(user)
             page.get_by_label("Password or API token").fill(password)
@@ -275,7 +275,7 @@ def test_down_does_not_wait_for_an_open_browser_tab(cluster):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         try:
             page = browser.new_page()
-            page.goto(cluster["url"], wait_until="networkidle")
+            page.goto(cluster["url"], wait_until="networkidle", timeout=90000)
             page.get_by_label("Text").fill("Still here.")
             page.get_by_role("button", name="Generate").click()
             page.get_by_role("button", name="Download").wait_for(timeout=30000)
