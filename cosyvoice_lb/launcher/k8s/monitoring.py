@@ -173,18 +173,25 @@ def parse_monitor_labels(given: Iterable[str]) -> tuple[tuple[str, str], ...]:
     """``--monitor-label KEY=VALUE`` (repeatable) as (key, value) pairs, in the order given.
     A ClusterError (the CLI prints it, with the fix) for one that is not ``KEY=VALUE``, is no
     Kubernetes label, is one of the app's own labels, or gives a key twice with two values."""
+    return parse_labels("--monitor-label", given, "e.g. --monitor-label team=audio", "")
+
+
+def parse_labels(option: str, given: Iterable[str], example: str, why_own: str) -> tuple[tuple[str, str], ...]:
+    """``option KEY=VALUE`` (repeatable) as (key, value) pairs, in the order given; a
+    ClusterError saying the fix (``example``) for one that is not ``KEY=VALUE``, is no
+    Kubernetes label, is one of the app's own (``why_own`` says what that would break), or
+    gives a key twice with two values."""
     found: dict[str, str] = {}
     for text in given:
-        key, eq, value = text.partition("=")
-        key, value = key.strip(), value.strip()
+        key, eq, value = (part.strip() for part in text.partition("="))
         if not eq:
-            raise ClusterError(f"--monitor-label {text!r} has no '=': give KEY=VALUE, e.g. --monitor-label team=audio")
+            raise ClusterError(f"{option} {text!r} has no '=': give KEY=VALUE, {example}")
         problem = label_problem(key, value)
         if problem:
-            raise ClusterError(f"--monitor-label {text!r}: {problem}; e.g. --monitor-label team=audio")
+            raise ClusterError(f"{option} {text!r}: {problem}; {example}")
         if key in labels(Deployment()):
-            raise ClusterError(f"--monitor-label {text!r}: {key} is the app's own label; choose another key")
+            raise ClusterError(f"{option} {text!r}: {key} is the app's own label{why_own}; choose another key")
         if found.get(key, value) != value:
-            raise ClusterError(f"--monitor-label {key} is given twice ({found[key]!r} and {value!r}): give it once")
+            raise ClusterError(f"{option} {key} is given twice ({found[key]!r} and {value!r}): give it once")
         found[key] = value
     return tuple(found.items())

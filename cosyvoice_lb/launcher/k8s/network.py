@@ -25,7 +25,7 @@ import click
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.k8s.jobs import redis_ref
-from cosyvoice_lb.launcher.k8s.monitoring import label_problem
+from cosyvoice_lb.launcher.k8s.monitoring import parse_labels
 from cosyvoice_lb.launcher.k8s.objects import PORT, Deployment, _meta, labels, selector
 
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # set by Kubernetes on every namespace (1.21 and later)
@@ -77,23 +77,7 @@ def parse_pod_labels(given: Iterable[str]) -> tuple[tuple[str, str], ...]:
     ClusterError with the fix for one that is not ``KEY=VALUE``, is no Kubernetes label, is one
     of the app's own (the selector's: changing it would orphan the pods), or gives a key twice
     with two values."""
-    found: dict[str, str] = {}
-    for text in given:
-        key, eq, value = (part.strip() for part in text.partition("="))
-        if not eq:
-            raise ClusterError(f"--pod-label {text!r} has no '=': give KEY=VALUE, {LABEL_EXAMPLE}")
-        problem = label_problem(key, value)
-        if problem:
-            raise ClusterError(f"--pod-label {text!r}: {problem}; {LABEL_EXAMPLE}")
-        if key in labels(Deployment()):
-            raise ClusterError(
-                f"--pod-label {text!r}: {key} is the app's own label, which the Deployment selects its pods by; "
-                "choose another key"
-            )
-        if found.get(key, value) != value:
-            raise ClusterError(f"--pod-label {key} is given twice ({found[key]!r} and {value!r}): give it once")
-        found[key] = value
-    return tuple(found.items())
+    return parse_labels("--pod-label", given, LABEL_EXAMPLE, ", which the Deployment selects its pods by")
 
 
 def namespace_problem(option: str, name: str, may_be_empty: bool) -> str:
