@@ -23,6 +23,7 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -167,21 +168,9 @@ def _copy_store(store: Path, dest: Path) -> int | None:
     return int(count)
 
 
-def _connect(path: Path) -> _Closing:
-    return _Closing(sqlite3.connect(path, timeout=30))
-
-
-class _Closing:
-    """``sqlite3``'s own context manager commits but never closes: this one closes."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> sqlite3.Connection:
-        return self.db
-
-    def __exit__(self, *exc: object) -> None:
-        self.db.close()
+def _connect(path: Path) -> closing[sqlite3.Connection]:
+    """(``sqlite3``'s own context manager commits but never closes.)"""
+    return closing(sqlite3.connect(path, timeout=30))
 
 
 def _replace_store(stored: Path, store: Path, clock: Callable[[], float]) -> list[str]:
