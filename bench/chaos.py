@@ -81,9 +81,9 @@ import psutil
 import requests
 
 from cosyvoice_lb.instance.engines.espeak import BASE_WPM
-from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
-from cosyvoice_lb.launcher.cluster.processes import orphan_nginx, stray_processes
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus, status
+from cosyvoice_lb.launcher.state.layout import Layout, layout_for
+from cosyvoice_lb.launcher.state.processes import orphan_nginx, stray_processes
 from load import Interrupted, cli_command, free_port_block, shielded, stop_on_sigterm  # bench/load.py
 
 # --- bounds ------------------------------------------------------------------------------

@@ -52,8 +52,8 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from cosyvoice_lb.launcher.cluster.health_report import Track, read_report
-from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
+from cosyvoice_lb.launcher.state.health_report import Track, read_report
+from cosyvoice_lb.launcher.state.layout import Layout, layout_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos import Load  # noqa: E402  (bench/chaos.py: its bounded closed-loop clients)

@@ -52,7 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load  # noqa: E402  (bench/load.py)
 from cosyvoice_lb.instance.routing.board import Opener  # noqa: E402  (the routing board: is a switch done?)
-from cosyvoice_lb.launcher.cluster.layout import Layout  # noqa: E402
+from cosyvoice_lb.launcher.state.layout import Layout  # noqa: E402
 
 MS_PER_CHAR = 4.0
 SHORT = "a" * 10  # 40 ms of service

@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster.context import Cluster, Say
 from cosyvoice_lb.launcher.cluster.diagnosis import ClusterStatus, Observation, diagnose
-from cosyvoice_lb.launcher.cluster.health_report import HealthReport, Track, read_report, write_report
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.markers import (
+from cosyvoice_lb.launcher.plan.planner import Roles, Slot
+from cosyvoice_lb.launcher.render.staging import stage
+from cosyvoice_lb.launcher.state.health_report import HealthReport, Track, read_report, write_report
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.markers import (
     DrainAction,
     answer_drain,
     drained_by_hand,
     read_drain,
 )
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
-from cosyvoice_lb.launcher.plan.planner import Roles, Slot
-from cosyvoice_lb.launcher.render.staging import stage
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
 LOAD_STEPS = 3  # sleeps from a start until the instance answers ready
 BAD_AUDIO = "the warm-up synthesis made bad audio: 16000 of 16000 samples of a chunk are NaN or infinite"

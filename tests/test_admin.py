@@ -12,8 +12,6 @@ import pytest
 from starlette.testclient import TestClient
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster import markers, record
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.panel.control import Actions
@@ -21,6 +19,8 @@ from cosyvoice_lb.launcher.panel.metrics import ClusterView
 from cosyvoice_lb.launcher.panel.server import COOKIE, build_app
 from cosyvoice_lb.launcher.plan.planner import Budget, Inventory, plan
 from cosyvoice_lb.launcher.render.credentials import write_admin_access
+from cosyvoice_lb.launcher.state import markers, record
+from cosyvoice_lb.launcher.state.layout import Layout
 
 GiB = 2**30
 

@@ -27,14 +27,14 @@ from test_render import gpu_plan, supervisor_sections
 from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster.diagnosis import ClusterStatus, service_findings
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.processes import is_cluster_program
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.k8s.manifests import Deployment, manifests
 from cosyvoice_lb.launcher.k8s.monitoring import ALERT_MATCHERS, alertmanager_config
 from cosyvoice_lb.launcher.render.alertmanager import CONFIG_DIGEST, alertmanager_command
 from cosyvoice_lb.launcher.render.cluster import Programs, RenderError, render
 from cosyvoice_lb.launcher.render.prometheus import alert_groups
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.processes import is_cluster_program
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
 ROOT = Path("/tmp/cvlb-alert-t")  # never created: pure renders only
 AMTOOL = shutil.which("amtool")

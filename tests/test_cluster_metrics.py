@@ -11,11 +11,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cosyvoice_lb.launcher.cluster.health_report import HealthReport, Track
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, InstanceStatus
 from cosyvoice_lb.launcher.health.rules import RESTART_REASONS
 from cosyvoice_lb.launcher.panel.metrics import ClusterView, NginxCounters, ViewCollector, parse_stub_status
 from cosyvoice_lb.launcher.plan.gpu import GpuReading
+from cosyvoice_lb.launcher.state.health_report import HealthReport, Track
 
 PROMTOOL = shutil.which("promtool")
 STUB = "Active connections: 3 \nserver accepts handled requests\n 120 119 4567 \nReading: 0 Writing: 2 Waiting: 1 \n"

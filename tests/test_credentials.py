@@ -13,9 +13,9 @@ from test_auth import TOKEN, bcrypt_line
 from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.instance.access.auth import Policy, digest
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.render.credentials import jobs_token, open_warning, write_policy
+from cosyvoice_lb.launcher.state.layout import Layout
 
 
 def private(path, text: str) -> str:

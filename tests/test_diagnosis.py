@@ -7,9 +7,9 @@ import dataclasses
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cluster.diagnosis import Observation, diagnose
-from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
+from cosyvoice_lb.launcher.state.health_report import HealthReport, OnPurpose, Track
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
 NOW = 10_000.0
 SLOTS = tuple(Slot(index=i, port=7860 + i, gpu=None, memory=1) for i in range(3))

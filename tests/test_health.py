@@ -11,11 +11,11 @@ import dataclasses
 import pytest
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster.health_report import OnPurpose, Track
-from cosyvoice_lb.launcher.cluster.markers import DrainAction
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.probe import Probe
 from cosyvoice_lb.launcher.health.rules import Policy, judge
+from cosyvoice_lb.launcher.state.health_report import OnPurpose, Track
+from cosyvoice_lb.launcher.state.markers import DrainAction
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
 NOW = 1_700_000_000.0
 POLICY = Policy(fail_threshold=3, recover_threshold=2, hang_timeout=120.0, startup_timeout=300.0)

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 import pytest
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster import markers
-from cosyvoice_lb.launcher.cluster.health_report import OnPurpose, Track, read_report
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.markers import DrainAction
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo, SupervisionError
 from cosyvoice_lb.launcher.health.loop import HealthLoop, Host
 from cosyvoice_lb.launcher.health.probe import Probe
 from cosyvoice_lb.launcher.health.rules import RESTART_REASONS, pick_recycle, restarts_by_reason
 from cosyvoice_lb.launcher.plan.planner import Slot
+from cosyvoice_lb.launcher.state import markers
+from cosyvoice_lb.launcher.state.health_report import OnPurpose, Track, read_report
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.markers import DrainAction
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo, SupervisionError
 
 T0 = 1_700_000_000.0
 SLOTS = (Slot(0, 7860, None, 0), Slot(1, 7861, None, 0))

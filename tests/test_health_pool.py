@@ -17,17 +17,17 @@ import pytest
 from test_health_loop import READY, Clock, FakeHost, FakeSupervisor
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster import markers
-from cosyvoice_lb.launcher.cluster.health_report import OnPurpose, Track, read_report
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.markers import DrainAction
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.elastic import Seen, follow_load, hold_reason, running_slots
 from cosyvoice_lb.launcher.health.loop import HealthLoop
 from cosyvoice_lb.launcher.health.probe import Probe
 from cosyvoice_lb.launcher.health.rules import pick_recycle
 from cosyvoice_lb.launcher.health.scaling import Bounds, Scale
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
+from cosyvoice_lb.launcher.state import markers
+from cosyvoice_lb.launcher.state.health_report import OnPurpose, Track, read_report
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.markers import DrainAction
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
 SLOTS = tuple(Slot(i, 7860 + i, None, 0) for i in range(4))
 NAMES = [s.name for s in SLOTS]

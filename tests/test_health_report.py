@@ -1,11 +1,11 @@
-"""health.json (cosyvoice_lb/launcher/cluster/health_report.py): one writer, one typed reader,
+"""health.json (cosyvoice_lb/launcher/state/health_report.py): one writer, one typed reader,
 a format version, and the files 0.1 wrote still read."""
 
 from __future__ import annotations
 
 import json
 
-from cosyvoice_lb.launcher.cluster.health_report import (
+from cosyvoice_lb.launcher.state.health_report import (
     VERSION,
     HealthReport,
     OnPurpose,
@@ -13,8 +13,8 @@ from cosyvoice_lb.launcher.cluster.health_report import (
     read_report,
     write_report,
 )
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.markers import DrainAction
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.markers import DrainAction
 
 
 def test_a_report_reads_back_as_it_was_written(tmp_path):

@@ -275,7 +275,7 @@ def test_job_results_is_where_the_api_serves_and_removes_the_audio(tmp_path, sto
     from cosyvoice_lb.common.settings import Settings
     from cosyvoice_lb.jobs.__main__ import outputs_budget, results_root, service_config
     from cosyvoice_lb.jobs.results import results_dir
-    from cosyvoice_lb.launcher.cluster.layout import Layout
+    from cosyvoice_lb.launcher.state.layout import Layout
 
     assert results_dir(tmp_path) == results_dir(tmp_path, "") == tmp_path / "jobs" / "results"
     shared = tmp_path / "volume" / ".jobs"

@@ -77,7 +77,7 @@ def test_a_sweep_expires_the_oldest_results_never_a_running_job(tmp_path):
 def test_on_a_pods_shared_volume_the_budget_counts_the_volume_and_the_results_in_it_once(tmp_path):
     from cosyvoice_lb.common.settings import Settings
     from cosyvoice_lb.jobs.__main__ import outputs_budget
-    from cosyvoice_lb.launcher.cluster.layout import Layout
+    from cosyvoice_lb.launcher.state.layout import Layout
 
     volume = tmp_path / "outputs"
     environ = {"POD_NAME": "pod-a", "COSYVOICE_LB_OUTPUTS_DIR": str(volume / "pod-a")}

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import GiB, MiB
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.footprint import budget_for, concurrency_reasons
 from cosyvoice_lb.launcher.plan.knee import Point, knee, levels, measured_knee, per_synthesis, sweep_entry
+from cosyvoice_lb.launcher.state.layout import Layout
 
 
 def test_levels_double_up_to_the_most_which_is_always_measured():

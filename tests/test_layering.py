@@ -3,6 +3,10 @@
 - ``cosyvoice_lb.instance`` runs in the user's CosyVoice environment from a staged copy of
   itself and ``common``: it never imports the launcher, nor a library only the launcher has.
 - ``cosyvoice_lb.common`` is imported by both sides: the standard library only.
+- The launcher's folders stand on floors (:data:`FLOORS`, lowest first): a module imports
+  its own folder and the floors below, never a floor above nor a folder beside it on its own
+  floor. ``cosyvoice_lb.jobs`` runs in the launcher's environment (its own supervisord
+  program) and stands on the launcher's floors too.
 - No module imports itself back through others.
 
 Every import counts, those inside functions too: an instance that reaches the launcher only
@@ -88,6 +92,53 @@ def crossings(g: dict[str, tuple[set[str], set[str]]]) -> list[str]:
     return found
 
 
+# The launcher's floors, lowest first (docs/architecture.md#the-launchers-floors says why each
+# stands where it does). Each name is a folder or a module at the launcher's top.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("launcher.errors", "launcher.compat"),
+    ("launcher.state",),
+    ("launcher.plan",),
+    ("launcher.render",),
+    ("launcher.health", "jobs", "launcher.k8s", "launcher.model", "launcher.service"),
+    ("launcher.cluster",),
+    ("launcher.canary",),
+    ("launcher.panel",),
+    ("launcher.commands", "launcher.options", "launcher.views", "launcher.cli", "launcher"),
+)
+
+
+def room(name: str) -> str | None:
+    """The folder (or top module) of the launcher's floors ``name`` is in, or None (instance,
+    common, the package's top)."""
+    parts = name.split(".")[1:]
+    if parts[:1] == ["jobs"]:
+        return "jobs"
+    if parts[:1] != ["launcher"]:
+        return None
+    return ".".join(parts[:2])
+
+
+def floor_of(room_name: str) -> int:
+    return next(i for i, rooms in enumerate(FLOORS) if room_name in rooms)
+
+
+def upward(g: dict[str, tuple[set[str], set[str]]]) -> list[str]:
+    """Every import of the launcher (or jobs) that reaches a floor above or a folder beside
+    (the top floor, the CLI's, is one room)."""
+    found = []
+    for name, (ours, _) in sorted(g.items()):
+        here = room(name)
+        if here is None:
+            continue
+        for target in sorted(ours):
+            there = room(target)
+            if there is None or there == here or there == "launcher":
+                continue
+            if floor_of(there) > floor_of(here) or (floor_of(there) == floor_of(here) < len(FLOORS) - 1):
+                found.append(f"{name} (floor {floor_of(here)}) imports {target} (floor {floor_of(there)})")
+    return found
+
+
 def circles(g: dict[str, tuple[set[str], set[str]]]) -> list[list[str]]:
     """The strongly connected groups of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -122,6 +173,41 @@ def circles(g: dict[str, tuple[set[str], set[str]]]) -> list[list[str]]:
 
 def test_the_instance_and_common_never_import_the_launcher():
     assert crossings(GRAPH) == []
+
+
+def test_every_launcher_folder_stands_on_one_floor():
+    rooms = {room(name) for name in MODULES} - {None}
+    placed = [r for floor in FLOORS for r in floor]
+    assert sorted(rooms) == sorted(placed)
+    assert len(placed) == len(set(placed))
+
+
+def test_no_launcher_folder_imports_one_above_or_beside_it():
+    assert upward(GRAPH) == []
+
+
+def test_the_floors_check_sees_an_import_upward_and_sideways():
+    g = graph(
+        {
+            "cosyvoice_lb": "",
+            "cosyvoice_lb.jobs": "",
+            "cosyvoice_lb.launcher": "",
+            "cosyvoice_lb.launcher.state": "",
+            "cosyvoice_lb.launcher.plan": "",
+            "cosyvoice_lb.launcher.health": "",
+            "cosyvoice_lb.launcher.state.layout": "from cosyvoice_lb.launcher.plan.planner import plan\n",
+            "cosyvoice_lb.launcher.plan.planner": "from cosyvoice_lb.launcher.state.layout import Layout\n",
+            "cosyvoice_lb.launcher.health.loop": "def f():\n    from cosyvoice_lb.jobs import runner\n",
+            "cosyvoice_lb.jobs.runner": "from cosyvoice_lb.launcher import errors\n",
+            "cosyvoice_lb.launcher.errors": "",
+            "cosyvoice_lb.launcher.cli": "from cosyvoice_lb.launcher.health import loop\n",
+        }
+    )
+    assert upward(g) == [
+        "cosyvoice_lb.launcher.health.loop (floor 4) imports cosyvoice_lb.jobs (floor 4)",
+        "cosyvoice_lb.launcher.health.loop (floor 4) imports cosyvoice_lb.jobs.runner (floor 4)",
+        "cosyvoice_lb.launcher.state.layout (floor 1) imports cosyvoice_lb.launcher.plan.planner (floor 2)",
+    ]
 
 
 def test_no_module_imports_itself_back():

@@ -10,10 +10,10 @@ import pytest
 from cluster_sim import LOAD_STEPS, world
 
 from cosyvoice_lb.launcher.cluster import lifecycle
-from cosyvoice_lb.launcher.cluster.markers import drain_by_hand
 from cosyvoice_lb.launcher.cluster.rollout import Slots, surge_rollout
 from cosyvoice_lb.launcher.cluster.waits import others_serving, wait_serving
 from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.state.markers import drain_by_hand
 
 
 def starts(w, name: str) -> list[int]:

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.cli import main
 from cosyvoice_lb.launcher.cluster import foreground
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.state.layout import Layout
 
 
 class Clock:

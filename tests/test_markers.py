@@ -1,5 +1,5 @@
 """The state dir's small files between the launcher and the health loop
-(cosyvoice_lb/launcher/cluster/markers.py): versioned, and 0.1's still read."""
+(cosyvoice_lb/launcher/state/markers.py): versioned, and 0.1's still read."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from cosyvoice_lb.launcher.cluster import markers
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.markers import DrainAction
+from cosyvoice_lb.launcher.state import markers
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.markers import DrainAction
 
 
 @pytest.fixture

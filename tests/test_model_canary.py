@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.canary import state
 from cosyvoice_lb.launcher.canary.compare import Side, compare, percentile, rows
-from cosyvoice_lb.launcher.canary.state import Canary, CanaryError, Thresholds
-from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.state import canary as state
+from cosyvoice_lb.launcher.state.canary import Canary, CanaryError, Thresholds
+from cosyvoice_lb.launcher.state.layout import Layout
 
 # --- what a canary may change -------------------------------------------------------------
 

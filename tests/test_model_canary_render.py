@@ -23,10 +23,10 @@ from test_render import (
 )
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.canary.state import Canary
 from cosyvoice_lb.launcher.plan.planner import Budget, Inventory, plan
 from cosyvoice_lb.launcher.render.cluster import render, render_upstreams
 from cosyvoice_lb.launcher.render.credentials import write_segment_key
+from cosyvoice_lb.launcher.state.canary import Canary
 
 SETTINGS = Settings(engine="flite")
 GiB = 1 << 30

@@ -21,7 +21,6 @@ import yaml
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import GiB, MiB
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, Slot, plan
 from cosyvoice_lb.launcher.render.addresses import balancer_url
 from cosyvoice_lb.launcher.render.grafana import DATASOURCE, dashboard_exprs, grafana_dashboard
@@ -35,6 +34,7 @@ from cosyvoice_lb.launcher.render.prometheus import (
     prometheus_config,
     scrape_targets,
 )
+from cosyvoice_lb.launcher.state.layout import Layout
 
 HERE = Path(__file__).resolve().parent
 ALERTS_TEST = HERE / "monitoring" / "alerts_test.yml"

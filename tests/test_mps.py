@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from cosyvoice_lb.launcher.cluster import mps
+from cosyvoice_lb.launcher.plan import mps_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -238,20 +239,20 @@ def test_importing_it_installs_no_signal_handler() -> None:
 
 
 def test_client_env() -> None:
-    assert mps.client_env("/s/run/mps-gpu0", "/s/logs/mps-gpu0") == {
+    assert mps_env.client_env("/s/run/mps-gpu0", "/s/logs/mps-gpu0") == {
         "CUDA_MPS_PIPE_DIRECTORY": "/s/run/mps-gpu0",
         "CUDA_MPS_LOG_DIRECTORY": "/s/logs/mps-gpu0",
     }
-    assert mps.client_env("/p", "/l", 40) == {
+    assert mps_env.client_env("/p", "/l", 40) == {
         "CUDA_MPS_PIPE_DIRECTORY": "/p",
         "CUDA_MPS_LOG_DIRECTORY": "/l",
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
     }
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in mps.client_env("/p", "/l", 0)
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in mps_env.client_env("/p", "/l", 0)
 
 
 def test_daemon_env() -> None:
-    assert mps.daemon_env(3, "/p", "/l") == {
+    assert mps_env.daemon_env(3, "/p", "/l") == {
         "CUDA_VISIBLE_DEVICES": "3",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_MPS_PIPE_DIRECTORY": "/p",
@@ -263,10 +264,10 @@ DRIVER = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19
 
 
 def test_mps_problem_without_a_driver_says_so_first() -> None:
-    problem = mps.mps_problem(which=lambda name: f"/usr/bin/{name}", driver=lambda: "")
+    problem = mps_env.mps_problem(which=lambda name: f"/usr/bin/{name}", driver=lambda: "")
     assert problem.startswith("--mps needs the NVIDIA driver: /proc/driver/nvidia/version is missing")
     assert problem.endswith("drop --mps")
-    assert mps.mps_problem(which=lambda name: None, driver=lambda: "") == problem
+    assert mps_env.mps_problem(which=lambda name: None, driver=lambda: "") == problem
 
 
 def test_mps_problem_without_the_control_binary_names_the_package() -> None:
@@ -276,28 +277,28 @@ def test_mps_problem_without_the_control_binary_names_the_package() -> None:
         asked.append(name)
         return None
 
-    problem = mps.mps_problem(which=which, driver=lambda: DRIVER)
+    problem = mps_env.mps_problem(which=which, driver=lambda: DRIVER)
     assert asked == ["nvidia-cuda-mps-control"]
     assert problem == (
         "--mps needs nvidia-cuda-mps-control (part of the NVIDIA driver utilities, e.g. Debian/Ubuntu package "
         "nvidia-compute-utils-535) on PATH; install it or drop --mps"
     )
-    other = mps.mps_problem("/opt/nv/mps-control", which=lambda name: None, driver=lambda: "NVRM version: odd")
+    other = mps_env.mps_problem("/opt/nv/mps-control", which=lambda name: None, driver=lambda: "NVRM version: odd")
     assert other.startswith("--mps needs /opt/nv/mps-control (")
     assert "nvidia-compute-utils-<version>" in other
 
 
 def test_mps_problem_is_empty_when_everything_is_there() -> None:
-    assert mps.mps_problem(which=lambda name: f"/usr/bin/{name}", driver=lambda: DRIVER) == ""
+    assert mps_env.mps_problem(which=lambda name: f"/usr/bin/{name}", driver=lambda: DRIVER) == ""
 
 
 def test_nvidia_driver_reads_the_first_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     version = tmp_path / "version"
     version.write_text(DRIVER + "\nGCC version:  gcc version 12.2.0\n")
-    monkeypatch.setattr(mps, "DRIVER_VERSION", version)
-    assert mps.nvidia_driver() == DRIVER
-    monkeypatch.setattr(mps, "DRIVER_VERSION", tmp_path / "absent")
-    assert mps.nvidia_driver() == ""
+    monkeypatch.setattr(mps_env, "DRIVER_VERSION", version)
+    assert mps_env.nvidia_driver() == DRIVER
+    monkeypatch.setattr(mps_env, "DRIVER_VERSION", tmp_path / "absent")
+    assert mps_env.nvidia_driver() == ""
 
 
 def test_private_dir_tightens_a_dir_that_was_already_there(tmp_path: Path) -> None:

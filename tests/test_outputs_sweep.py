@@ -18,7 +18,7 @@ import pytest
 
 from cosyvoice_lb.instance.audio.outputs import Outputs
 from cosyvoice_lb.instance.audio.sweep import ALIVE, ALIVE_GRACE, LOCK, Listed, doomed, pod_volume
-from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.state.layout import Layout
 
 AUDIO = np.zeros(2400, dtype=np.float32)  # 4844 bytes as a WAV file
 SIZE = 4844

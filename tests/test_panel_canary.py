@@ -11,12 +11,12 @@ import pytest
 from starlette.testclient import TestClient
 from test_admin import panel, token  # noqa: F401  (a fixture and its token)
 
-from cosyvoice_lb.launcher.canary import state
 from cosyvoice_lb.launcher.canary.compare import Side, compare
-from cosyvoice_lb.launcher.canary.state import Canary, Thresholds
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.panel.canary import CanaryControl
 from cosyvoice_lb.launcher.panel.server import build_app
+from cosyvoice_lb.launcher.state import canary as state
+from cosyvoice_lb.launcher.state.canary import Canary, Thresholds
 
 
 def samples(n: int, error: float) -> list[dict]:

@@ -16,14 +16,14 @@ from cosyvoice_lb.instance.access.auth import SHARED_OWNER, Policy, PolicyFile, 
 from cosyvoice_lb.jobs import model
 from cosyvoice_lb.jobs.service import Config, build_app, known_owners, owner_kind
 from cosyvoice_lb.jobs.store import SqliteStore
-from cosyvoice_lb.launcher.cluster import record
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus
 from cosyvoice_lb.launcher.panel.metrics import ClusterView
 from cosyvoice_lb.launcher.panel.server import build_app as panel_app
 from cosyvoice_lb.launcher.plan.planner import Budget, Inventory, plan
 from cosyvoice_lb.launcher.render.cluster import jobs_socket
 from cosyvoice_lb.launcher.render.credentials import write_admin_access
+from cosyvoice_lb.launcher.state import record
+from cosyvoice_lb.launcher.state.layout import Layout
 
 GiB = 2**30
 ANN = "ann-token-0123456789abcdef"

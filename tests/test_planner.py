@@ -11,7 +11,6 @@ from conftest import ROOT
 from cosyvoice_lb.common.concurrency import auto_concurrency, explain
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import GiB, MiB, format_size
-from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.plan import figures
 from cosyvoice_lb.launcher.plan.explain import device_lines
 from cosyvoice_lb.launcher.plan.footprint import budget_for, concurrency_reasons
@@ -28,6 +27,7 @@ from cosyvoice_lb.launcher.plan.planner import (
     startable,
     with_own_slots,
 )
+from cosyvoice_lb.launcher.state.layout import Layout, layout_for
 
 FAKE_MODEL = ROOT / "tests" / "fake_models" / "Fun-CosyVoice3-0.5B"
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.processes import is_cluster_program, port_taken
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.processes import is_cluster_program, port_taken
 
 LAYOUT = Layout(Path("/srv/cvlb"))
 
@@ -67,7 +67,7 @@ def test_listening_is_seen_per_process():
 
     import psutil
 
-    from cosyvoice_lb.launcher.cluster.processes import _listens_on
+    from cosyvoice_lb.launcher.state.processes import _listens_on
 
     with socket_module.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -29,8 +29,6 @@ from supervisor.options import ServerOptions
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import GiB, MiB
-from cosyvoice_lb.launcher.cluster import record
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.planner import Budget, Gpu, Inventory, Roles, VllmShare, plan
 from cosyvoice_lb.launcher.render.cluster import (
     MAX_SOCKET_PATH,
@@ -42,6 +40,8 @@ from cosyvoice_lb.launcher.render.cluster import (
     render_upstreams,
 )
 from cosyvoice_lb.launcher.render.credentials import write_segment_key
+from cosyvoice_lb.launcher.state import record
+from cosyvoice_lb.launcher.state.layout import Layout
 
 NGINX = shutil.which("nginx") or shutil.which("/usr/sbin/nginx")
 SHORT = Path("/tmp/cvlb-t")  # never created: pure renders only

@@ -220,6 +220,6 @@ def test_the_health_loop_starts_parked_slots_at_nine_on_its_clock(tmp_path, rigs
 
 
 def read_scale(rig: Rig) -> dict:
-    from cosyvoice_lb.launcher.cluster.health_report import read_report
+    from cosyvoice_lb.launcher.state.health_report import read_report
 
     return read_report(rig.layout).pool["scale"]

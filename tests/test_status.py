@@ -11,9 +11,6 @@ import pytest
 from rich.console import Console
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track, write_report
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.record import ClusterRecord
 from cosyvoice_lb.launcher.cluster.status import (
     NO_TELEMETRY,
     ClusterStatus,
@@ -23,9 +20,12 @@ from cosyvoice_lb.launcher.cluster.status import (
     public_url,
     status,
 )
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.plan.gpu import GpuReading
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
+from cosyvoice_lb.launcher.state.health_report import HealthReport, OnPurpose, Track, write_report
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.record import ClusterRecord
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
 
 class Gathering:

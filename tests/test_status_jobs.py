@@ -17,10 +17,10 @@ from cosyvoice_lb.instance.access.auth import SHARED_OWNER
 from cosyvoice_lb.jobs import model
 from cosyvoice_lb.jobs.metrics import Instrumented, JobMetrics, Reporter, report_path
 from cosyvoice_lb.jobs.store import SqliteStore
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.status import NO_TELEMETRY, status
 from cosyvoice_lb.launcher.panel.metrics import ClusterView, ViewCollector
 from cosyvoice_lb.launcher.plan.planner import Slot
+from cosyvoice_lb.launcher.state.layout import Layout
 from cosyvoice_lb.launcher.views import status_lines
 
 TEXT = "One. Two. Three. Four. Five."

@@ -1,4 +1,4 @@
-"""The supervisord adapter (cosyvoice_lb/launcher/cluster/supervision.py) against a small XML-RPC server on a
+"""The supervisord adapter (cosyvoice_lb/launcher/state/supervision.py) against a small XML-RPC server on a
 real unix socket: its errors come out as SupervisionError, and its calls time out."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, Supervisor
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.supervision import SupervisionError, Supervisor
 
 
 class Script:

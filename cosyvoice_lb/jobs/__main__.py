@@ -40,12 +40,12 @@ from cosyvoice_lb.jobs.results import results_dir
 from cosyvoice_lb.jobs.service import Config, build_app
 from cosyvoice_lb.jobs.store import open_store
 from cosyvoice_lb.jobs.yielding import BoardDemand, Yielding, share_for
-from cosyvoice_lb.launcher.cluster import record
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.render.addresses import balancer_url
 from cosyvoice_lb.launcher.render.cluster import jobs_socket
 from cosyvoice_lb.launcher.render.credentials import jobs_token_path, read_segment_key
+from cosyvoice_lb.launcher.state import record
+from cosyvoice_lb.launcher.state.layout import Layout
 
 log = logging.getLogger("cosyvoice_lb.jobs")
 

@@ -20,26 +20,26 @@ from cosyvoice_lb import __version__
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import SizeError
 from cosyvoice_lb.launcher import views
-from cosyvoice_lb.launcher.canary.command import canary_group
-from cosyvoice_lb.launcher.canary.state import CanaryError
-from cosyvoice_lb.launcher.cluster import lifecycle
-from cosyvoice_lb.launcher.cluster.backup_command import backup_command, restore_command
+from cosyvoice_lb.launcher.cluster import calibration, lifecycle
+from cosyvoice_lb.launcher.cluster.disk import render_only
 from cosyvoice_lb.launcher.cluster.foreground import StopSignals, stay
-from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.cluster.log_relay import RelayThread
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus, status
-from cosyvoice_lb.launcher.cluster.supervision import SupervisionError
+from cosyvoice_lb.launcher.commands.backup import backup_command, restore_command
+from cosyvoice_lb.launcher.commands.canary import canary_group
+from cosyvoice_lb.launcher.commands.k8s import k8s_group
+from cosyvoice_lb.launcher.commands.model import prepare_model_command
+from cosyvoice_lb.launcher.commands.service import service_group
 from cosyvoice_lb.launcher.errors import ClusterError
-from cosyvoice_lb.launcher.k8s.command import k8s_group
-from cosyvoice_lb.launcher.model.command import prepare_model_command
 from cosyvoice_lb.launcher.options import CLUSTER_OPTIONS, PLAN_OPTIONS, fail, options, settings_from
-from cosyvoice_lb.launcher.plan import calibration, footprint
+from cosyvoice_lb.launcher.plan import footprint
 from cosyvoice_lb.launcher.plan.planner import PlanError
 from cosyvoice_lb.launcher.render.cluster import RenderError
 from cosyvoice_lb.launcher.render.cluster import warnings as render_warnings
 from cosyvoice_lb.launcher.render.credentials import access_of, open_warning
-from cosyvoice_lb.launcher.render.disk import render_only
-from cosyvoice_lb.launcher.service.command import service_group
+from cosyvoice_lb.launcher.state.canary import CanaryError
+from cosyvoice_lb.launcher.state.layout import Layout, layout_for
+from cosyvoice_lb.launcher.state.supervision import SupervisionError
 
 USER_ERRORS = (PlanError, SizeError, RenderError, ClusterError, SupervisionError, CanaryError)
 

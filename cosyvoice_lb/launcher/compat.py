@@ -36,10 +36,10 @@ MODULES = (
 # version is its module's VERSION; the routing board's is in its magic, CVLBRT01, and a board
 # of another format is made again by the health loop).
 STATE = (
-    Shim("health.json without a version", "version 0: 0.1's fields", "0.2", "cluster/health_report.parse_report"),
-    Shim("cluster.json without a version", "version 0: 0.1's fields", "0.2", "cluster/record.parse"),
-    Shim("cluster.json without roles (pool)", "every slot serves", "0.2", "cluster/record.parse"),
-    Shim("a drain request as a bare action", "that action", "0.2", "cluster/markers.read_drain"),
+    Shim("health.json without a version", "version 0: 0.1's fields", "0.2", "state/health_report.parse_report"),
+    Shim("cluster.json without a version", "version 0: 0.1's fields", "0.2", "state/record.parse"),
+    Shim("cluster.json without roles (pool)", "every slot serves", "0.2", "state/record.parse"),
+    Shim("a drain request as a bare action", "that action", "0.2", "state/markers.read_drain"),
     Shim("an instance argv without --argv-version", "format 0: 0.1's flags", "0.2", "common/instance_argv"),
     Shim("--max-upload-mib, --outputs-max-mib", "--max-upload, --outputs-max-size in MiB", "0.2", "instance_argv"),
     Shim("run/lib as a plain directory", "renamed lib-unversioned, a tree staged", "0.2", "render/staging.stage"),

@@ -26,11 +26,11 @@ from rich.text import Text
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import format_size
 from cosyvoice_lb.launcher.cluster import lifecycle
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.status import SERVICES, ClusterStatus, jobs_line, pool_line
-from cosyvoice_lb.launcher.cluster.supervision import read_tail
 from cosyvoice_lb.launcher.plan.footprint import PlanReport
 from cosyvoice_lb.launcher.render.credentials import admin_token_path
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.supervision import read_tail
 
 # Wide tables and unwrapped messages when piped (rich assumes 80 columns off a terminal).
 out = Console(width=None if sys.stdout.isatty() else 160)

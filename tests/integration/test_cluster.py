@@ -389,8 +389,8 @@ def test_logs_command_prints_an_instance_log(cluster):
 
 
 def test_no_ready_instance_means_503_and_status_1(cluster):
-    from cosyvoice_lb.launcher.cluster.supervision import Supervisor
     from cosyvoice_lb.launcher.render.cluster import Layout
+    from cosyvoice_lb.launcher.state.supervision import Supervisor
 
     supervisor = Supervisor(Layout(cluster["state_dir"]))
     names = [f"instance-{i}" for i in range(INSTANCES)]
@@ -418,8 +418,8 @@ def test_no_ready_instance_means_503_and_status_1(cluster):
 
 def test_down_stops_everything_and_frees_every_port(cluster):
     state_dir = cluster["state_dir"]
-    from cosyvoice_lb.launcher.cluster.supervision import Supervisor
     from cosyvoice_lb.launcher.render.cluster import Layout
+    from cosyvoice_lb.launcher.state.supervision import Supervisor
 
     root = Supervisor(Layout(state_dir)).pid()
     tree = [root] + [p.pid for p in psutil.Process(root).children(recursive=True)]

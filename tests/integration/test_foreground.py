@@ -18,8 +18,8 @@ import pytest
 import requests
 from conftest import ROOT, clean_env, cli, free_port_block, port_free
 
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.processes import stray_processes
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.processes import stray_processes
 
 pytestmark = pytest.mark.integration
 

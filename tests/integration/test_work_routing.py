@@ -20,7 +20,7 @@ import requests
 from conftest import ROOT, cli, free_port_block, status, wait_for
 
 from cosyvoice_lb.instance.routing.board import Board
-from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.state.layout import Layout
 
 LONG = "a" * 480  # 1.9 s on one instance (under --max-chars: one synthesis, not segments)
 SHORT = "a" * 10  # 40 ms

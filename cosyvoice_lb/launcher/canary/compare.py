@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cosyvoice_lb.launcher.canary.state import Thresholds
+from cosyvoice_lb.launcher.state.canary import Thresholds
 
 FAILED = ("failed", "timeout")
 

@@ -28,18 +28,18 @@ from typing import Any
 import requests
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.canary import state
 from cosyvoice_lb.launcher.canary.compare import Comparison, Side, compare
-from cosyvoice_lb.launcher.canary.state import Canary, CanaryError, Thresholds
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Report, Say
-from cosyvoice_lb.launcher.cluster.health_report import read_report
-from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.disk import recorded
 from cosyvoice_lb.launcher.cluster.lifecycle import regroup, up
 from cosyvoice_lb.launcher.cluster.rollout import Slots, surge_room
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.health.probe import loopback_session
 from cosyvoice_lb.launcher.plan.planner import Slot
-from cosyvoice_lb.launcher.render.disk import recorded
+from cosyvoice_lb.launcher.state import canary as state
+from cosyvoice_lb.launcher.state.canary import Canary, CanaryError, Thresholds
+from cosyvoice_lb.launcher.state.health_report import read_report
+from cosyvoice_lb.launcher.state.layout import Layout
 
 Fetch = Callable[[int], dict]
 

@@ -1,1 +1,2 @@
-"""The running cluster: supervisord, nginx, the lifecycle (up, restart, drain, down), status."""
+"""The running cluster, orchestrated: the lifecycle (up, restart, drain, down), writing the
+rendered files (``disk``), calibration, nginx reloads, status, backups, the MPS daemon."""

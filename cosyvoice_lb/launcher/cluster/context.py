@@ -15,12 +15,12 @@ from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import Timeouts
 from cosyvoice_lb.launcher.cluster import nginx_apply
 from cosyvoice_lb.launcher.cluster.diagnosis import ClusterStatus
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.listeners import wanted
 from cosyvoice_lb.launcher.cluster.status import NO_TELEMETRY, status
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo, Supervisor
 from cosyvoice_lb.launcher.plan.footprint import room_to_start
 from cosyvoice_lb.launcher.plan.planner import Slot
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo, Supervisor
 
 
 @dataclass

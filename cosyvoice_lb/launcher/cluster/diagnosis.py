@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import Timeouts
-from cosyvoice_lb.launcher.canary.state import Canary
-from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track
 from cosyvoice_lb.launcher.cluster.listeners import Address, beyond_loopback, describe, wanted
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.rotation import OCCUPIED, is_parked
 from cosyvoice_lb.launcher.plan.gpu import GpuReading
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
+from cosyvoice_lb.launcher.state.canary import Canary
+from cosyvoice_lb.launcher.state.health_report import HealthReport, OnPurpose, Track
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
 SERVICES = ("nginx", "health", "admin", "jobs")
 ESSENTIAL = ("nginx", "health")  # the cluster does not serve (well) without them

@@ -17,11 +17,11 @@ import psutil
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL, SUPERVISOR_SILENT, Timeouts
-from cosyvoice_lb.launcher.cluster import processes
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.lifecycle import down
-from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, Supervisor
 from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.state import processes
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.supervision import SupervisionError, Supervisor
 
 # How often the foreground asks whether supervisord is still there.
 FOREGROUND_POLL = 3.0

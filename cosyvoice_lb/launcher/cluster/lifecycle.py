@@ -13,24 +13,11 @@ import psutil
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import Timeouts
-from cosyvoice_lb.launcher.canary import state as canary_state
-from cosyvoice_lb.launcher.cluster import processes
 from cosyvoice_lb.launcher.cluster.changes import described, guard_step
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Report, Say
-from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
-from cosyvoice_lb.launcher.cluster.markers import (
-    DrainAction,
-    clear_drained,
-    clear_drains,
-    clear_starts,
-    drain_by_hand,
-    drained_by_hand,
-    end_rollout,
-    undrain,
-)
+from cosyvoice_lb.launcher.cluster.disk import recorded, render_to_disk
 from cosyvoice_lb.launcher.cluster.rollout import Slots, surge_rollout, surge_room
 from cosyvoice_lb.launcher.cluster.status import SERVICES, ClusterStatus, failure_report
-from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, Supervisor
 from cosyvoice_lb.launcher.cluster.waits import (
     drain,
     loop_reported,
@@ -43,8 +30,21 @@ from cosyvoice_lb.launcher.plan.footprint import make_plan
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.plan.preflight import check_memory_limit, check_ports, check_tools
 from cosyvoice_lb.launcher.render.credentials import generated_token
-from cosyvoice_lb.launcher.render.disk import recorded, render_to_disk
 from cosyvoice_lb.launcher.render.staging import prune, stage
+from cosyvoice_lb.launcher.state import canary as canary_state
+from cosyvoice_lb.launcher.state import processes
+from cosyvoice_lb.launcher.state.layout import Layout, layout_for
+from cosyvoice_lb.launcher.state.markers import (
+    DrainAction,
+    clear_drained,
+    clear_drains,
+    clear_starts,
+    drain_by_hand,
+    drained_by_hand,
+    end_rollout,
+    undrain,
+)
+from cosyvoice_lb.launcher.state.supervision import SupervisionError, Supervisor
 
 # What the last render recorded (cluster.json): the settings and the slots.
 Recorded = tuple[Settings, tuple[Slot, ...]]

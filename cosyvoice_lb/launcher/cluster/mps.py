@@ -9,8 +9,8 @@ control client's stdin, then SIGKILL if the daemon is still there after --stop-t
 Exit status: 0 after a clean stop, the daemon's own non-zero status when it died by itself
 (supervisord restarts it), 1 when it had to be killed.
 
-The helpers (:func:`client_env`, :func:`daemon_env`, :func:`mps_problem`) are pure and
-import without side effects: the renderer and the preflight use them.
+What clients and the daemon need in their environment, and whether this box can run MPS, are
+in ``plan/mps_env.py`` (pure): the renderer and the preflight use them.
 """
 
 from __future__ import annotations
@@ -18,75 +18,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-CONTROL = "nvidia-cuda-mps-control"
-DRIVER_VERSION = Path("/proc/driver/nvidia/version")
+from cosyvoice_lb.launcher.plan.mps_env import CONTROL, daemon_env, mps_problem
+
 QUIT_TIMEOUT = 5.0  # seconds the `quit` client may take (capped by --stop-timeout)
 POLL = 0.1  # seconds between two looks at the daemon and the stop flag
 
 log = logging.getLogger("cosyvoice_lb.mps")
-
-
-def client_env(pipe_dir: str, log_dir: str, thread_percentage: int = 0) -> dict[str, str]:
-    """What every instance on the GPU gets: the daemon's pipe and log dirs, and (above 0)
-    the share of the GPU's SMs it may use."""
-    env = {"CUDA_MPS_PIPE_DIRECTORY": pipe_dir, "CUDA_MPS_LOG_DIRECTORY": log_dir}
-    if thread_percentage > 0:
-        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(thread_percentage)
-    return env
-
-
-def daemon_env(gpu: int, pipe_dir: str, log_dir: str) -> dict[str, str]:
-    """What the daemon of ``gpu`` runs with, on top of the inherited environment."""
-    return {
-        "CUDA_VISIBLE_DEVICES": str(gpu),
-        # the GPU index means what nvidia-smi and NVML say (CUDA's default order is fastest first)
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "CUDA_MPS_PIPE_DIRECTORY": pipe_dir,
-        "CUDA_MPS_LOG_DIRECTORY": log_dir,
-    }
-
-
-def nvidia_driver() -> str:
-    """The NVIDIA kernel driver's version line, or "" when there is no driver."""
-    try:
-        with DRIVER_VERSION.open() as file:
-            return file.readline().strip()
-    except OSError:
-        return ""
-
-
-def mps_problem(
-    control: str = CONTROL,
-    *,
-    which: Callable[[str], str | None] = shutil.which,
-    driver: Callable[[], str] = nvidia_driver,
-) -> str:
-    """An empty string when MPS can work on this box, else what is missing and what to do."""
-    line = driver()
-    if not line:
-        return (
-            f"--mps needs the NVIDIA driver: {DRIVER_VERSION} is missing "
-            "(no NVIDIA GPU or driver on this box); drop --mps"
-        )
-    if which(control) is None:
-        # the package is named after the driver's major version (nvidia-compute-utils-535)
-        found = re.search(r"\s(\d+)\.\d+(?:\.\d+)?\s", f" {line} ")
-        version = found.group(1) if found else "<version>"
-        return (
-            f"--mps needs {control} (part of the NVIDIA driver utilities, e.g. Debian/Ubuntu package "
-            f"nvidia-compute-utils-{version}) on PATH; install it or drop --mps"
-        )
-    return ""
 
 
 def private_dir(path: Path) -> None:

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.listeners import (
     Address,
     config_behind,
@@ -20,8 +19,9 @@ from cosyvoice_lb.launcher.cluster.listeners import (
     nginx_processes,
     wanted,
 )
-from cosyvoice_lb.launcher.cluster.supervision import Supervisor, read_tail
 from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.supervision import Supervisor, read_tail
 
 # nginx retries a busy address for ~2.5 s before a reload gives up; then it logs why.
 RELOAD_WAIT = 10.0

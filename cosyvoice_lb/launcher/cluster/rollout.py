@@ -12,20 +12,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cosyvoice_lb.launcher.canary import state as canary_state
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Supervision
-from cosyvoice_lb.launcher.cluster.health_report import read_report
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.markers import (
+from cosyvoice_lb.launcher.cluster.waits import drain, loop_reported, serving_or_fail
+from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.health.rotation import OCCUPIED, is_parked
+from cosyvoice_lb.launcher.plan.planner import Slot
+from cosyvoice_lb.launcher.state import canary as canary_state
+from cosyvoice_lb.launcher.state.health_report import read_report
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.markers import (
     DrainAction,
     drained_by_hand,
     end_rollout,
     start_rollout,
 )
-from cosyvoice_lb.launcher.cluster.waits import drain, loop_reported, serving_or_fail
-from cosyvoice_lb.launcher.errors import ClusterError
-from cosyvoice_lb.launcher.health.rotation import OCCUPIED, is_parked
-from cosyvoice_lb.launcher.plan.planner import Slot
 
 # Puts a stopped slot's program on the current config (for `up`: remove and add its group).
 Refresh = Callable[[str], None]

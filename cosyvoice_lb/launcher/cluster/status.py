@@ -15,8 +15,6 @@ from typing import Protocol
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL
 from cosyvoice_lb.jobs.metrics import read_report as read_jobs_report
 from cosyvoice_lb.jobs.metrics import report_path as jobs_report_path
-from cosyvoice_lb.launcher.canary.state import read as read_canary
-from cosyvoice_lb.launcher.cluster import processes
 from cosyvoice_lb.launcher.cluster.diagnosis import (
     ESSENTIAL,
     SERVICES,
@@ -28,17 +26,19 @@ from cosyvoice_lb.launcher.cluster.diagnosis import (
     pool_summary,
     public_url,
 )
-from cosyvoice_lb.launcher.cluster.health_report import read_report
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.cluster.listeners import config_behind, nginx_listening, nginx_processes
-from cosyvoice_lb.launcher.cluster.markers import drained_by_hand, starts_count
-from cosyvoice_lb.launcher.cluster.record import read as read_record
-from cosyvoice_lb.launcher.cluster.supervision import SupervisionError, Supervisor, read_tail
 from cosyvoice_lb.launcher.health.probe import Prober
 from cosyvoice_lb.launcher.plan.gpu import GpuReading, gpu_readings, process_gpu_memory
 from cosyvoice_lb.launcher.plan.planner import Slot
 from cosyvoice_lb.launcher.render.credentials import admin_token_path, open_warning
 from cosyvoice_lb.launcher.render.staging import staged_digest
+from cosyvoice_lb.launcher.state import processes
+from cosyvoice_lb.launcher.state.canary import read as read_canary
+from cosyvoice_lb.launcher.state.health_report import read_report
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.markers import drained_by_hand, starts_count
+from cosyvoice_lb.launcher.state.record import read as read_record
+from cosyvoice_lb.launcher.state.supervision import SupervisionError, Supervisor, read_tail
 
 
 @dataclass(frozen=True)

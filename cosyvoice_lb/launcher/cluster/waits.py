@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 from cosyvoice_lb.common.timeouts import SUPERVISOR_SILENT
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress
 from cosyvoice_lb.launcher.cluster.diagnosis import ESSENTIAL, SERVICES, ClusterStatus, InstanceStatus
-from cosyvoice_lb.launcher.cluster.health_report import read_report
-from cosyvoice_lb.launcher.cluster.markers import (
+from cosyvoice_lb.launcher.cluster.status import failure_report, last_lines
+from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.state.health_report import read_report
+from cosyvoice_lb.launcher.state.markers import (
     DrainAction,
     answer_drain,
     ask_drain,
     drain_pending,
 )
-from cosyvoice_lb.launcher.cluster.status import failure_report, last_lines
-from cosyvoice_lb.launcher.errors import ClusterError
 
 
 def loop_reported(c: Cluster, since: float) -> None:

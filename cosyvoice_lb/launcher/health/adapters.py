@@ -2,7 +2,7 @@
 and the operating system (psutil, NVML).
 
 The loop gets each one passed in, so tests script them; :class:`Host` is the real
-operating system's adapter, :class:`~cosyvoice_lb.launcher.cluster.supervision.Supervisor`
+operating system's adapter, :class:`~cosyvoice_lb.launcher.state.supervision.Supervisor`
 and :class:`~cosyvoice_lb.launcher.health.probe.Prober` the real others.
 """
 
@@ -13,10 +13,10 @@ from typing import Protocol
 
 import psutil
 
-from cosyvoice_lb.launcher.cluster.processes import orphan_nginx
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.probe import Probe
 from cosyvoice_lb.launcher.plan.gpu import process_gpu_memory
+from cosyvoice_lb.launcher.state.processes import orphan_nginx
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
 
 class Supervision(Protocol):

@@ -15,15 +15,15 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from cosyvoice_lb.launcher.cluster import markers
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.markers import DrainAction
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.probe import Probe
 from cosyvoice_lb.launcher.health.rotation import OCCUPIED, is_parked
 from cosyvoice_lb.launcher.health.rules import Track, start_drain
 from cosyvoice_lb.launcher.health.scaling import Bounds, Load, Scale, decide
 from cosyvoice_lb.launcher.plan.planner import Slot
+from cosyvoice_lb.launcher.state import markers
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.markers import DrainAction
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
 log = logging.getLogger("cosyvoice_lb.health")
 

@@ -29,12 +29,6 @@ from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL, Timeouts
 from cosyvoice_lb.instance.routing.board import Board
-from cosyvoice_lb.launcher.canary import state as canary_state
-from cosyvoice_lb.launcher.cluster import markers, record
-from cosyvoice_lb.launcher.cluster.health_report import HealthReport, OnPurpose, Track, read_report, write_report
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.markers import DrainAction
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo, SupervisionError, Supervisor
 from cosyvoice_lb.launcher.health.adapters import Host, Probing, Supervision
 from cosyvoice_lb.launcher.health.elastic import Room, Seen, follow_load
 from cosyvoice_lb.launcher.health.probe import Probe, Prober
@@ -54,6 +48,12 @@ from cosyvoice_lb.launcher.health.scaling import Bounds, Scale, schedule_notes
 from cosyvoice_lb.launcher.plan.footprint import room_to_start
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.render.cluster import overflow_of, render_upstreams
+from cosyvoice_lb.launcher.state import canary as canary_state
+from cosyvoice_lb.launcher.state import markers, record
+from cosyvoice_lb.launcher.state.health_report import HealthReport, OnPurpose, Track, read_report, write_report
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.markers import DrainAction
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo, SupervisionError, Supervisor
 
 log = logging.getLogger("cosyvoice_lb.health")
 

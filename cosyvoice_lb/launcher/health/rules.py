@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import parse_size
-from cosyvoice_lb.launcher.cluster.health_report import OnPurpose, Track
-from cosyvoice_lb.launcher.cluster.markers import DrainAction
-from cosyvoice_lb.launcher.cluster.supervision import ProcessInfo
 from cosyvoice_lb.launcher.health.probe import Probe
+from cosyvoice_lb.launcher.state.health_report import OnPurpose, Track
+from cosyvoice_lb.launcher.state.markers import DrainAction
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
 ALIVE = ("RUNNING", "STARTING")
 # Why an instance was restarted, as the metrics count it: the loop orders all but "crash"

@@ -28,7 +28,6 @@ from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import SizeError, parse_size
 from cosyvoice_lb.common.timeouts import Timeouts
-from cosyvoice_lb.launcher.cluster.layout import layout_for
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.k8s.ingress import api_ingress, tls_problem, ui_ingress
 from cosyvoice_lb.launcher.k8s.jobs import jobs_problem, written_url
@@ -53,6 +52,7 @@ from cosyvoice_lb.launcher.k8s.sizing import PodSize, pod_size
 from cosyvoice_lb.launcher.plan.footprint import budget_for, parse_instances
 from cosyvoice_lb.launcher.plan.planner import Gpu, Inventory, PlanError, plan
 from cosyvoice_lb.launcher.render.credentials import given_tokens
+from cosyvoice_lb.launcher.state.layout import layout_for
 
 __all__ = [
     "PRE_STOP_SECONDS",

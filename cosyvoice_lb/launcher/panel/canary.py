@@ -12,14 +12,15 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from cosyvoice_lb.launcher.canary import rollout, state
+from cosyvoice_lb.launcher.canary import rollout
 from cosyvoice_lb.launcher.canary.compare import rows
-from cosyvoice_lb.launcher.canary.state import CanaryError
 from cosyvoice_lb.launcher.cluster.context import Progress
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.supervision import SupervisionError
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.panel.control import Action
+from cosyvoice_lb.launcher.state import canary as state
+from cosyvoice_lb.launcher.state.canary import CanaryError
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.supervision import SupervisionError
 
 ACTIONS = ("promote", "abort")
 

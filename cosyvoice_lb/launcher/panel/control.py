@@ -18,15 +18,15 @@ from typing import Any
 import psutil
 
 from cosyvoice_lb.launcher.cluster import lifecycle
-from cosyvoice_lb.launcher.cluster.health_report import read_report
-from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.cluster.disk import recorded
 from cosyvoice_lb.launcher.cluster.status import NO_TELEMETRY, ClusterStatus, status
-from cosyvoice_lb.launcher.cluster.supervision import SupervisionError
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.health.probe import loopback_session
 from cosyvoice_lb.launcher.panel.metrics import ClusterView, NginxCounters, parse_stub_status
 from cosyvoice_lb.launcher.render.addresses import balancer_url
-from cosyvoice_lb.launcher.render.disk import recorded
+from cosyvoice_lb.launcher.state.health_report import read_report
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.supervision import SupervisionError
 
 ACTIONS = ("restart", "drain", "undrain")
 

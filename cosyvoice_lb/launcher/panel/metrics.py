@@ -16,9 +16,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cosyvoice_lb.jobs.metrics import families as job_families
-from cosyvoice_lb.launcher.cluster.health_report import HealthReport
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus
 from cosyvoice_lb.launcher.health.rules import restarts_by_reason
+from cosyvoice_lb.launcher.state.health_report import HealthReport
 
 Family = GaugeMetricFamily | CounterMetricFamily
 

@@ -36,8 +36,7 @@ from cosyvoice_lb.common.error_body import error_body, error_headers
 from cosyvoice_lb.instance.access.auth import PolicyFile, digest
 from cosyvoice_lb.instance.access.gate import form_page
 from cosyvoice_lb.launcher.cluster import lifecycle
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.supervision import read_tail
+from cosyvoice_lb.launcher.cluster.disk import recorded
 from cosyvoice_lb.launcher.health.probe import loopback_session
 from cosyvoice_lb.launcher.panel import jobs as panel_jobs
 from cosyvoice_lb.launcher.panel.canary import CanaryControl
@@ -45,7 +44,8 @@ from cosyvoice_lb.launcher.panel.control import Action, Actions, gather
 from cosyvoice_lb.launcher.panel.metrics import ClusterView, ViewCollector
 from cosyvoice_lb.launcher.render import templates
 from cosyvoice_lb.launcher.render.cluster import jobs_socket
-from cosyvoice_lb.launcher.render.disk import recorded
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.supervision import read_tail
 
 log = logging.getLogger("cosyvoice_lb.admin")
 

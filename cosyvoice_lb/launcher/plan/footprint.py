@@ -14,7 +14,6 @@ from cosyvoice_lb.common import checks
 from cosyvoice_lb.common.concurrency import concurrency, explain
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import GiB, parse_size
-from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
 from cosyvoice_lb.launcher.plan import figures
 from cosyvoice_lb.launcher.plan.explain import device_lines
 from cosyvoice_lb.launcher.plan.figures import ENGINE_FOOTPRINTS
@@ -30,6 +29,7 @@ from cosyvoice_lb.launcher.plan.planner import (
     startable,
     with_own_slots,
 )
+from cosyvoice_lb.launcher.state.layout import Layout, layout_for
 
 
 def parse_instances(value: str) -> int | None:

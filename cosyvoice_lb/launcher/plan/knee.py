@@ -1,6 +1,6 @@
 """What `calibrate` makes of its sweep: throughput and memory against syntheses at once, the
 knee that ``--instance-concurrency auto`` then stands for, and the memory each synthesis
-more costs. Pure: the sweep itself runs in :mod:`~cosyvoice_lb.launcher.plan.calibration`.
+more costs. Pure: the sweep itself runs in :mod:`~cosyvoice_lb.launcher.cluster.calibration`.
 
 The knee is the fewest syntheses at once that reach ``KNEE_SHARE`` of the best throughput
 measured: more would add queueing inside the model (each synthesis slower) for less than a

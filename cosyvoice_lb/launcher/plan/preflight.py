@@ -14,11 +14,11 @@ from pathlib import Path
 
 from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster import processes
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan import vllm_env
 from cosyvoice_lb.launcher.plan.host_memory import CGROUP_ROOT, cgroup_memory_limit, limit_problem, per_instance
 from cosyvoice_lb.launcher.plan.planner import Slot
+from cosyvoice_lb.launcher.state import processes
 
 
 def find_nginx(name: str) -> str:
@@ -231,7 +231,7 @@ def check_tools(settings: Settings) -> None:
         if given and not Path(given).expanduser().exists():
             raise ClusterError(f"{what} {given} does not exist: name a file or dir the instances can read")
     if settings.mps:
-        from cosyvoice_lb.launcher.cluster.mps import mps_problem
+        from cosyvoice_lb.launcher.plan.mps_env import mps_problem
 
         problem = mps_problem()
         if problem:

@@ -1,1 +1,2 @@
-"""The cluster's files: rendered from the plan (pure), then written and checked on disk."""
+"""The cluster's files rendered from the plan (pure), and the credentials and staged code
+they name; ``cluster/disk.py`` writes them and checks them on disk."""

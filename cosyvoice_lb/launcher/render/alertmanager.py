@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from cosyvoice_lb.common.alert_settings import email_addresses, webhook_urls
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.render.templates import supervisor_env, template_environment
+from cosyvoice_lb.launcher.state.layout import Layout
 
 # The environment variable of the program that carries its config's digest: a changed config
 # is a changed program, which `up` restarts (supervisord compares programs, not the files they read).

@@ -18,16 +18,16 @@ from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings, envvar
 from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.common.timeouts import Timeouts
-from cosyvoice_lb.launcher.canary.state import Canary
-from cosyvoice_lb.launcher.cluster import record
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.mps import client_env
 from cosyvoice_lb.launcher.plan.footprint import vllm_cpu_kv_space
+from cosyvoice_lb.launcher.plan.mps_env import client_env
 from cosyvoice_lb.launcher.plan.planner import Plan, Slot
 from cosyvoice_lb.launcher.render.addresses import balancer_url, listen_address
 from cosyvoice_lb.launcher.render.alertmanager import alertmanager_program
 from cosyvoice_lb.launcher.render.monitoring import monitoring_files
 from cosyvoice_lb.launcher.render.templates import template_environment
+from cosyvoice_lb.launcher.state import record
+from cosyvoice_lb.launcher.state.canary import Canary
+from cosyvoice_lb.launcher.state.layout import Layout
 
 # AF_UNIX socket paths are limited to 108 bytes on Linux (107 usable).
 MAX_SOCKET_PATH = 107

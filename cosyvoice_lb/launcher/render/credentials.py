@@ -12,8 +12,8 @@ from pathlib import Path
 from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.instance.access.auth import Policy, digest, read_htpasswd, read_tokens
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.state.layout import Layout
 
 PRIVATE = 0o600
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.planner import Slot
 from cosyvoice_lb.launcher.render.alertmanager import alertmanager_config
 from cosyvoice_lb.launcher.render.grafana import grafana_dashboard
 from cosyvoice_lb.launcher.render.prometheus import alert_rules, prometheus_config, scrape_targets
+from cosyvoice_lb.launcher.state.layout import Layout
 
 
 def monitoring_files(settings: Settings, layout: Layout, slots: Iterable[Slot]) -> dict[str, str]:

@@ -30,11 +30,11 @@ import yaml
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import Timeouts
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.plan.planner import Slot
 from cosyvoice_lb.launcher.render.addresses import balancer_url
 from cosyvoice_lb.launcher.render.alertmanager import alertmanager_target
 from cosyvoice_lb.launcher.render.templates import template_environment
+from cosyvoice_lb.launcher.state.layout import Layout
 
 
 def _yaml_string(value: object) -> str:

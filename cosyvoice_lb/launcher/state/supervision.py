@@ -22,7 +22,7 @@ from typing import Any
 from supervisor.xmlrpc import SupervisorTransport
 
 from cosyvoice_lb.common.timeouts import SUPERVISOR_CALL, SUPERVISOR_WAIT
-from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.state.layout import Layout
 
 # What a call to supervisord can raise: faults, protocol errors, and the socket's errors
 # (a timeout is an OSError; so is a refused or missing socket).

@@ -24,7 +24,7 @@ import time
 
 from cosyvoice_lb.common import pids
 from cosyvoice_lb.common.atomic import write_atomic
-from cosyvoice_lb.launcher.cluster.layout import Layout
+from cosyvoice_lb.launcher.state.layout import Layout
 
 
 class DrainAction(str, enum.Enum):

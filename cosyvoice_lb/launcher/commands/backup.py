@@ -7,12 +7,12 @@ from pathlib import Path
 import click
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster import record
 from cosyvoice_lb.launcher.cluster.backup import Sources, restore, take
-from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
-from cosyvoice_lb.launcher.cluster.supervision import Supervisor
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.options import options
+from cosyvoice_lb.launcher.state import record
+from cosyvoice_lb.launcher.state.layout import Layout, layout_for
+from cosyvoice_lb.launcher.state.supervision import Supervisor
 
 
 def sources_of(layout: Layout) -> Sources:

@@ -14,11 +14,6 @@ from pathlib import Path
 
 from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.canary import state as canary_state
-from cosyvoice_lb.launcher.cluster import record
-from cosyvoice_lb.launcher.cluster.health_report import read_report
-from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
-from cosyvoice_lb.launcher.cluster.supervision import Supervisor
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.plan.footprint import make_plan
 from cosyvoice_lb.launcher.plan.planner import Plan, Slot
@@ -33,6 +28,11 @@ from cosyvoice_lb.launcher.plan.preflight import (
 from cosyvoice_lb.launcher.render.cluster import Programs, render
 from cosyvoice_lb.launcher.render.credentials import write_admin_access, write_policy, write_segment_key
 from cosyvoice_lb.launcher.render.staging import CODE_FILE, stage
+from cosyvoice_lb.launcher.state import canary as canary_state
+from cosyvoice_lb.launcher.state import record
+from cosyvoice_lb.launcher.state.health_report import read_report
+from cosyvoice_lb.launcher.state.layout import Layout, layout_for
+from cosyvoice_lb.launcher.state.supervision import Supervisor
 
 
 def recorded(layout: Layout) -> tuple[Settings, tuple[Slot, ...]] | None:

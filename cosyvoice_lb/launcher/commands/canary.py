@@ -13,9 +13,9 @@ from rich.table import Table
 from cosyvoice_lb.launcher import views
 from cosyvoice_lb.launcher.canary import rollout
 from cosyvoice_lb.launcher.canary.compare import Comparison, rows
-from cosyvoice_lb.launcher.canary.state import Thresholds, parse_value
-from cosyvoice_lb.launcher.cluster.layout import layout_for
 from cosyvoice_lb.launcher.options import options
+from cosyvoice_lb.launcher.state.canary import Thresholds, parse_value
+from cosyvoice_lb.launcher.state.layout import layout_for
 
 DEFAULTS = Thresholds()
 

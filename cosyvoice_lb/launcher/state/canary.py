@@ -18,8 +18,8 @@ from typing import Any
 from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings, declarations, flag
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.errors import ClusterError
+from cosyvoice_lb.launcher.state.layout import Layout
 
 MODES = ("mirror", "share")
 # A setting the canary may change: what an instance is started with, and the Python that runs it.

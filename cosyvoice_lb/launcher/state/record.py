@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Protocol
 
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.plan.planner import Plan, Roles, Slot
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.slots import Roles, Slot
 
 VERSION = 1
 SLOT_FIELDS = ("name", "index", "port", "gpu", "memory", "concurrency", "vllm_memory")
@@ -30,8 +31,21 @@ class ClusterRecord:
     version: int = VERSION
 
 
-def dump(settings: Settings, plan: Plan) -> str:
-    slots = [{k: v for k, v in slot.items() if k in SLOT_FIELDS} for slot in plan.as_dict()["slots"]]
+class Planned(Protocol):
+    """What a plan gives the record (the planner's ``Plan``)."""
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def slots(self) -> tuple[Slot, ...]: ...
+
+    @property
+    def roles(self) -> Roles: ...
+
+
+def dump(settings: Settings, plan: Planned) -> str:
+    slots = [{field: getattr(slot, field) for field in SLOT_FIELDS} for slot in plan.slots]
     data = {
         "version": VERSION,
         "settings": json.loads(settings.to_json()),

@@ -7,8 +7,8 @@ import socket
 
 import psutil
 
-from cosyvoice_lb.launcher.cluster.layout import Layout
 from cosyvoice_lb.launcher.compat import MODULES
+from cosyvoice_lb.launcher.state.layout import Layout
 
 
 def listeners(port: int) -> list[psutil.Process]:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosyvoice_lb.common.atomic import write_atomic
-from cosyvoice_lb.launcher.cluster.layout import Layout
-from cosyvoice_lb.launcher.cluster.markers import DrainAction
+from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.markers import DrainAction
 
 VERSION = 1
 

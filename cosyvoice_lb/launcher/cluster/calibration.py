@@ -27,14 +27,14 @@ import requests
 
 from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.launcher.cluster import processes
-from cosyvoice_lb.launcher.cluster.layout import Layout, layout_for
+from cosyvoice_lb.launcher.cluster.disk import make_dirs
 from cosyvoice_lb.launcher.cluster.lifecycle import Progress, Report, down, up
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.health.probe import loopback_session
 from cosyvoice_lb.launcher.plan.footprint import flags_key, make_plan
 from cosyvoice_lb.launcher.plan.knee import Point, levels, per_synthesis, sweep_entry
-from cosyvoice_lb.launcher.render.disk import make_dirs
+from cosyvoice_lb.launcher.state import processes
+from cosyvoice_lb.launcher.state.layout import Layout, layout_for
 
 # What every synthesis of the sweep says: a sentence of the length of a chat answer.
 SWEEP_TEXT = "The calibration sentence is spoken by every synthesis at once, so that the box's throughput is measured."
