@@ -15,13 +15,16 @@ from contextlib import contextmanager
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
+import bcrypt
 import pytest
 import requests
+import yaml
 from upstream_support import upstream, upstream_bistream, upstream_vllm  # noqa: F401 - the session fixtures
 
 from cosyvoice_lb.launcher.cluster.ports import free_port_block, port_free  # noqa: F401 - the tests' port picker
 
-ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent  # (the test files sit in folders below, by what they test)
+ROOT = TESTS.parent
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -336,3 +339,28 @@ def real_prometheus(config: Path, data: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(10)
+
+
+PROMTOOL = shutil.which("promtool")
+
+
+@pytest.fixture
+def promtool() -> str:
+    if not PROMTOOL:
+        if os.environ.get("CVLB_REQUIRE_BROWSER"):
+            raise RuntimeError("promtool is required here (CVLB_REQUIRE_BROWSER): apt-get install prometheus")
+        pytest.skip("promtool is not installed (./run.sh test installs Debian's prometheus package)")
+    return PROMTOOL
+
+
+def document(files: dict[str, str], name: str) -> dict:
+    (doc,) = [d for d in yaml.safe_load_all(files[name]) if d]
+    return doc
+
+
+TOKEN = "t0ken-for-the-tests-0123456789"
+
+
+def bcrypt_line(user: str, password: str) -> str:
+    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
+    return f"{user}:{hashed.replace('$2b$', '$2y$', 1)}"  # as `htpasswd -B` writes it

@@ -25,7 +25,7 @@ import pytest
 import requests
 import soundfile
 from conftest import clean_env, cli, free_port_block, wait_for
-from test_job_store import RedisServer
+from redis_support import RedisServer
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import requests
 from conftest import clean_env, cli, free_port_block, status, wait_for
-from test_job_store import RedisServer
+from redis_support import RedisServer
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """`cosyvoice-lb prepare-model --load-trt` for real in upstream's Python: where it sees no GPU it
 is refused, saying so, with nothing written. (A TensorRT engine itself needs a GPU: its render
-is tested in tests/test_k8s_prepare.py. The vLLM export is made and loaded for real by
+is tested in tests/launcher/k8s/test_k8s_prepare.py. The vLLM export is made and loaded for real by
 tests/integration/test_vllm_cluster.py, whose cluster runs on a prepared read-only model.)"""
 
 from __future__ import annotations

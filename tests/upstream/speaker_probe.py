@@ -4,7 +4,7 @@ same prompt (``CosyVoiceFrontEnd._extract_spk_embedding``).
 
     <python> speaker_probe.py --cosyvoice-root CHECKOUT --model-dir DIR --prompt WAV --scratch DIR
 
-Prints one JSON object of facts for tests/test_speaker_similarity.py to judge.
+Prints one JSON object of facts for tests/instance/quality/test_speaker_similarity.py to judge.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from starlette.testclient import TestClient
 
 from cosyvoice_lb.common.settings import Settings
@@ -236,7 +236,7 @@ def test_the_page_is_the_panel(panel):
     client, layout, _ = panel
     page = client.get("/admin", headers=bearer(token(layout)))
     assert page.status_code == 200 and page.headers["cache-control"] == "no-store"
-    assert (Path(__file__).parent.parent / "templates" / "admin.html").read_text() == page.text
+    assert (ROOT / "templates" / "admin.html").read_text() == page.text
 
 
 def test_the_panel_never_takes_the_last_instance_serving(panel, tmp_path):

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import ROOT
 
 from cosyvoice_lb.launcher.cluster import mps
 from cosyvoice_lb.launcher.plan import mps_env
-
-ROOT = Path(__file__).resolve().parent.parent
 
 FAKE = """
 import json, os, sys, time

@@ -18,10 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import test_k8s_monitoring
-import test_monitoring
 import yaml
-from conftest import cli_here
+from conftest import cli_here, document
 from test_render import gpu_plan, supervisor_sections
 
 from cosyvoice_lb.common.setting_errors import setting_errors
@@ -198,9 +196,6 @@ def amtool() -> str:
     return AMTOOL
 
 
-promtool = test_monitoring.promtool  # the fixture: promtool, or a skip that says why
-
-
 def write(root: Path, files: dict[str, str]) -> Layout:
     layout = Layout(root)
     for relative, text in files.items():
@@ -243,14 +238,14 @@ TTS = Deployment(name="tts", namespace="audio", monitor_labels=(("alertmanager",
 
 def test_k8s_render_routes_the_rules_alerts_to_the_webhook():
     files = manifests(dataclass_replace(WITH_HOOK, alertmanager=False), TTS)
-    config = test_k8s_monitoring.document(files, "alertmanagerconfig.yaml")
+    config = document(files, "alertmanagerconfig.yaml")
     assert config["apiVersion"] == "monitoring.coreos.com/v1alpha1" and config["kind"] == "AlertmanagerConfig"
     assert config["metadata"]["namespace"] == "audio" and config["metadata"]["labels"]["alertmanager"] == "main"
     route, (receiver,) = config["spec"]["route"], config["spec"]["receivers"]
     assert route["receiver"] == receiver["name"]
     assert receiver["webhookConfigs"] == [{"url": HOOK, "sendResolved": True}]
     # every alert of the PrometheusRule matches every matcher (its name, its severity)
-    rule = test_k8s_monitoring.document(files, "prometheusrule.yaml")
+    rule = document(files, "prometheusrule.yaml")
     alerts = [r for group in rule["spec"]["groups"] for r in group["rules"]]
     assert alerts and len(alerts) == len(alert_groups()[0]["rules"])
     for alert in alerts:

@@ -10,12 +10,10 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import uvicorn_serving, vanish, wait_for
-from test_auth import TOKEN
+from conftest import ROOT, TOKEN, uvicorn_serving, vanish, wait_for
 
 from cosyvoice_lb.instance.access.auth import SESSION_COOKIE, Policy, PolicyFile, digest
 from cosyvoice_lb.instance.api import socket_protocol as protocol
@@ -30,7 +28,7 @@ websockets = pytest.importorskip("websockets")
 from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
-PROMPT = str(Path(__file__).resolve().parent.parent / "cosyvoice_lb" / "instance" / "assets" / "check_prompt.wav")
+PROMPT = str(ROOT / "cosyvoice_lb" / "instance" / "assets" / "check_prompt.wav")
 
 
 class TextReader:

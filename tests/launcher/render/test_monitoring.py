@@ -10,7 +10,6 @@ which shows each alert firing when it should and silent just below its threshold
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import TESTS
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import GiB, MiB
@@ -36,10 +36,9 @@ from cosyvoice_lb.launcher.render.prometheus import (
 )
 from cosyvoice_lb.launcher.state.layout import Layout
 
-HERE = Path(__file__).resolve().parent
+HERE = TESTS
 ALERTS_TEST = HERE / "monitoring" / "alerts_test.yml"
 SHORT = Path("/tmp/cvlb-mon-t")  # never created: pure renders only
-PROMTOOL = shutil.which("promtool")
 
 # The metrics contract (step 8): every name the instances and the control panel expose.
 HISTOGRAMS = {
@@ -380,15 +379,6 @@ def test_monitoring_files_are_the_four_files_and_not_the_token():
 
 
 # --- promtool: Prometheus's own checks ---------------------------------------------------------
-
-
-@pytest.fixture
-def promtool() -> str:
-    if not PROMTOOL:
-        if os.environ.get("CVLB_REQUIRE_BROWSER"):
-            raise RuntimeError("promtool is required here (CVLB_REQUIRE_BROWSER): apt-get install prometheus")
-        pytest.skip("promtool is not installed (./run.sh test installs Debian's prometheus package)")
-    return PROMTOOL
 
 
 def write_state(root: Path) -> Layout:

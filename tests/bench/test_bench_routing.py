@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import run  # noqa: E402
 from cosyvoice_lb.common.settings import Settings  # noqa: E402

@@ -4,8 +4,8 @@ what needs a token or a session, the login form, and the way back after it."""
 from __future__ import annotations
 
 import pytest
+from conftest import TOKEN, bcrypt_line
 from fastapi.testclient import TestClient
-from test_auth import TOKEN, bcrypt_line
 
 from cosyvoice_lb.instance.access.auth import SESSION_COOKIE, Policy, PolicyFile, digest, read_htpasswd
 from cosyvoice_lb.instance.access.gate import safe_next

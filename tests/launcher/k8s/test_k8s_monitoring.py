@@ -15,9 +15,8 @@ import re
 import subprocess
 
 import pytest
-import test_monitoring
 import yaml
-from conftest import cli_here
+from conftest import cli_here, document
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.launcher.errors import ClusterError
@@ -43,11 +42,6 @@ OPERATOR_LABELS = ("job", "instance", "namespace", "service", "pod", "container"
 def by_name(groups: list[dict]) -> dict[str, dict]:
     (group,) = groups
     return {rule["alert"]: rule for rule in group["rules"]}
-
-
-def document(files: dict[str, str], name: str) -> dict:
-    (doc,) = [d for d in yaml.safe_load_all(files[name]) if d]
-    return doc
 
 
 @pytest.fixture(scope="module")
@@ -252,9 +246,6 @@ def test_the_command_labels_the_objects_and_refuses_a_bad_label(tmp_path):
 def write_rules(path, files: dict[str, str]) -> None:
     groups = document(files, "prometheusrule.yaml")["spec"]["groups"]
     path.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False), encoding="utf-8")
-
-
-promtool = test_monitoring.promtool  # the fixture: promtool, or a skip that says why
 
 
 def test_promtool_accepts_the_prometheus_rules_groups(promtool, files, tmp_path):

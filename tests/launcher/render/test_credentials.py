@@ -8,7 +8,7 @@ import os
 import stat
 
 import pytest
-from test_auth import TOKEN, bcrypt_line
+from conftest import TOKEN, bcrypt_line
 
 from cosyvoice_lb.common.setting_errors import setting_errors
 from cosyvoice_lb.common.settings import Settings

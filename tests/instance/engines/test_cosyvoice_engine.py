@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from conftest import TESTS
 
 pytest.importorskip("torch", reason="the contract fake yields torch tensors, like upstream")
 
 from cosyvoice_lb.instance.engines import EngineError, SynthesisRequest  # noqa: E402
 from cosyvoice_lb.instance.engines.cosyvoice import ENDOFPROMPT, CosyVoiceEngine, model_version, v2_prompt, v3_prompt  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
+HERE = TESTS
 ROOT = HERE / "fake_cosyvoice"
 MODELS = HERE / "fake_models"
 PROMPT = str(ROOT / "asset" / "zero_shot_prompt.wav")

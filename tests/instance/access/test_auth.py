@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import os
 
-import bcrypt
 import pytest
+from conftest import TOKEN, bcrypt_line
 
 from cosyvoice_lb.instance.access.auth import CLOSED, Policy, PolicyFile, digest, read_htpasswd, read_tokens
-
-TOKEN = "t0ken-for-the-tests-0123456789"
-
-
-def bcrypt_line(user: str, password: str) -> str:
-    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
-    return f"{user}:{hashed.replace('$2b$', '$2y$', 1)}"  # as `htpasswd -B` writes it
 
 
 def policy(**users: str) -> Policy:
