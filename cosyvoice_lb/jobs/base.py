@@ -13,8 +13,9 @@ and retention's (``expired``, ``remove``) take none.
 
 Errors: a backend's failure (a full disk, a read-only or damaged file, a lock held too long,
 Redis unreachable or out of memory) is a :class:`StoreError` whose message says what to do,
-and whose ``kind`` names the case for code (a runner fails its job on ``"full"``). A call
-that breaks a rule (an unknown segment, a success without its result) is a ``ValueError``.
+and whose ``kind`` (a :class:`StoreFailure`) names the case for code (a runner fails its job
+on ``FULL``). A call that breaks a rule (an unknown segment, a success without its result) is
+a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -22,18 +23,33 @@ from __future__ import annotations
 import builtins
 from typing import Literal, NamedTuple, Protocol
 
-from cosyvoice_lb.jobs.model import Job, Page, Result
+from cosyvoice_lb.common.names import StrEnum
+from cosyvoice_lb.jobs.model import Job, JobStatus, Page, Result
 
-# StoreError.kind: what went wrong, for code that must tell the cases apart
-KINDS = ("full", "readonly", "locked", "corrupt", "unreachable", "auth", "contention", "setup", "other")
+
+class StoreFailure(StrEnum):
+    """StoreError.kind: what went wrong, for code that must tell the cases apart."""
+
+    FULL = "full"  # the disk, or Redis' memory
+    READONLY = "readonly"
+    LOCKED = "locked"
+    CORRUPT = "corrupt"
+    UNREACHABLE = "unreachable"
+    AUTH = "auth"
+    CONTENTION = "contention"
+    SETUP = "setup"  # the store cannot be opened as configured
+    OTHER = "other"
+
+
+KINDS = tuple(StoreFailure)
 
 
 class StoreError(RuntimeError):
     """The store could not do what was asked; the message says what to do about it."""
 
-    def __init__(self, message: str, kind: str = "other") -> None:
+    def __init__(self, message: str, kind: StoreFailure = StoreFailure.OTHER) -> None:
         super().__init__(message)
-        self.kind = kind if kind in KINDS else "other"
+        self.kind = StoreFailure(kind) if kind in KINDS else StoreFailure.OTHER
 
 
 class Cancelled(NamedTuple):
@@ -90,7 +106,7 @@ class JobStore(Protocol):
         self,
         job_id: str,
         worker: str,
-        status: str,
+        status: JobStatus,
         now: float,
         error: str | None = None,
         result: Result | None = None,

@@ -177,7 +177,7 @@ class Instrumented:
         self,
         job_id: str,
         worker: str,
-        status: str,
+        status: model.JobStatus,
         now: float,
         error: str | None = None,
         result: model.Result | None = None,

@@ -32,10 +32,31 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
-STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
+from cosyvoice_lb.common.names import StrEnum
+
+
+class JobStatus(StrEnum):
+    """Where a job is in its life (above). The value is what the stores keep, the metrics
+    label and the API answers."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# (the short names the rules below and the stores use)
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
+    JobStatus.QUEUED,
+    JobStatus.RUNNING,
+    JobStatus.SUCCEEDED,
+    JobStatus.FAILED,
+    JobStatus.CANCELLED,
+)
+STATUSES = tuple(JobStatus)
 FINISHED = frozenset({SUCCEEDED, FAILED, CANCELLED})
-TRANSITIONS: Mapping[str, frozenset[str]] = {
+TRANSITIONS: Mapping[JobStatus, frozenset[JobStatus]] = {
     QUEUED: frozenset({RUNNING, CANCELLED}),
     # running -> running: a claim of a job whose lease expired (its runner died)
     RUNNING: frozenset({RUNNING, SUCCEEDED, FAILED, CANCELLED}),
@@ -86,7 +107,7 @@ class Job:
     segments_total: int
     # the request's settings (voice, response_format, speed, instructions), JSON values
     params: Mapping[str, Any] = field(default_factory=dict)
-    status: str = QUEUED
+    status: JobStatus = QUEUED  # (a status given as its text is read as that member)
     # the store fills it in from the segments it holds (a segment recorded twice counts once)
     segments_done: int = 0
     started_at: float | None = None
@@ -98,6 +119,9 @@ class Job:
     error: str | None = None
     result_path: str | None = None
     result_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", JobStatus(self.status))
 
     @property
     def finished(self) -> bool:
@@ -126,8 +150,9 @@ def check_transition(job_id: str, old: str, new: str) -> None:
     for status in (old, new):
         if status not in TRANSITIONS:
             raise ValueError(f"job {job_id}: no status {status!r}; the statuses are {', '.join(STATUSES)}")
-    if new not in TRANSITIONS[old]:
-        allowed = ", ".join(sorted(TRANSITIONS[old])) or "nothing, it is finished (remove it instead)"
+    allows = TRANSITIONS[JobStatus(old)]
+    if new not in allows:
+        allowed = ", ".join(sorted(allows)) or "nothing, it is finished (remove it instead)"
         raise TransitionError(f"job {job_id}: cannot go from {old} to {new}; a {old} job may become {allowed}")
 
 
@@ -220,7 +245,7 @@ def check_segment(job: Job, index: int) -> None:
 
 
 def finish(
-    job: Job, worker: str, status: str, now: float, error: str | None = None, result: Result | None = None
+    job: Job, worker: str, status: JobStatus, now: float, error: str | None = None, result: Result | None = None
 ) -> Job | None:
     """The job succeeded (with its whole result) or failed (with the reason); None when
     ``worker`` no longer holds it (then its result is not the job's: drop it).

@@ -30,8 +30,8 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from cosyvoice_lb.jobs import model
-from cosyvoice_lb.jobs.base import Cancelled, StoreError
-from cosyvoice_lb.jobs.model import Job, Page, Result, UnknownCursor
+from cosyvoice_lb.jobs.base import Cancelled, StoreError, StoreFailure
+from cosyvoice_lb.jobs.model import Job, JobStatus, Page, Result, UnknownCursor
 
 T = TypeVar("T")
 RETRIES = 200
@@ -61,22 +61,25 @@ def advice(exc: BaseException, where: str, errors: Any) -> StoreError:
         return StoreError(
             f"Redis at {where} refused the credentials ({text}): give them in --jobs-redis "
             "(redis://USER:PASSWORD@host:port/0)",
-            "auth",
+            StoreFailure.AUTH,
         )
     if isinstance(exc, (errors.ConnectionError, errors.TimeoutError)):
         return StoreError(
             f"cannot reach Redis at {where} ({text}): check --jobs-redis and that the server is up and reachable",
-            "unreachable",
+            StoreFailure.UNREACHABLE,
         )
     if isinstance(exc, getattr(errors, "OutOfMemoryError", ())) or "OOM" in text or "maxmemory" in text:
-        return StoreError(f"Redis at {where} is out of memory ({text}): raise its maxmemory or remove old jobs", "full")
+        return StoreError(
+            f"Redis at {where} is out of memory ({text}): raise its maxmemory or remove old jobs", StoreFailure.FULL
+        )
     if isinstance(exc, getattr(errors, "ReadOnlyError", ())) or "READONLY" in text:
         return StoreError(
-            f"Redis at {where} is a read-only replica ({text}): point --jobs-redis at the primary", "readonly"
+            f"Redis at {where} is a read-only replica ({text}): point --jobs-redis at the primary",
+            StoreFailure.READONLY,
         )
     if "MISCONF" in text:
         return StoreError(
-            f"Redis at {where} cannot save to its disk ({text}): fix its disk or its save settings", "full"
+            f"Redis at {where} cannot save to its disk ({text}): fix its disk or its save settings", StoreFailure.FULL
         )
     return StoreError(f"Redis at {where}: {text}")
 
@@ -100,7 +103,7 @@ class RedisStore:
             import redis
             import redis.exceptions
         except ImportError:
-            raise StoreError("--jobs-redis needs the redis package: pip install redis", "setup") from None
+            raise StoreError("--jobs-redis needs the redis package: pip install redis", StoreFailure.SETUP) from None
         self._errors_module = redis.exceptions
         try:
             self._redis = redis.Redis.from_url(
@@ -108,7 +111,8 @@ class RedisStore:
             )
         except ValueError as exc:
             raise StoreError(
-                f"--jobs-redis {self.where}: {exc}; write it as redis://host:port/0 (rediss:// for TLS)", "setup"
+                f"--jobs-redis {self.where}: {exc}; write it as redis://host:port/0 (rediss:// for TLS)",
+                StoreFailure.SETUP,
             ) from None
         with self._errors():
             self._redis.ping()
@@ -162,7 +166,7 @@ class RedisStore:
         raise StoreError(
             f"Redis at {self.where}: job {job_id} changed under {RETRIES} tries in a row; too many clients "
             "write it at once (fewer runners, or retry)",
-            "contention",
+            StoreFailure.CONTENTION,
         )
 
     def _put(self, pipe: Any, old: Job | None, new: Job) -> None:
@@ -283,7 +287,7 @@ class RedisStore:
         self,
         job_id: str,
         worker: str,
-        status: str,
+        status: JobStatus,
         now: float,
         error: str | None = None,
         result: Result | None = None,

@@ -54,12 +54,14 @@ from cosyvoice_lb.instance.audio.formats import CONTENT_TYPES
 from cosyvoice_lb.instance.speech.validation import OPENAI_SPEEDS, BadRequest, check_seed, check_speed, check_text
 from cosyvoice_lb.instance.speech.voices import Registry, VoiceNotFound
 from cosyvoice_lb.jobs import model
-from cosyvoice_lb.jobs.base import JobStore, StoreError
+from cosyvoice_lb.jobs.base import JobStore, StoreError, StoreFailure
 from cosyvoice_lb.jobs.budget import expired_reason
 from cosyvoice_lb.jobs.results import results_dir
 from cosyvoice_lb.jobs.runner import segments_of
 
 PREFIX = "/v1/audio/jobs"
+# the status the API shows for a succeeded job whose audio was removed (never a stored one)
+EXPIRED = "expired"
 # A failed job's reason when the disk filled up: its content answers 507, as a full store does
 DISK_FULL = "the disk is full"
 # A JSON body's bytes per character of input at most (\uXXXX escapes), and room for the rest
@@ -98,7 +100,7 @@ def problem(status: int, message: str, param: str | None = None, headers: dict[s
 
 
 def store_problem(exc: StoreError) -> JSONResponse:
-    if exc.kind == "full":
+    if exc.kind == StoreFailure.FULL:
         return problem(507, str(exc))
     return problem(503, str(exc), headers={"Retry-After": "5"})
 
@@ -210,7 +212,7 @@ class Jobs:
         shown = model.public(job, self.config.max_age)
         reason = self.expired(job)
         if reason is not None:
-            shown.update(status="expired", bytes=None, error={"message": reason, "type": "job_expired"})
+            shown.update(status=EXPIRED, bytes=None, error={"message": reason, "type": "job_expired"})
         return shown
 
     def expired(self, job: model.Job) -> str | None:

@@ -13,7 +13,7 @@ from a newer version is refused rather than misread. The text of a job is a tabl
 counts once.
 
 ``max_bytes`` caps the file (``PRAGMA max_page_count``): past it a write fails as on a full
-disk, and the store says so (``StoreError`` of kind ``"full"``).
+disk, and the store says so (``StoreError`` of kind ``FULL``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cosyvoice_lb.jobs import model
-from cosyvoice_lb.jobs.base import Cancelled, StoreError
-from cosyvoice_lb.jobs.model import Job, Page, Result, UnknownCursor
+from cosyvoice_lb.jobs.base import Cancelled, StoreError, StoreFailure
+from cosyvoice_lb.jobs.model import Job, JobStatus, Page, Result, UnknownCursor
 
 SCHEMA_VERSION = 1
 COLUMNS = {
@@ -71,26 +71,26 @@ def advice(exc: BaseException, path: Path, busy_timeout: float) -> StoreError:
     lowered = text.lower()
     where = f"the job store {path}"
     if "full" in lowered or "no space" in lowered:
-        return StoreError(f"{where}: the disk is full ({text}); free space on {path.parent}", "full")
+        return StoreError(f"{where}: the disk is full ({text}); free space on {path.parent}", StoreFailure.FULL)
     if "readonly" in lowered or "read-only" in lowered or "permission" in lowered:
         return StoreError(
             f"{where} is read-only ({text}): make it and its folder writable by the user running cosyvoice-lb",
-            "readonly",
+            StoreFailure.READONLY,
         )
     if "locked" in lowered or "busy" in lowered:
         return StoreError(
             f"{where} stayed locked past {busy_timeout:g} s ({text}): another process holds a long write; "
             "look for a stuck process using this state dir",
-            "locked",
+            StoreFailure.LOCKED,
         )
     if "not a database" in lowered or "malformed" in lowered or "corrupt" in lowered:
         return StoreError(
             f"{where} is damaged ({text}): move it aside (its jobs are lost) or restore it from a backup, then start again",
-            "corrupt",
+            StoreFailure.CORRUPT,
         )
     if "unable to open" in lowered or isinstance(exc, OSError):
         return StoreError(
-            f"{where} cannot be opened ({text}): check that {path.parent} exists and is writable", "readonly"
+            f"{where} cannot be opened ({text}): check that {path.parent} exists and is writable", StoreFailure.READONLY
         )
     return StoreError(f"{where}: {text}")
 
@@ -123,11 +123,13 @@ class SqliteStore:
             raise StoreError(
                 f"the job store {self.path} has schema {version}, made by a newer cosyvoice-lb than this one "
                 f"(schema {SCHEMA_VERSION}): upgrade, or move the file aside",
-                "setup",
+                StoreFailure.SETUP,
             )
         mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
-            raise StoreError(f"the job store {self.path}: WAL mode refused ({mode}); keep it on a local disk", "setup")
+            raise StoreError(
+                f"the job store {self.path}: WAL mode refused ({mode}); keep it on a local disk", StoreFailure.SETUP
+            )
         db.execute("PRAGMA synchronous = FULL")
         db.execute("PRAGMA foreign_keys = ON")
         if max_bytes is not None:
@@ -142,7 +144,7 @@ class SqliteStore:
 
     def _connection(self) -> sqlite3.Connection:
         if self._db is None:
-            raise StoreError(f"the job store {self.path} is closed", "setup")
+            raise StoreError(f"the job store {self.path} is closed", StoreFailure.SETUP)
         return self._db
 
     @contextmanager
@@ -256,7 +258,7 @@ class SqliteStore:
         self,
         job_id: str,
         worker: str,
-        status: str,
+        status: JobStatus,
         now: float,
         error: str | None = None,
         result: Result | None = None,
@@ -298,7 +300,7 @@ class SqliteStore:
             return job
 
     def counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(model.STATUSES, 0)
+        counts: dict[str, int] = dict.fromkeys(model.STATUSES, 0)
         with self._read() as db:
             for status, count in db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status"):
                 counts[status] = count

@@ -14,11 +14,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cosyvoice_lb.jobs.base import KINDS, Cancelled, JobStore, StoreError
+from cosyvoice_lb.jobs.base import KINDS, Cancelled, JobStore, StoreError, StoreFailure
 from cosyvoice_lb.jobs.redis_store import RedisStore
 from cosyvoice_lb.jobs.sqlite_store import SqliteStore
 
-__all__ = ["KINDS", "Cancelled", "JobStore", "RedisStore", "SqliteStore", "StoreError", "open_store", "sqlite_path"]
+__all__ = [
+    "KINDS",
+    "Cancelled",
+    "JobStore",
+    "RedisStore",
+    "SqliteStore",
+    "StoreError",
+    "StoreFailure",
+    "open_store",
+    "sqlite_path",
+]
 
 
 def sqlite_path(state_dir: str | Path) -> Path:

@@ -17,6 +17,7 @@ from cosyvoice_lb.jobs.model import (
     RUNNING,
     SUCCEEDED,
     Job,
+    JobStatus,
     Result,
     TransitionError,
     UnknownCursor,
@@ -315,3 +316,14 @@ def test_the_public_list_is_openais_list_object():
     assert (body["first_id"], body["last_id"]) == (jobs[2].id, jobs[1].id)
     empty = model.public_page(model.paginate([], None))
     assert empty == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+
+
+def test_a_status_is_kept_and_shown_as_the_text_it_always_was():
+    assert [str(s) for s in JobStatus] == ["queued", "running", "succeeded", "failed", "cancelled"]
+    job = model.new_job("token:a", "Hello there.", 1, T0)
+    assert job.status is JobStatus.QUEUED
+    record = model.to_record(job)
+    assert record["status"] == "queued" and json.dumps({"status": record["status"]}) == '{"status": "queued"}'
+    assert model.public(job)["status"] == "queued"
+    back = model.from_record({**record, "status": "running"})  # (as a store reads it back: text)
+    assert back.status is JobStatus.RUNNING

@@ -4,6 +4,7 @@ read as (a damaged, read-only or full SQLite file; a Redis that is gone or out o
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -13,6 +14,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,15 @@ from redis_support import RedisServer
 
 from cosyvoice_lb.jobs import model
 from cosyvoice_lb.jobs.model import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, Job, Result, UnknownCursor
-from cosyvoice_lb.jobs.store import JobStore, RedisStore, SqliteStore, StoreError, open_store, sqlite_path
+from cosyvoice_lb.jobs.store import (
+    JobStore,
+    RedisStore,
+    SqliteStore,
+    StoreError,
+    StoreFailure,
+    open_store,
+    sqlite_path,
+)
 
 T0 = 1_800_000_000.0
 TEXT = "One sentence. Another one. And a third. The last."
@@ -397,3 +407,61 @@ def test_a_redis_that_runs_out_of_memory_asks_a_password_or_goes_away_says_what_
     finally:
         store.close()
         server.stop()
+
+
+def test_sqlite_keeps_each_status_as_the_text_it_always_wrote(tmp_path):
+    store = SqliteStore(tmp_path / "jobs.sqlite3")
+    try:
+        job = add(store)
+
+        def kept() -> list[tuple[str, str]]:
+            with closing(sqlite3.connect(store.path)) as db:
+                return db.execute("SELECT status, typeof(status) FROM jobs WHERE id = ?", (job.id,)).fetchall()
+
+        assert kept() == [("queued", "text")]
+        store.claim_next("runner-1", 60, T0 + 1)
+        assert kept() == [("running", "text")]
+        store.finish(job.id, "runner-1", FAILED, T0 + 2, error="it broke")
+        assert kept() == [("failed", "text")]
+    finally:
+        store.close()
+
+
+def test_redis_keeps_each_status_as_the_text_it_always_wrote(redis_server):
+    import redis
+
+    prefix = f"test-{uuid.uuid4().hex}:"
+    store = RedisStore(redis_server.url, prefix=prefix)
+    raw = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        job = add(store)
+
+        def kept() -> tuple[str, list[str]]:
+            record = json.loads(raw.get(f"{prefix}job:{job.id}"))
+            return record["status"], sorted(key.removeprefix(prefix) for key in raw.keys(f"{prefix}status:*"))
+
+        assert kept() == ("queued", ["status:queued"])
+        store.claim_next("runner-1", 60, T0 + 1)
+        assert kept() == ("running", ["status:running"])
+        store.finish(job.id, "runner-1", FAILED, T0 + 2, error="it broke")
+        assert kept() == ("failed", ["status:failed"])
+    finally:
+        store.close()
+        raw.close()
+
+
+def test_a_store_failure_is_named_by_its_kind_and_an_unknown_kind_is_other():
+    assert StoreError("the disk is full", "full").kind is StoreFailure.FULL  # (a kind given as its text)
+    assert StoreError("?", "nothing we know").kind is StoreFailure.OTHER
+    assert StoreError("?").kind is StoreFailure.OTHER
+    assert [str(kind) for kind in StoreFailure] == [
+        "full",
+        "readonly",
+        "locked",
+        "corrupt",
+        "unreachable",
+        "auth",
+        "contention",
+        "setup",
+        "other",
+    ]

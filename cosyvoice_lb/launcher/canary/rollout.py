@@ -40,6 +40,7 @@ from cosyvoice_lb.launcher.state import canary as state
 from cosyvoice_lb.launcher.state.canary import Canary, CanaryError, Thresholds
 from cosyvoice_lb.launcher.state.health_report import read_report
 from cosyvoice_lb.launcher.state.layout import Layout
+from cosyvoice_lb.launcher.state.supervision import DOWN
 
 Fetch = Callable[[int], dict]
 
@@ -136,7 +137,7 @@ def _wait_ready(c: Cluster, canary: Canary, ports: dict[str, int]) -> None:
         tracks, procs = read_report(c.layout), c.supervisor.processes()
         for name in canary.slots:
             proc = procs.get(name)
-            if proc is None or proc.state in ("FATAL", "EXITED", "STOPPED"):
+            if proc is None or proc.state in DOWN:
                 raise ClusterError(
                     f"{name} (canary) stopped: {proc.state if proc else 'missing'}\n{c.supervisor.tail(name, 1500)}"
                 )
@@ -159,7 +160,7 @@ def _remove(c: Cluster, canary: Canary, on_progress: Report, say: Say) -> None:
     for name in canary.slots:
         on_progress(Progress(0, len(canary.slots), f"stopping {name} (canary)"))
         proc = c.supervisor.processes().get(name)
-        if proc is not None and proc.state not in ("STOPPED", "EXITED", "FATAL"):
+        if proc is not None and proc.state not in DOWN:
             c.supervisor.stop(name)
     state.remove(c.layout)
     up(c.settings, on_progress, say)

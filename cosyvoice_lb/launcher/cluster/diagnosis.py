@@ -12,13 +12,17 @@ from dataclasses import dataclass, field
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import Timeouts
+from cosyvoice_lb.jobs.model import JobStatus
 from cosyvoice_lb.launcher.cluster.listeners import Address, beyond_loopback, describe, wanted
 from cosyvoice_lb.launcher.health.rotation import OCCUPIED, is_parked
 from cosyvoice_lb.launcher.plan.gpu import GpuReading
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.state.canary import Canary
 from cosyvoice_lb.launcher.state.health_report import HealthReport, OnPurpose, Track
-from cosyvoice_lb.launcher.state.supervision import ProcessInfo
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo, ProgramState
+
+# status's state of a program supervisord does not have (not one of supervisord's own)
+MISSING = "MISSING"
 
 SERVICES = ("nginx", "health", "admin", "jobs")
 ESSENTIAL = ("nginx", "health")  # the cluster does not serve (well) without them
@@ -59,13 +63,13 @@ class InstanceStatus:
 
     @property
     def serving(self) -> bool:
-        return self.state == "RUNNING" and self.ready and self.in_rotation
+        return self.state == ProgramState.RUNNING and self.ready and self.in_rotation
 
     @property
     def available(self) -> bool:
         """Up and ready, and in rotation unless drained by hand or a warm spare (what a
         start waits for)."""
-        return self.state == "RUNNING" and self.ready and (self.in_rotation or self.drained or self.spare)
+        return self.state == ProgramState.RUNNING and self.ready and (self.in_rotation or self.drained or self.spare)
 
 
 @dataclass
@@ -194,11 +198,11 @@ def diagnose(seen: Observation) -> ClusterStatus:
             f"roll-out not finished: {', '.join(behind)} run(s) older code than staged ({result.code}): "
             "'cosyvoice-lb restart --all' replaces them"
         )
-    if result.nginx["state"] == "RUNNING" and seen.nginx_answer == 0:
+    if result.nginx["state"] == ProgramState.RUNNING and seen.nginx_answer == 0:
         result.problems.append(f"nginx does not answer on {result.url}")
     age = seen.now - seen.health.updated
     result.health["updated_seconds_ago"] = round(age, 1) if seen.health.updated else None
-    if result.health["state"] == "RUNNING" and age > Timeouts(settings).health_stale:
+    if result.health["state"] == ProgramState.RUNNING and age > Timeouts(settings).health_stale:
         result.problems.append(f"the health loop has not reported for {age:.0f}s (hung?)")
     return result
 
@@ -210,7 +214,9 @@ def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStat
     ready = bool(body.get("ready"))
     canary = seen.canary is not None and slot.name in seen.canary.slots
     in_rotation = track.in_rotation and track.pid == (proc.pid if proc else None) and not canary
-    failed = track.failed or ("failed: supervisord gave up starting it" if proc and proc.state == "FATAL" else "")
+    failed = track.failed or (
+        "failed: supervisord gave up starting it" if proc and proc.state == ProgramState.FATAL else ""
+    )
     parked = proc is not None and is_parked(proc.state, bool(failed))
     fault, fault_at = track.bad_audio, track.bad_audio_at
     if body.get("state") == "bad-audio":  # (out now: newer than anything the loop recorded)
@@ -223,7 +229,7 @@ def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStat
         port=slot.port,
         gpu=slot.gpu,
         pid=proc.pid if proc else 0,
-        state=proc.state if proc else "MISSING",
+        state=proc.state if proc else MISSING,
         ready=ready,
         in_rotation=in_rotation,
         restarts=max(0, seen.starts.get(slot.name, 0) - 1),
@@ -272,7 +278,7 @@ def instance_findings(result: ClusterStatus, item: InstanceStatus, body: dict) -
         result.problems.append(
             f"{item.name} makes bad audio ({item.audio_fault}): out of rotation, the health loop restarts it"
         )
-    elif item.state != "RUNNING" or not item.ready:
+    elif item.state != ProgramState.RUNNING or not item.ready:
         result.problems.append(f"{item.name} is {item.state.lower()}{'' if item.ready else ', not ready'}")
     elif item.drained:  # on purpose: said, not a problem
         result.warnings.append(
@@ -287,15 +293,15 @@ def service_findings(result: ClusterStatus, programs: dict[str, ProcessInfo]) ->
     Alertmanager (--alertmanager): their states, in place."""
     for name in SERVICES:
         proc = programs.get(name)
-        state = proc.state if proc else "MISSING"
+        state = proc.state if proc else MISSING
         setattr(result, name, {"state": state, "pid": proc.pid if proc else 0})
-        if state != "RUNNING":
+        if state != ProgramState.RUNNING:
             result.problems.append(f"{name} is {state.lower()}")
     for name, proc in sorted(programs.items()):
         if name.startswith("mps-gpu") or name == "alertmanager":
             result.daemons[name] = {"state": proc.state, "pid": proc.pid}
             what = "CUDA MPS" if name.startswith("mps-gpu") else "alerts reach nobody"
-            if proc.state != "RUNNING":
+            if proc.state != ProgramState.RUNNING:
                 result.problems.append(f"{name} ({what}) is {proc.state.lower()}: see 'cosyvoice-lb logs {name}'")
 
 
@@ -304,7 +310,7 @@ def jobs_findings(result: ClusterStatus, report: dict | None, now: float, uptime
     counts, the running jobs' progress. A report missing or stale past ``JOBS_STALE`` (once
     the process has run that long: it reports within seconds of its start), or one that says
     the store fails, is a "jobs: ..." problem; nothing here fails the status itself."""
-    if result.jobs.get("state") != "RUNNING" or report is None:
+    if result.jobs.get("state") != ProgramState.RUNNING or report is None:
         return
     silent = uptime > JOBS_STALE
     if not report:
@@ -316,7 +322,11 @@ def jobs_findings(result: ClusterStatus, report: dict | None, now: float, uptime
     try:
         age = max(0.0, now - float(report.get("updated", 0)))
         counts = report.get("counts")
-        known = {s: int(counts.get(s, 0)) for s in ("queued", "running")} if isinstance(counts, dict) else {}
+        known: dict[str, int] = (
+            {s: int(counts.get(s, 0)) for s in (JobStatus.QUEUED, JobStatus.RUNNING)}
+            if isinstance(counts, dict)
+            else {}
+        )
         running = [{"id": str(r["id"]), "done": int(r["done"]), "total": int(r["total"])} for r in report["running"]]
     except (TypeError, ValueError, KeyError, AttributeError):
         result.problems.append("jobs: its report (run/jobs.json) is not readable; see 'cosyvoice-lb logs jobs'")
@@ -334,9 +344,9 @@ def jobs_findings(result: ClusterStatus, report: dict | None, now: float, uptime
 
 def jobs_line(jobs: dict) -> str:
     """The jobs in words, for `status` ("" before the jobs process reported)."""
-    if "queued" not in jobs and not jobs.get("running_jobs"):
+    if JobStatus.QUEUED not in jobs and not jobs.get("running_jobs"):
         return ""
-    words = f"jobs: {jobs.get('queued', '?')} queued, {jobs.get('running', '?')} running"
+    words = f"jobs: {jobs.get(JobStatus.QUEUED, '?')} queued, {jobs.get(JobStatus.RUNNING, '?')} running"
     shown = jobs.get("running_jobs") or []
     if shown:
         words += " (" + ", ".join(f"{r['id']} {r['done']}/{r['total']}" for r in shown) + ")"

@@ -44,7 +44,7 @@ from cosyvoice_lb.launcher.state.markers import (
     end_rollout,
     undrain,
 )
-from cosyvoice_lb.launcher.state.supervision import SupervisionError, Supervisor
+from cosyvoice_lb.launcher.state.supervision import ALIVE, SupervisionError, Supervisor
 
 # What the last render recorded (cluster.json): the settings and the slots.
 Recorded = tuple[Settings, tuple[Slot, ...]]
@@ -69,7 +69,7 @@ def up(settings: Settings, on_progress: Report = lambda p: None, say: Say = lamb
 def pruned(layout: Layout, current: ClusterStatus) -> list[str]:
     """Remove staged code trees no instance runs any more (none while one still loads:
     it may import from its tree yet)."""
-    running = [i for i in current.instances if i.state in ("RUNNING", "STARTING")]
+    running = [i for i in current.instances if i.state in ALIVE]
     if any(not i.code for i in running):
         return []
     return prune(layout.instance_lib, {i.code for i in running})

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress, Supervision
+from cosyvoice_lb.launcher.cluster.diagnosis import MISSING
 from cosyvoice_lb.launcher.cluster.waits import drain, loop_reported, serving_or_fail
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.health.rotation import OCCUPIED, is_parked
@@ -45,7 +46,7 @@ class Slots:
         report = read_report(layout)
         canary = canary_state.names(layout)
         slots = tuple(s for s in slots if s.name not in canary)
-        state = {s.name: procs[s.name].state if s.name in procs else "MISSING" for s in slots}
+        state = {s.name: procs[s.name].state if s.name in procs else MISSING for s in slots}
         return cls(
             running=tuple(s for s in slots if state[s.name] in OCCUPIED),
             parked=tuple(s for s in slots if is_parked(state[s.name], bool(report.track(s.name).failed))),

@@ -38,7 +38,7 @@ from cosyvoice_lb.launcher.state.health_report import read_report
 from cosyvoice_lb.launcher.state.layout import Layout
 from cosyvoice_lb.launcher.state.markers import drained_by_hand, starts_count
 from cosyvoice_lb.launcher.state.record import read as read_record
-from cosyvoice_lb.launcher.state.supervision import SupervisionError, Supervisor, read_tail
+from cosyvoice_lb.launcher.state.supervision import ALIVE, ProgramState, SupervisionError, Supervisor, read_tail
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,11 @@ def status(layout: Layout, prober: Prober | None = None, telemetry: Telemetry = 
         return not_running(layout, found.settings.port if found else None)
     settings, slots = found.settings, found.slots
     url = public_url(settings)
-    running = [s for s in slots if s.name in programs and programs[s.name].state == "RUNNING"]
+    running = [s for s in slots if s.name in programs and programs[s.name].state == ProgramState.RUNNING]
     pings, answer = ask_all(prober or Prober(len(slots) + 1), running, settings.probe_timeout, url)
     nginx = programs.get("nginx")
     # (a STARTING nginx listens already: what it listens on is read, not "nothing")
-    procs = nginx_processes(nginx.pid) if nginx and nginx.state in ("RUNNING", "STARTING") else []
+    procs = nginx_processes(nginx.pid) if nginx and nginx.state in ALIVE else []
     result = diagnose(
         Observation(
             settings=settings,

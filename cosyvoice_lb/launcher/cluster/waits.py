@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from cosyvoice_lb.common.timeouts import SUPERVISOR_SILENT
 from cosyvoice_lb.launcher.cluster.context import Cluster, Progress
-from cosyvoice_lb.launcher.cluster.diagnosis import ESSENTIAL, SERVICES, ClusterStatus, InstanceStatus
+from cosyvoice_lb.launcher.cluster.diagnosis import ESSENTIAL, MISSING, SERVICES, ClusterStatus, InstanceStatus
 from cosyvoice_lb.launcher.cluster.status import failure_report, last_lines
 from cosyvoice_lb.launcher.errors import ClusterError
 from cosyvoice_lb.launcher.state.health_report import read_report
@@ -22,6 +22,7 @@ from cosyvoice_lb.launcher.state.markers import (
     ask_drain,
     drain_pending,
 )
+from cosyvoice_lb.launcher.state.supervision import ALIVE, ProgramState
 
 
 def loop_reported(c: Cluster, since: float) -> None:
@@ -64,10 +65,10 @@ def drain(c: Cluster, names: list[str], action: DrainAction) -> dict[str, int]:
     of those that were running. Without a working health loop they are stopped directly
     (each still drains its own requests on TERM; nginx retries the ones it refuses)."""
     procs = c.supervisor.processes()
-    running = {n: procs[n].pid for n in names if n in procs and procs[n].state in ("RUNNING", "STARTING")}
+    running = {n: procs[n].pid for n in names if n in procs and procs[n].state in ALIVE}
     for name in names:
         ask_drain(c.layout, name, action)
-    health_up = "health" in procs and procs["health"].state in ("RUNNING", "STARTING")
+    health_up = "health" in procs and procs["health"].state in ALIVE
     c.wait_until(
         lambda: not any(drain_pending(c.layout, n) for n in names), c.timeouts.loop_answer if health_up else 0.0
     )
@@ -120,7 +121,7 @@ class Start:
                 continue
             if item.available and item.pid != self.replacing.get(item.name):
                 self.served.add(item.name)
-            recorded = item.failed if item.failed_at >= self.since or item.state == "FATAL" else ""
+            recorded = item.failed if item.failed_at >= self.since or item.state == ProgramState.FATAL else ""
             if not recorded and self.bad_audio_fails and item.audio_fault and item.audio_fault_at >= self.since:
                 recorded = f"failed: it made bad audio ({item.audio_fault})"
             if item.name not in self.failed and item.name not in self.served and recorded:
@@ -173,7 +174,7 @@ def wait_serving(
             raise ClusterError("\n".join([first] + failure_report(c.layout, current, names, c.supervisor)))
         # (a service supervisord still calls STARTING, nginx above all, is not up yet: its
         # startsecs have not passed; `status` would say so, so `up` waits them out too)
-        settling = [s for s in SERVICES if getattr(current, s).get("state") == "STARTING"]
+        settling = [s for s in SERVICES if getattr(current, s).get("state") == ProgramState.STARTING]
         if not waiting and current.nginx.get("answers") == 200 and not settling:
             failed = start.failed
             done = "all ready" if not failed else f"{len(failed)} failed: {', '.join(failed)}"
@@ -192,7 +193,7 @@ def essential_up(c: Cluster, current: ClusterStatus) -> None:
     a cluster serves without it); raises with their last log lines when one does not."""
     for service in ESSENTIAL:
         state = getattr(current, service).get("state")
-        if state in ("FATAL", "BACKOFF", "EXITED", "MISSING"):
+        if state in (ProgramState.FATAL, ProgramState.BACKOFF, ProgramState.EXITED, MISSING):
             raise ClusterError(
                 f"{service} does not stay up ({state}); last log lines:\n{last_lines(c.supervisor, service)}"
             )

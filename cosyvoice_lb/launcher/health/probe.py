@@ -15,13 +15,24 @@ from typing import Any
 import requests
 from requests.adapters import HTTPAdapter
 
+from cosyvoice_lb.common.names import StrEnum
+
+
+class ProbeStatus(StrEnum):
+    """What one ``/ping`` says of an instance (as the health loop's log shows it)."""
+
+    READY = "ready"
+    LOADING = "loading"  # 503 while the model loads
+    BAD_AUDIO = "bad_audio"  # 503: its warm-up or a canary made bad audio
+    FAILED = "failed"  # no answer, or one that is not a well-formed /ping
+
 
 @dataclass(frozen=True)
 class Probe:
     """One ``/ping``: ``ready``, ``loading`` (503 while the model loads), ``bad_audio`` (503:
     its warm-up or a canary made bad audio; ``detail`` says how) or ``failed``."""
 
-    status: str
+    status: ProbeStatus  # (a status given as its text is read as that member)
     busy_seconds: float = 0.0
     detail: str = ""
     served: int = 0
@@ -29,6 +40,9 @@ class Probe:
     waiting: int = 0
     sessions: int = 0  # of inflight: streaming sessions (the instance's own drain closes them)
     stalled: tuple[float, ...] = ()  # per synthesis in flight: seconds since its last chunk
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", ProbeStatus(self.status))
 
     @property
     def stalled_seconds(self) -> float:
@@ -56,19 +70,21 @@ def _number(value: object) -> bool:
 def read_ping(status_code: int, body: Any) -> Probe:
     """Judge one ``/ping`` answer. Anything but a well-formed one counts as failed."""
     if not isinstance(body, dict):
-        return Probe("failed", detail=f"/ping answered {status_code}")
+        return Probe(ProbeStatus.FAILED, detail=f"/ping answered {status_code}")
     if status_code == 200 and body.get("ready") is True:
         busy, stalled = body.get("busy_seconds", 0.0), body.get("stalled_seconds", [])
         if not _number(busy):
-            return Probe("failed", detail=f"/ping answered busy_seconds={busy!r}, not a number")
+            return Probe(ProbeStatus.FAILED, detail=f"/ping answered busy_seconds={busy!r}, not a number")
         if not isinstance(stalled, list) or not all(_number(s) for s in stalled):
-            return Probe("failed", detail=f"/ping answered stalled_seconds={stalled!r}, not a list of numbers")
+            return Probe(
+                ProbeStatus.FAILED, detail=f"/ping answered stalled_seconds={stalled!r}, not a list of numbers"
+            )
         counts = [body.get(k, 0) for k in ("served", "inflight", "waiting", "sessions")]
         served, inflight, waiting, sessions = (
             int(c) if isinstance(c, int) and not isinstance(c, bool) else 0 for c in counts
         )
         return Probe(
-            "ready",
+            ProbeStatus.READY,
             busy_seconds=float(busy),
             served=served,
             inflight=inflight,
@@ -77,11 +93,11 @@ def read_ping(status_code: int, body: Any) -> Probe:
             stalled=tuple(float(s) for s in stalled),
         )
     if status_code == 503 and body.get("state") == "loading":
-        return Probe("loading")
+        return Probe(ProbeStatus.LOADING)
     if status_code == 503 and body.get("state") == "bad-audio":
         error = body.get("error")
-        return Probe("bad_audio", detail=error[:300] if isinstance(error, str) and error else "bad audio")
-    return Probe("failed", detail=f"/ping answered {status_code}")
+        return Probe(ProbeStatus.BAD_AUDIO, detail=error[:300] if isinstance(error, str) and error else "bad audio")
+    return Probe(ProbeStatus.FAILED, detail=f"/ping answered {status_code}")
 
 
 class Prober:
@@ -102,9 +118,9 @@ class Prober:
         try:
             response = self.session.get(f"http://127.0.0.1:{port}/ping", timeout=timeout)
         except requests.Timeout:
-            return Probe("failed", detail=f"/ping did not answer within {timeout:g}s")
+            return Probe(ProbeStatus.FAILED, detail=f"/ping did not answer within {timeout:g}s")
         except requests.RequestException as exc:
-            return Probe("failed", detail=f"/ping: {type(exc).__name__}")
+            return Probe(ProbeStatus.FAILED, detail=f"/ping: {type(exc).__name__}")
         try:
             body = response.json()
         except ValueError:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from cosyvoice_lb.launcher.state.supervision import ProgramState
+
 # supervisord states in which a slot is taken: a process runs, or is being brought back
-OCCUPIED = ("RUNNING", "STARTING", "BACKOFF")
+OCCUPIED = frozenset({ProgramState.RUNNING, ProgramState.STARTING, ProgramState.BACKOFF})
 
 
 def is_parked(state: str, failed: bool) -> bool:
     """A slot stopped on purpose: never started, scaled in, or left by a roll-out (a slot
     given up on after a crash loop is stopped too, but failed, not parked)."""
-    return state == "STOPPED" and not failed
+    return state == ProgramState.STOPPED and not failed
 
 
 def rotation(eligible: Iterable[str], before: Iterable[str], wanted: int) -> list[str]:

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.sizes import parse_size
-from cosyvoice_lb.launcher.health.probe import Probe
+from cosyvoice_lb.launcher.health.probe import Probe, ProbeStatus
 from cosyvoice_lb.launcher.state.health_report import OnPurpose, Track
 from cosyvoice_lb.launcher.state.markers import DrainAction
-from cosyvoice_lb.launcher.state.supervision import ProcessInfo
+from cosyvoice_lb.launcher.state.supervision import ALIVE, ProcessInfo, ProgramState
 
-ALIVE = ("RUNNING", "STARTING")
 # Why an instance was restarted, as the metrics count it: the loop orders all but "crash"
 # (supervisord brought back a process that exited on its own; counted from the starts file).
 # "replaced": new settings or a surge roll-out; "scaled_in": stopped by the elastic scaler
@@ -103,8 +102,8 @@ def judge(
         if track.failed:
             return Verdict(track)
         crashes = failed_starts(starts, track.ready_starts, alive=False)
-        if state == "FATAL" or crashes > policy.start_retries:
-            if state == "FATAL":
+        if state == ProgramState.FATAL or crashes > policy.start_retries:
+            if state == ProgramState.FATAL:
                 why = "supervisord gave up starting it" + (f" after {crashes} exits in a row" if crashes else "")
             else:
                 why = (
@@ -113,7 +112,9 @@ def judge(
             return _give_up(track, why, now)
         # (STOPPED: never started, or stopped on purpose: a parked slot)
         return Verdict(
-            dataclasses.replace(track, reason=OnPurpose.PARKED if state == "STOPPED" else f"process {state.lower()}")
+            dataclasses.replace(
+                track, reason=OnPurpose.PARKED if state == ProgramState.STOPPED else f"process {state.lower()}"
+            )
         )
     if track.failed:  # given up on, yet running (supervisord restarted it meanwhile): stop it again
         return Verdict(dataclasses.replace(track, in_rotation=False, pid=process.pid), give_up=track.failed)
@@ -135,7 +136,7 @@ def judge(
         return Verdict(dataclasses.replace(track, in_rotation=False))
 
     loading = not track.ever_ready and process.uptime < policy.startup_timeout
-    if probe.status == "ready":
+    if probe.status == ProbeStatus.READY:
         if probe.stalled_seconds > policy.hang_timeout:
             if track.drain_signal is DrainAction.KILL:  # already on its way out
                 return Verdict(track)
@@ -160,13 +161,13 @@ def judge(
             )
         )
     crashes = failed_starts(starts, track.ready_starts, alive=True)
-    if probe.status == "bad_audio":
+    if probe.status == ProbeStatus.BAD_AUDIO:
         return _bad_audio(track, probe.detail, crashes, policy, now)
     if not track.ever_ready and crashes > policy.start_retries:
         return _give_up(track, _never_ready(crashes, policy), now)
     if loading:  # still loading its model (or not listening yet): never killed for being slow
         return Verdict(dataclasses.replace(track, in_rotation=False, fails=0, goods=0, reason="loading"))
-    if probe.status == "loading":
+    if probe.status == ProbeStatus.LOADING:
         detail = (
             f"not ready after the startup timeout ({policy.startup_timeout:.0f}s)"
             if not track.ever_ready
@@ -196,7 +197,7 @@ def _bad_audio(track: Track, detail: str, crashes: int, policy: Policy, now: flo
 def recycle_due(track: Track, probe: Probe, memory: int, policy: Policy) -> str:
     """Why this healthy instance should get a drained restart now ("" when it should not):
     it served its share of requests, or its memory (RSS or GPU, per process) grew too big."""
-    if not track.ever_ready or not track.in_rotation or track.draining_since or probe.status != "ready":
+    if not track.ever_ready or not track.in_rotation or track.draining_since or probe.status != ProbeStatus.READY:
         return ""
     if policy.max_requests and track.recycle_at and probe.served >= track.recycle_at:
         return f"served {probe.served} requests (--max-requests {policy.max_requests})"
@@ -236,7 +237,7 @@ def drain_done(track: Track, probe: Probe, policy: Policy, now: float) -> bool:
     (a hung one: nothing still making progress), it stopped answering, or --drain-timeout.
     A streaming session is not waited for: it lasts as long as its client writes, and the
     instance's own drain (on the signal) lets it finish its sentence, then closes it."""
-    if now - track.draining_since > policy.drain_timeout or probe.status != "ready":
+    if now - track.draining_since > policy.drain_timeout or probe.status != ProbeStatus.READY:
         return True
     if track.drain_signal is DrainAction.KILL:
         return probe.progressing(policy.hang_timeout) == 0

@@ -19,6 +19,7 @@ from cosyvoice_lb.jobs.metrics import families as job_families
 from cosyvoice_lb.launcher.cluster.status import ClusterStatus
 from cosyvoice_lb.launcher.health.rules import restarts_by_reason
 from cosyvoice_lb.launcher.state.health_report import HealthReport
+from cosyvoice_lb.launcher.state.supervision import ProgramState
 
 Family = GaugeMetricFamily | CounterMetricFamily
 
@@ -111,7 +112,7 @@ def families(view: ClusterView) -> list[Family]:
     )
     for item in current.instances:
         name = [item.name]
-        up.add_metric(name, float(item.state == "RUNNING"))
+        up.add_metric(name, float(item.state == ProgramState.RUNNING))
         ready.add_metric(name, float(item.ready))
         rotation.add_metric(name, float(item.in_rotation))
         drained.add_metric(name, float(item.drained))

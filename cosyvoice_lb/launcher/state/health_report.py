@@ -9,31 +9,31 @@ a file without one was written by 0.1, whose fields are the same (``launcher.com
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from cosyvoice_lb.common.atomic import write_atomic
+from cosyvoice_lb.common.names import StrEnum
 from cosyvoice_lb.launcher.state.layout import Layout
 from cosyvoice_lb.launcher.state.markers import DrainAction
 
 VERSION = 1
 
 
-class OnPurpose(str, enum.Enum):
+class OnPurpose(StrEnum):
     """Why a ready instance is out of rotation on purpose (a track's ``reason``); any other
-    reason is an explanation for people (not ready, hung, draining...)."""
+    reason is an explanation for people (not ready, hung, draining...). Its value is its words,
+    as status and the logs show them and health.json keeps them."""
 
     SPARE = "warm spare: ready, enters rotation when an instance is taken out"
     PARKED = "parked: not started (a slot for surges, or scaled in)"
     DRAINED = "drained by hand (undrain to return it)"
 
-    def __str__(self) -> str:  # (shown as its words, in status and in logs)
-        return self.value
 
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
+# A track's reason: on purpose (an OnPurpose, which code tells apart), or words for people
+# (not ready, hung, draining, given up...). One at a time: a new reason replaces the last.
+Reason = OnPurpose | str
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Track:
     goods: int = 0
     pid: int = 0
     ever_ready: bool = False  # this pid has answered ready at least once
-    reason: str = ""  # why it is out of rotation (an OnPurpose when on purpose), or why it was last restarted
+    reason: Reason = ""  # why it is out of rotation (an OnPurpose when on purpose), or why it was last restarted
     restarts: int = 0  # restarts the loop ordered
     recycle_at: int = 0  # requests after which this process is recycled (0: not set yet)
     # A planned stop: out of rotation since (epoch s; 0: none), then this action once the
@@ -69,14 +69,22 @@ def track_from_dict(saved: dict) -> Track:
     signal = values.get("drain_signal")
     values["drain_signal"] = DrainAction(signal) if signal in tuple(a.value for a in DrainAction) else None
     reason = values.get("reason", "")
-    values["reason"] = OnPurpose(reason) if reason in tuple(p.value for p in OnPurpose) else reason
+    values["reason"] = parse_reason(reason)
     return Track(**values)
+
+
+def parse_reason(text: object) -> Reason:
+    """A reason as health.json keeps it: the words of an :class:`OnPurpose` are that member,
+    any other text stays text."""
+    if not isinstance(text, str):
+        return ""
+    return OnPurpose(text) if text in OnPurpose._value2member_map_ else text
 
 
 def track_to_dict(track: Track) -> dict:
     values = dataclasses.asdict(track)
     values["drain_signal"] = track.drain_signal.value if track.drain_signal else ""
-    values["reason"] = track.reason.value if isinstance(track.reason, OnPurpose) else track.reason
+    values["reason"] = str(track.reason)  # (an OnPurpose as its words)
     return values
 
 

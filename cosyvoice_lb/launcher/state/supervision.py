@@ -21,6 +21,7 @@ from typing import Any
 
 from supervisor.xmlrpc import SupervisorTransport
 
+from cosyvoice_lb.common.names import StrEnum
 from cosyvoice_lb.common.timeouts import SUPERVISOR_CALL, SUPERVISOR_WAIT
 from cosyvoice_lb.launcher.state.layout import Layout
 
@@ -63,15 +64,46 @@ class SupervisionError(RuntimeError):
         self.timed_out = timed_out  # it is there but did not answer in time (busy or stopped)
 
 
+class ProgramState(StrEnum):
+    """A program's state as supervisord names it (its ``statename``); the value is that name,
+    so what is shown or written of it (status, metrics, logs) reads as supervisord says it."""
+
+    STOPPED = "STOPPED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    BACKOFF = "BACKOFF"
+    STOPPING = "STOPPING"
+    EXITED = "EXITED"
+    FATAL = "FATAL"
+    UNKNOWN = "UNKNOWN"
+
+    @classmethod
+    def parse(cls, name: object) -> ProgramState:
+        """The state of that name; a name this version does not know is UNKNOWN."""
+        try:
+            return cls(name)
+        except ValueError:
+            return cls.UNKNOWN
+
+
+# A process runs, or is being started (supervisord will say whether it stays up).
+ALIVE = frozenset({ProgramState.RUNNING, ProgramState.STARTING})
+# It is not running and supervisord is not bringing it back by itself.
+DOWN = frozenset({ProgramState.STOPPED, ProgramState.EXITED, ProgramState.FATAL})
+
+
 @dataclass(frozen=True)
 class ProcessInfo:
     name: str
-    state: str  # STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL, UNKNOWN
+    state: ProgramState  # (a string given is read as supervisord's name: see ProgramState.parse)
     pid: int
     start: float  # epoch seconds of the last start, 0 if never
     now: float  # supervisord's clock when read
     description: str
     exitstatus: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", ProgramState.parse(self.state))
 
     @property
     def uptime(self) -> float:
@@ -116,6 +148,7 @@ class Supervisor:
         if not self.layout.socket.exists():
             return False
         try:
+            # (supervisord's own state, RUNNING once it serves: not one of a program's)
             return self._rpc("getState")["statename"] == "RUNNING"
         except (SupervisionError, KeyError, TypeError):
             return False
@@ -160,7 +193,7 @@ class Supervisor:
             return {
                 p["name"]: ProcessInfo(
                     name=p["name"],
-                    state=p["statename"],
+                    state=ProgramState.parse(p["statename"]),
                     pid=int(p["pid"]),
                     start=float(p["start"]),
                     now=float(p["now"]),

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from conftest import http_server
 
-from cosyvoice_lb.launcher.health.probe import Probe, Prober, probe
+from cosyvoice_lb.launcher.health.probe import Probe, Prober, ProbeStatus, probe, read_ping
 
 # --- probe() against a real HTTP server on 127.0.0.1 --------------------------------------
 
@@ -182,3 +182,10 @@ def test_more_than_ten_instances_keep_their_connections_between_rounds():
                 results = list(pool.map(lambda port: prober.probe(port, 2.0), ports))
                 assert [r.status for r in results] == ["ready"] * len(ports)
     assert connections == {port: 1 for port in ports}
+
+
+def test_a_probe_status_is_a_member_even_when_given_as_text():
+    assert read_ping(503, {"state": "loading"}).status is ProbeStatus.LOADING
+    assert Probe("ready").status is ProbeStatus.READY and f"{Probe('bad_audio').status}" == "bad_audio"
+    with pytest.raises(ValueError):
+        Probe("asleep")

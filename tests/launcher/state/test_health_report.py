@@ -53,3 +53,74 @@ def test_no_report_or_a_broken_one_is_an_empty_report(tmp_path):
     layout.run.mkdir()
     layout.health_json.write_text("{not json")
     assert read_report(layout).updated == 0.0 and read_report(layout).track("x") == Track()
+
+
+# health.json as the version before its states were typed wrote it, byte for byte
+WRITTEN_BEFORE = """{
+  "version": 1,
+  "updated": 1700000000.5,
+  "instances": {
+    "instance-1": {
+      "in_rotation": false,
+      "fails": 0,
+      "goods": 0,
+      "pid": 4343,
+      "ever_ready": true,
+      "reason": "warm spare: ready, enters rotation when an instance is taken out",
+      "restarts": 0,
+      "recycle_at": 0,
+      "draining_since": 0.0,
+      "drain_signal": "HOLD",
+      "signalled_at": 5.0,
+      "ready_starts": 0,
+      "failed": "",
+      "failed_at": 0.0,
+      "ordered": {},
+      "crashes": 0,
+      "bad_audio": "",
+      "bad_audio_at": 0.0
+    },
+    "instance-2": {
+      "in_rotation": false,
+      "fails": 0,
+      "goods": 0,
+      "pid": 0,
+      "ever_ready": false,
+      "reason": "failed: supervisord gave up starting it",
+      "restarts": 0,
+      "recycle_at": 0,
+      "draining_since": 0.0,
+      "drain_signal": "",
+      "signalled_at": 0.0,
+      "ready_starts": 0,
+      "failed": "failed: supervisord gave up starting it",
+      "failed_at": 1699999999.0,
+      "ordered": {},
+      "crashes": 0,
+      "bad_audio": "",
+      "bad_audio_at": 0.0
+    }
+  },
+  "probe_seconds": {
+    "instance-1": 0.012
+  },
+  "pool": {
+    "wanted": 1,
+    "in_rotation": 1,
+    "spares": 1
+  }
+}
+"""
+
+
+def test_a_report_written_before_reads_with_its_states_and_is_written_again_byte_for_byte(tmp_path):
+    layout = Layout(tmp_path)
+    layout.run.mkdir()
+    layout.health_json.write_text(WRITTEN_BEFORE)
+    report = read_report(layout)
+    spare, given_up = report.track("instance-1"), report.track("instance-2")
+    assert spare.reason is OnPurpose.SPARE and spare.drain_signal is DrainAction.HOLD
+    assert given_up.reason == "failed: supervisord gave up starting it" and not isinstance(given_up.reason, OnPurpose)
+    layout.health_json.unlink()
+    write_report(layout, report)
+    assert layout.health_json.read_text() == WRITTEN_BEFORE

@@ -3,6 +3,7 @@ real unix socket: its errors come out as SupervisionError, and its calls time ou
 
 from __future__ import annotations
 
+import json
 import socketserver
 import threading
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cosyvoice_lb.launcher.state.layout import Layout
-from cosyvoice_lb.launcher.state.supervision import SupervisionError, Supervisor
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo, ProgramState, SupervisionError, Supervisor
 
 
 class Script:
@@ -125,3 +126,46 @@ def test_no_socket_is_a_supervision_error_too(short_dir):
     with pytest.raises(SupervisionError, match="could not be asked getAllProcessInfo"):
         supervisor.processes()
     assert supervisor.running() is False
+
+
+def process_info(name: str, statename: str) -> dict:
+    """One program as supervisord's getAllProcessInfo gives it."""
+    return {
+        "name": name,
+        "statename": statename,
+        "pid": 0,
+        "start": 0,
+        "now": 100,
+        "description": "",
+        "exitstatus": 0,
+    }
+
+
+def test_program_states_are_read_by_supervisords_names_and_an_unknown_one_is_unknown(short_dir):
+    with fake_supervisord(short_dir) as (layout, script):
+        names = {"nginx": "RUNNING", "instance-0": "BACKOFF", "instance-1": "SOMETHING_NEWER"}
+        script.answers["getAllProcessInfo"] = (0.0, [process_info(n, s) for n, s in names.items()])
+        states = {name: info.state for name, info in Supervisor(layout).processes().items()}
+    assert states == {
+        "nginx": ProgramState.RUNNING,
+        "instance-0": ProgramState.BACKOFF,
+        "instance-1": ProgramState.UNKNOWN,
+    }
+    assert all(type(state) is ProgramState for state in states.values())
+
+
+def test_a_program_state_is_its_supervisord_name_wherever_it_is_written():
+    assert [str(s) for s in ProgramState] == [
+        "STOPPED",
+        "STARTING",
+        "RUNNING",
+        "BACKOFF",
+        "STOPPING",
+        "EXITED",
+        "FATAL",
+        "UNKNOWN",
+    ]
+    info = ProcessInfo("nginx", "FATAL", 0, 0.0, 0.0, "", 1)  # (given as text: read as the member)
+    assert info.state is ProgramState.FATAL
+    assert json.dumps({"state": info.state}) == '{"state": "FATAL"}' and f"{info.state}" == "FATAL"
+    assert ProcessInfo("nginx", "nonsense", 0, 0.0, 0.0, "", 0).state is ProgramState.UNKNOWN
