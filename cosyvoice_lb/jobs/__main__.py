@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from cosyvoice_lb.jobs.metrics import Instrumented, JobMetrics, Reporter, counti
 from cosyvoice_lb.jobs.results import results_dir
 from cosyvoice_lb.jobs.service import Config, build_app
 from cosyvoice_lb.jobs.store import open_store
-from cosyvoice_lb.jobs.yielding import BoardDemand, Yielding, share_for
+from cosyvoice_lb.jobs.yielding import BoardDemand, Demand, Yielding, share_for
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.render.addresses import balancer_url
 from cosyvoice_lb.launcher.render.cluster import jobs_socket
@@ -67,12 +67,21 @@ def job_slots(settings: Settings, slots: tuple[Slot, ...], roles: Roles) -> int:
     return serving_slots(slots, roles)[0]
 
 
-def job_share(settings: Settings, slots: tuple[Slot, ...], roles: Roles, board: Path) -> Yielding | None:
+def job_share(
+    settings: Settings,
+    slots: tuple[Slot, ...],
+    roles: Roles,
+    board: Path,
+    *,
+    demand: Callable[[], Demand | None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Yielding | None:
     """--job-slots auto: the jobs' share that yields to interactive requests, as the routing
-    board at ``board`` shows them (:mod:`cosyvoice_lb.jobs.yielding`); None for a fixed N."""
+    board at ``board`` shows them (``demand``: what reads it, :class:`BoardDemand` when
+    None; :mod:`cosyvoice_lb.jobs.yielding`) at ``clock``'s time; None for a fixed N."""
     if str(settings.job_slots).strip() != "auto":
         return None
-    return Yielding(share_for(*serving_slots(slots, roles)), BoardDemand(board))
+    return Yielding(share_for(*serving_slots(slots, roles)), demand or BoardDemand(board), clock)
 
 
 def redis_url(settings: Settings, environ: Mapping[str, str] = os.environ) -> str:
@@ -115,11 +124,20 @@ def read_token(layout: Layout, settings: Settings) -> str:
 
 
 def make_runner(
-    settings: Settings, layout: Layout, store: JobStore, slots: int, metrics: JobMetrics, share: Yielding | None = None
+    settings: Settings,
+    layout: Layout,
+    store: JobStore,
+    slots: int,
+    metrics: JobMetrics,
+    share: Yielding | None = None,
+    *,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], object] = time.sleep,
+    monotonic: Callable[[], float] = time.monotonic,
 ) -> Any:
     """The runner over the store, sending through nginx with its own credentials, at most
-    ``slots`` segments out (``share``: fewer while interactive requests come); None in a
-    build without it."""
+    ``slots`` segments out (``share``: fewer while interactive requests come), on ``clock``
+    (epoch seconds), ``sleep`` and ``monotonic``; None in a build without it."""
     try:
         from cosyvoice_lb.jobs import results, runner, sender
     except ImportError as exc:
@@ -144,6 +162,9 @@ def make_runner(
         slots=slots,
         segment_chars=job_segment_chars(settings),
         share=share,
+        clock=clock,
+        sleep=sleep,
+        monotonic=monotonic,
     )
 
 
@@ -210,8 +231,13 @@ def serve(layout: Layout, found: record.ClusterRecord) -> None:
     stop = threading.Event()
     threads = []
     slots = job_slots(settings, found.slots, found.roles)
-    share = job_share(settings, found.slots, found.roles, layout.routing_board)
-    runner = make_runner(settings, layout, store, slots, metrics, share)
+    share = job_share(
+        settings, found.slots, found.roles, layout.routing_board, demand=BoardDemand(layout.routing_board)
+    )
+    # (the runner's idle wait is the stop event's: a stop ends it at once)
+    runner = make_runner(
+        settings, layout, store, slots, metrics, share, clock=time.time, sleep=stop.wait, monotonic=time.monotonic
+    )
     if runner is not None:
         metrics.segments = lambda: (runner.allowed, runner.out, share.share.yields if share else 0)
         threads.append(threading.Thread(target=runner.run, args=(stop,), name="job-runner", daemon=True))

@@ -46,7 +46,7 @@ from cosyvoice_lb.instance.audio.segments import split_text
 from cosyvoice_lb.instance.speech.fanout import opening
 from cosyvoice_lb.instance.speech.validation import WORD
 from cosyvoice_lb.jobs import model
-from cosyvoice_lb.jobs.base import JobStore, StoreError
+from cosyvoice_lb.jobs.base import JobStore, StoreError, StoreFailure
 from cosyvoice_lb.jobs.model import Job, Result
 from cosyvoice_lb.jobs.results import ResultsError
 from cosyvoice_lb.jobs.sender import SegmentError
@@ -131,7 +131,11 @@ class Active:
 class Runner:
     """Makes the jobs of ``store``: ``send(params, text, seed) -> wav bytes`` per segment
     (raising :class:`SegmentError`), ``results`` for the files. ``worker`` names this
-    runner in leases (its host and pid); ``clock`` is the leases' and retries' time."""
+    runner in leases (its host and pid); ``clock`` is the leases' and retries' time,
+    ``monotonic`` the close's deadline and the store warnings'; ``sleep`` waits while no
+    segment is out (the process passes its stop event's ``wait``: a stop ends it early);
+    ``share``, the segments that may be out now (:class:`cosyvoice_lb.jobs.yielding.Yielding`,
+    which reads the routing board), is asked once a round."""
 
     def __init__(
         self,
@@ -144,7 +148,8 @@ class Runner:
         segment_chars: int,
         lease: float = 30.0,
         clock: Callable[[], float] = time.time,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], object] = time.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
         retries: int = RETRIES,
         backoff: float = BACKOFF,
         max_backoff: float = MAX_BACKOFF,
@@ -156,7 +161,7 @@ class Runner:
         segments_of("x", segment_chars)  # (checks it)
         self.store, self.send, self.results = store, send, results
         self.worker, self.slots, self.segment_chars, self.lease = worker, slots, segment_chars, lease
-        self.clock, self.sleep = clock, sleep
+        self.clock, self.sleep, self.monotonic = clock, sleep, monotonic
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.share = share
         self.allowed = self.out = 0  # the segments that may be out, and are, at the last round (for metrics)
@@ -184,18 +189,16 @@ class Runner:
         try:
             while not stop.is_set():
                 busy = self.step()
-                self.wait(POLL if busy else IDLE, stop)
+                self.wait(POLL if busy else IDLE)
         finally:
             self.close()
 
-    def wait(self, seconds: float, stop: threading.Event | None = None) -> None:
-        """Until a segment or result comes back, at most ``seconds``."""
+    def wait(self, seconds: float) -> None:
+        """Until a segment or result comes back, at most ``seconds`` (``sleep`` while none is out)."""
         out = [f for a in self.active.values() for f in a.inflight.values()]
         out += [a.assembling for a in self.active.values() if a.assembling is not None]
         if out:
             futures.wait(out, timeout=seconds, return_when=futures.FIRST_COMPLETED)
-        elif stop is not None:
-            stop.wait(seconds)
         else:
             self.sleep(seconds)
 
@@ -209,11 +212,11 @@ class Runner:
         one restarted, or another) takes it over at once."""
         if self.closed:
             return
-        deadline = time.monotonic() + drain
+        deadline = self.monotonic() + drain
         self.closing = True
         for active in self.active.values():
             active.pending.clear()
-        while self.in_flight and time.monotonic() < deadline:
+        while self.in_flight and self.monotonic() < deadline:
             self.wait(POLL)
             for active in list(self.active.values()):
                 self._guarded(active, self._tend)
@@ -275,7 +278,7 @@ class Runner:
             try:
                 job = self.store.segment_done(active.id, index, now)
             except StoreError as exc:
-                if exc.kind == "full":
+                if exc.kind == StoreFailure.FULL:
                     raise
                 self._store_trouble(exc)
                 return
@@ -434,7 +437,7 @@ class Runner:
         except ResultsError as exc:
             self._fail(active, str(exc))
         except StoreError as exc:
-            if exc.kind == "full":
+            if exc.kind == StoreFailure.FULL:
                 self._fail(active, f"{DISK_FULL}: {exc}")
             else:
                 self._store_trouble(exc)
@@ -451,7 +454,7 @@ class Runner:
 
     def _store_trouble(self, exc: StoreError) -> None:
         """A store that fails (unreachable, locked): the work waits; said every so often."""
-        now = time.monotonic()
+        now = self.monotonic()
         if now - self._store_warned >= STORE_LOG_EVERY:
             self._store_warned = now
             log.warning("the job store failed (%s); jobs wait until it answers again", exc)

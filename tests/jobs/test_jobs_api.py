@@ -247,6 +247,26 @@ def test_job_slots_auto_takes_every_serving_slot_and_yields_down_to_a_quarter():
     assert job_share(Settings(job_slots="5"), slots, Roles(serving=3), Path("x")) is None
 
 
+def test_the_auto_share_reads_the_board_through_the_reader_it_is_given():
+    from cosyvoice_lb.common.settings import Settings
+    from cosyvoice_lb.jobs.__main__ import job_share
+    from cosyvoice_lb.jobs.yielding import Demand
+    from cosyvoice_lb.launcher.plan.planner import Roles, Slot
+
+    slots = tuple(Slot(index=i, port=7860 + i, gpu=None, memory=0, concurrency=4) for i in range(4))
+    reads: list[float] = []
+
+    def demand() -> Demand:
+        reads.append(1)
+        return Demand(taken=1, asking=1)  # an interactive request in flight
+
+    share = job_share(
+        Settings(), slots, Roles(serving=4), Path("/nonexistent/routing.board"), demand=demand, clock=lambda: 5.0
+    )
+    assert share is not None and share() == 4 and reads == [1]  # the floor: a quarter of 16
+    assert share.share.last_busy == 5.0  # (at the clock given)
+
+
 def test_the_redis_url_comes_from_the_environment_first():
     from cosyvoice_lb.common.settings import Settings
     from cosyvoice_lb.jobs.__main__ import redis_url

@@ -1,9 +1,10 @@
 """Jobs that yield (cosyvoice_lb/jobs/yielding.py): the jobs' share of segments out falls to its
 floor the moment an interactive request comes and grows back while none does; what the
 instances' admissions count, published on a real routing board and read by the jobs side; and
-the runner sending no more than the share while every segment is still made exactly once; an
-instance that a segment alone holds sends an interactive request on to a free peer. The rule
-runs on a scripted clock: nothing here sleeps for it."""
+the runner sending no more than the share while every segment is still made exactly once, its
+rounds reading a scripted board and waiting through a scripted sleep; an instance that a
+segment alone holds sends an interactive request on to a free peer. The rule runs on a
+scripted clock: nothing here sleeps for it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import io
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from cosyvoice_lb.instance.routing.board import Board
 from cosyvoice_lb.instance.speech.admission import Admission
 from cosyvoice_lb.jobs import model
 from cosyvoice_lb.jobs.results import Results
-from cosyvoice_lb.jobs.runner import Runner, segments_of
+from cosyvoice_lb.jobs.runner import IDLE, POLL, Runner, segments_of
 from cosyvoice_lb.jobs.sqlite_store import SqliteStore
 from cosyvoice_lb.jobs.yielding import QUIET, STEP, BoardDemand, Demand, Share, Yielding, share_for
 
@@ -244,3 +246,83 @@ def test_an_instance_that_background_work_alone_holds_declines_for_any_sooner_pe
     assert not router.check("request-2", last=False).decline
     own[0] = Backlog(now + 0.03, True, interactive=0, asking=0)
     assert not router.check("request-3", last=True).decline  # (nginx's last resort: always taken)
+
+
+class Rounds:
+    """The runner's collaborators for :meth:`Runner.run`: a scripted board reader (counted),
+    a scripted monotonic clock, and a sleep that records and stops the runner when told."""
+
+    def __init__(self, stop: threading.Event, demand: Demand | None = None) -> None:
+        self.stop, self.demand = stop, demand or Demand(0, 0)
+        self.reads = 0
+        self.slept: list[float] = []
+        self.now = 0.0
+        self.until: Callable[[], bool] = lambda: len(self.slept) >= 3
+
+    def read_board(self) -> Demand | None:
+        self.reads += 1
+        return self.demand
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+        if self.until() or len(self.slept) > 10_000:
+            self.stop.set()
+
+
+def test_an_idle_runner_reads_the_board_once_a_round_and_waits_through_its_sleep(tmp_path):
+    stop = threading.Event()
+    rounds = Rounds(stop)
+    with SqliteStore(tmp_path / "jobs.sqlite3") as store:
+        runner = Runner(
+            store,
+            lambda params, text, seed: pytest.fail("nothing to send"),
+            Results(tmp_path / "results"),
+            worker="box:1",
+            slots=4,
+            segment_chars=SEGMENT_CHARS,
+            sleep=rounds.sleep,
+            monotonic=rounds.clock,
+            share=Yielding(Share(floor=1, ceiling=4, fallback=3), rounds.read_board, rounds.clock),
+        )
+        started = time.monotonic()
+        runner.run(stop)
+        assert time.monotonic() - started < IDLE  # (the sleeps were the fake's)
+    assert rounds.slept == [IDLE] * 3 and rounds.reads == 3
+    assert runner.closed and runner.allowed == 4  # quiet for a second and a half: every slot
+
+
+def test_a_job_under_yield_is_made_with_the_fake_board_and_no_real_sleep(tmp_path):
+    stop = threading.Event()
+    rounds = Rounds(stop, demand=Demand(3, 1))  # an interactive request in flight all along
+    text = text_of(3)
+    sends: list[int] = []
+
+    def send(params, text, seed) -> bytes:
+        sends.append(rounds.reads)
+        return wav()
+
+    with SqliteStore(tmp_path / "jobs.sqlite3") as store:
+        total = len(segments_of(text, SEGMENT_CHARS))
+        job = model.new_job(OWNER, text, total, time.time(), params={"response_format": "wav", "seed": 7})
+        store.create(job, text)
+        rounds.until = lambda: store.get(job.id, OWNER).status == model.SUCCEEDED  # type: ignore[union-attr]
+        runner = Runner(
+            store,
+            send,
+            Results(tmp_path / "results"),
+            worker="box:1",
+            slots=4,
+            segment_chars=SEGMENT_CHARS,
+            sleep=rounds.sleep,
+            monotonic=rounds.clock,
+            share=Yielding(Share(floor=1, ceiling=4, fallback=3), rounds.read_board, rounds.clock),
+        )
+        runner.run(stop)
+        done = store.get(job.id, OWNER)
+    assert done is not None and done.status == model.SUCCEEDED and done.segments_done == total
+    assert len(sends) == total and sends == sorted(set(sends))  # one segment out at a time: a round each
+    assert set(rounds.slept) <= {POLL, IDLE} and len(rounds.slept) < 10_000

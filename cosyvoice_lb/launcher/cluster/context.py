@@ -80,13 +80,24 @@ class Nginx(Protocol):
 
 @dataclass
 class NginxThroughSupervisor:
-    """nginx as supervisord runs it, each change checked (``nginx_apply``)."""
+    """nginx as supervisord runs it, each change checked (``nginx_apply``), waiting by
+    ``clock`` and ``sleep``."""
 
     supervisor: Supervisor
     layout: Layout
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
 
     def apply(self, settings: Settings, say: Say) -> None:
-        nginx_apply.apply(self.supervisor, self.layout.log("nginx-error"), settings.listen_host, settings.port, say)
+        nginx_apply.apply(
+            self.supervisor,
+            self.layout.log("nginx-error"),
+            settings.listen_host,
+            settings.port,
+            say,
+            clock=self.clock,
+            sleep=self.sleep,
+        )
 
     def replace_program(self, settings: Settings) -> None:
         self.supervisor.remove_group("nginx")
@@ -95,7 +106,9 @@ class NginxThroughSupervisor:
 
     def restarted(self, settings: Settings) -> None:
         want = wanted(settings.listen_host, settings.port)
-        nginx_apply.wait_listening(self.supervisor, self.layout.log("nginx-error"), want)
+        nginx_apply.wait_listening(
+            self.supervisor, self.layout.log("nginx-error"), want, clock=self.clock, sleep=self.sleep
+        )
 
     def lagging(self, settings: Settings) -> bool:
         return nginx_apply.lagging(self.supervisor, self.layout, wanted(settings.listen_host, settings.port))
@@ -125,14 +138,18 @@ class Cluster:
     def of(cls, layout: Layout, settings: Settings, progress: Report = lambda p: None) -> Cluster:
         """The real one: its supervisord, nginx through it, ``status`` without telemetry."""
         supervisor = Supervisor(layout, wait_timeout=Timeouts(settings).supervisor_wait)
+        clock, sleep = time.monotonic, time.sleep
         return cls(
             layout=layout,
             settings=settings,
             supervisor=supervisor,
-            nginx=NginxThroughSupervisor(supervisor, layout),
+            nginx=NginxThroughSupervisor(supervisor, layout, clock, sleep),
             read_status=lambda: status(layout, telemetry=NO_TELEMETRY),
             room=lambda running, parked: room_to_start(settings, running, parked),
             progress=progress,
+            clock=clock,
+            wall=time.time,
+            sleep=sleep,
         )
 
     def with_settings(self, settings: Settings) -> Cluster:

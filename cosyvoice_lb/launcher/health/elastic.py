@@ -3,7 +3,8 @@
 draining and stopping one instance.
 
 The loop passes in what its step saw (supervisord's processes, the probes, the tracks, the
-rotation it last published) and a way to start a slot; it applies what comes back: the
+rotation it last published), a way to start a slot and one to ask whether a slot is
+drained by hand (``markers``, through the loop's state files); it applies what comes back: the
 next scale, and the drain of an instance scaled in. Never during a roll-out, nor while an
 instance loads or stops: the load it would judge by is not the pool's own then.
 """
@@ -20,8 +21,6 @@ from cosyvoice_lb.launcher.health.rotation import OCCUPIED, is_parked
 from cosyvoice_lb.launcher.health.rules import Track, start_drain
 from cosyvoice_lb.launcher.health.scaling import Bounds, Load, Scale, decide
 from cosyvoice_lb.launcher.plan.planner import Slot
-from cosyvoice_lb.launcher.state import markers
-from cosyvoice_lb.launcher.state.layout import Layout
 from cosyvoice_lb.launcher.state.markers import DrainAction
 from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
@@ -88,7 +87,7 @@ def follow_load(
     bounds: Bounds,
     *,
     room: Room,
-    layout: Layout,
+    drained_by_hand: Callable[[str], bool],
     start: Callable[[str], None],
     short_of_room: bool,
     now: float,
@@ -114,7 +113,7 @@ def follow_load(
             running,
             desired,
             room=room,
-            layout=layout,
+            drained_by_hand=drained_by_hand,
             start=start,
             warned=short_of_room,
         )
@@ -129,7 +128,7 @@ def _scale_out(
     desired: int,
     *,
     room: Room,
-    layout: Layout,
+    drained_by_hand: Callable[[str], bool],
     start: Callable[[str], None],
     warned: bool,
 ) -> Followed:
@@ -142,7 +141,7 @@ def _scale_out(
         for s in seen.slots
         if s.name in seen.processes
         and is_parked(seen.processes[s.name].state, bool(seen.tracks[s.name].failed))
-        and not markers.drained_by_hand(layout, s.name)
+        and not drained_by_hand(s.name)
     )
     startable = room(tuple(running), parked)[: desired - len(running)]
     for slot in startable:

@@ -8,8 +8,9 @@ nginx gracefully, and restarts an instance by signal through supervisord
 fastest way back to serving.
 
 Everything it works with is passed in: settings and slots, the supervisor adapter, the
-prober, the host's process facts (``health.adapters``), a clock and a random source; tests
-script them. An elastic pool's following of the load is ``health.elastic``'s job, which
+prober, the host's process facts, the state dir's files and the routing board
+(``health.adapters``), clocks, a sleep and a random source; tests script them, and
+:func:`main` wires the real ones. An elastic pool's following of the load is ``health.elastic``'s job, which
 the loop calls each step.
 """
 
@@ -25,11 +26,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cosyvoice_lb.common.atomic import write_atomic
 from cosyvoice_lb.common.settings import Settings
 from cosyvoice_lb.common.timeouts import SUPERVISOR_POLL, Timeouts
-from cosyvoice_lb.instance.routing.board import Board
-from cosyvoice_lb.launcher.health.adapters import Host, Probing, Supervision
+from cosyvoice_lb.launcher.health.adapters import (
+    Host,
+    Probing,
+    RoutingBoard,
+    StateDir,
+    StateFiles,
+    Supervision,
+    create_board,
+)
 from cosyvoice_lb.launcher.health.elastic import Room, Seen, follow_load
 from cosyvoice_lb.launcher.health.probe import Probe, Prober
 from cosyvoice_lb.launcher.health.rotation import is_parked, rotation, spares_of
@@ -48,12 +55,11 @@ from cosyvoice_lb.launcher.health.scaling import Bounds, Scale, schedule_notes
 from cosyvoice_lb.launcher.plan.footprint import room_to_start
 from cosyvoice_lb.launcher.plan.planner import Roles, Slot
 from cosyvoice_lb.launcher.render.cluster import overflow_of, render_upstreams
-from cosyvoice_lb.launcher.state import canary as canary_state
-from cosyvoice_lb.launcher.state import markers, record
-from cosyvoice_lb.launcher.state.health_report import HealthReport, OnPurpose, Track, read_report, write_report
+from cosyvoice_lb.launcher.state import record
+from cosyvoice_lb.launcher.state.health_report import HealthReport, OnPurpose, Track
 from cosyvoice_lb.launcher.state.layout import Layout
 from cosyvoice_lb.launcher.state.markers import DrainAction
-from cosyvoice_lb.launcher.state.supervision import ProcessInfo, SupervisionError, Supervisor
+from cosyvoice_lb.launcher.state.supervision import ProcessInfo, ProgramState, SupervisionError, Supervisor
 
 log = logging.getLogger("cosyvoice_lb.health")
 
@@ -71,12 +77,21 @@ class HealthLoop:
         rng: random.Random | None = None,
         pool: Roles | None = None,
         room: Room | None = None,
+        *,
+        files: StateFiles | None = None,
+        open_board: Callable[[Path], RoutingBoard] = create_board,
+        monotonic: Callable[[], float] = time.monotonic,
     ):
+        """``files``: the state dir's (:class:`StateDir` over ``layout`` when None);
+        ``open_board``: makes the routing board at a path; ``clock``: epoch seconds (the
+        report's), ``monotonic``: the probes' and the steps' durations."""
         self.layout, self.settings, self.slots = layout, settings, slots
+        self.files: StateFiles = files if files is not None else StateDir(layout)
+        self.monotonic = monotonic
         self.nginx_checked = 0  # (the nginx master last found RUNNING with no orphan beside it)
         # A model roll-out's canary (read at start: `canary start` and `abort` restart the
         # loop): probed like any instance, never in the serving rotation, in pools of its own.
-        self.canary = canary_state.read(layout)
+        self.canary = self.files.read_canary()
         self.canary_slots = frozenset(self.canary.slots) if self.canary else frozenset()
         self.roles = pool or Roles(serving=len(slots))
         self.room: Room = room or (lambda running, parked: room_to_start(settings, running, parked))
@@ -87,7 +102,7 @@ class HealthLoop:
         self.timeouts = Timeouts(settings)
         self.supervisor, self.prober, self.host = supervisor, prober, host or Host()
         self.clock, self.rng = clock, rng or random.Random()
-        saved = read_report(layout)  # pick up where a previous loop left off (the loop may be restarted)
+        saved = self.files.read_report()  # pick up where a previous loop left off (the loop may be restarted)
         self.tracks = {slot.name: saved.track(slot.name) for slot in self.slots}
         self.scale = Scale.from_dict(saved.pool.get("scale"), self.bounds) if self.bounds else None
         self.wanted = self.roles.serving
@@ -96,19 +111,19 @@ class HealthLoop:
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(slots)))
         self.published: frozenset[str] | None = None
         self.serving_before = frozenset(name for name, t in self.tracks.items() if t.in_rotation)
-        self.board = self._open_board()
+        self.board = self._open_board(open_board)
         self.board_current = False  # the board shows the published rotation
         self.pids: dict[str, int] = {}
         self.taken: list[str] = []
         self.probe_seconds: dict[str, float] = {}
         self.stopping = False
 
-    def _open_board(self) -> Board | None:
+    def _open_board(self, open_board: Callable[[Path], RoutingBoard]) -> RoutingBoard | None:
         """The routing board (instances read it at each request). Routing by least
         connections is set at once; routing by work only once nginx has the last resort (see
         :meth:`mark_board`)."""
         try:
-            board = Board.create(self.layout.routing_board)
+            board = open_board(self.layout.routing_board)
         except OSError as exc:
             log.warning("no routing board (%s): nginx balances by least connections alone", exc)
             return None
@@ -143,8 +158,8 @@ class HealthLoop:
         before_step = dict(self.tracks)
         for slot in self.slots:
             name, before = slot.name, self.tracks[slot.name]
-            starts = markers.starts_count(self.layout, name)
-            if before.failed and markers.drain_pending(self.layout, name):  # `restart NAME` after a crash loop
+            starts = self.files.starts_count(name)
+            if before.failed and self.files.drain_pending(name):  # `restart NAME` after a crash loop
                 # Start it here: the snapshot above still says FATAL or STOPPED, and judging
                 # that would give it up again. Its crash count starts afresh.
                 log.info("%s: restarted by hand after it was given up on", name)
@@ -161,7 +176,7 @@ class HealthLoop:
             verdict = judge(before, processes.get(name), probes[name], self.policy, starts, now)
             track = count_crashes(verdict.track, starts)
             # Drained by hand (the panel, `drain`): kept out while it would serve, process and all.
-            if track.in_rotation and markers.drained_by_hand(self.layout, name):
+            if track.in_rotation and self.files.drained_by_hand(name):
                 track = dataclasses.replace(track, in_rotation=False, reason=OnPurpose.DRAINED)
             if verdict.give_up:
                 if not before.failed:
@@ -201,7 +216,7 @@ class HealthLoop:
         self.finish_draining(probes, now)
         self.save(now)
         for name in self.taken:  # the launcher waits for these to go: only after health.json says so
-            markers.answer_drain(self.layout, name)
+            self.files.answer_drain(name)
 
     def take_requests(self, processes: dict[str, ProcessInfo], now: float, killing: Sequence[str] = ()) -> None:
         """The launcher asks for drained stops with a file per instance (one restarted in this
@@ -210,10 +225,10 @@ class HealthLoop:
             if slot.name in self.taken:
                 continue
             if slot.name in killing:
-                if markers.drain_pending(self.layout, slot.name):
+                if self.files.drain_pending(slot.name):
                     self.taken.append(slot.name)
                 continue
-            action = markers.read_drain(self.layout, slot.name)
+            action = self.files.read_drain(slot.name)
             if action is None:
                 continue
             track, process = self.tracks[slot.name], processes.get(slot.name)
@@ -244,7 +259,7 @@ class HealthLoop:
                 track = self.tracks[slot.name] = dataclasses.replace(track, recycle_at=policy.max_requests + jitter)
             candidates[slot.name] = recycle_due(track, probes[slot.name], memory.get(slot.name, 0), policy)
         uptimes = {name: p.uptime for name, p in processes.items()}
-        drained = frozenset(s.name for s in self.slots if markers.drained_by_hand(self.layout, s.name))
+        drained = frozenset(s.name for s in self.slots if self.files.drained_by_hand(s.name))
         standing_by = frozenset(
             name
             for name, t in self.tracks.items()
@@ -259,7 +274,7 @@ class HealthLoop:
     def balance(self, processes: dict[str, ProcessInfo], probes: dict[str, Probe], now: float) -> None:
         """How many serve: the plan's number (elastic: the scaler's), plus a surge roll-out's
         extra ones; the other ready instances wait out of rotation as warm spares."""
-        self.surge = markers.rollout_surge(self.layout)
+        self.surge = self.files.rollout_surge()
         if self.bounds is not None and self.scale is not None:
             serving_slots = tuple(s for s in self.slots if s.name not in self.canary_slots)
             seen = Seen(
@@ -270,7 +285,7 @@ class HealthLoop:
                 self.scale,
                 self.bounds,
                 room=self.room,
-                layout=self.layout,
+                drained_by_hand=self.files.drained_by_hand,
                 start=self._start,
                 short_of_room=self.short_of_room,
                 now=now,
@@ -330,10 +345,10 @@ class HealthLoop:
         the port at once and finish what they are serving. Looked for while nginx is not
         RUNNING, and once for each new master that is (the few seconds it is STARTING may
         fall between two steps)."""
-        if nginx is None or (nginx.state == "RUNNING" and nginx.pid == self.nginx_checked):
+        if nginx is None or (nginx.state == ProgramState.RUNNING and nginx.pid == self.nginx_checked):
             return
         orphans = self.host.orphan_nginx(self.settings.port, nginx.pid)
-        if nginx.state == "RUNNING" and not orphans:
+        if nginx.state == ProgramState.RUNNING and not orphans:
             self.nginx_checked = nginx.pid
         if orphans:
             log.warning(
@@ -377,9 +392,8 @@ class HealthLoop:
         if self.board is not None:  # the leaving leave the board now
             self.board.set_rotation(self.board.rotation() & self._serving(out))
         self.board_current = False
-        write_atomic(
-            self.layout.upstreams_conf,
-            render_upstreams(self.slots, out, overflow_of(self.settings, self.layout), self.canary),
+        self.files.write_upstreams(
+            render_upstreams(self.slots, out, overflow_of(self.settings, self.layout), self.canary)
         )
         # Published once nginx took it: a reload supervisord refused (busy, or nginx down
         # for a moment) is tried again next step.
@@ -402,15 +416,16 @@ class HealthLoop:
                 **({"scale": self.scale.as_dict()} if self.scale is not None else {}),
             },
         )
-        write_report(self.layout, report)
+        self.files.write_report(report)
 
     def timed_probe(self, slot: Slot) -> tuple[Probe, float]:
         """A probe of one instance and the seconds it took (the metrics' probe latency)."""
-        started = time.monotonic()
+        started = self.monotonic()
         found = self.prober.probe(slot.port, self.settings.probe_timeout)
-        return found, time.monotonic() - started
+        return found, self.monotonic() - started
 
     def run(self, sleep: Callable[[float], None] = time.sleep) -> None:
+        """Steps a probe interval apart (``sleep`` waits out the rest of one) until SIGTERM."""
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         log.info(
             "health loop: %d instances, probe every %gs (timeout %gs), out after %d failures, "
@@ -423,12 +438,12 @@ class HealthLoop:
             self.policy.hang_timeout,
         )
         while not self.stopping:
-            started = time.monotonic()
+            started = self.monotonic()
             try:
                 self.step()
             except (SupervisionError, OSError) as exc:  # supervisord busy, a file not writable: next step
                 log.warning("health step failed (%s); trying again", exc)
-            sleep(max(0.0, self.settings.probe_interval - (time.monotonic() - started)))
+            sleep(max(0.0, self.settings.probe_interval - (self.monotonic() - started)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -439,7 +454,20 @@ def main(argv: list[str] | None = None) -> None:
     layout = Layout(Path(args.state_dir).resolve())
     found = record.parse(layout.cluster_json.read_text())
     supervisor = Supervisor(layout, timeout=SUPERVISOR_POLL)
-    HealthLoop(layout, found.settings, found.slots, supervisor, Prober(len(found.slots)), pool=found.roles).run()
+    loop = HealthLoop(
+        layout,
+        found.settings,
+        found.slots,
+        supervisor,
+        Prober(len(found.slots)),
+        Host(),
+        clock=time.time,
+        pool=found.roles,
+        files=StateDir(layout),
+        open_board=create_board,
+        monotonic=time.monotonic,
+    )
+    loop.run(sleep=time.sleep)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 
 from cosyvoice_lb.common.settings import Settings
+from cosyvoice_lb.launcher.health.adapters import StateDir, create_board
 from cosyvoice_lb.launcher.health.loop import HealthLoop, Host
 from cosyvoice_lb.launcher.health.probe import Probe
 from cosyvoice_lb.launcher.health.rules import RESTART_REASONS, pick_recycle, restarts_by_reason
@@ -188,7 +189,18 @@ def make_rig(tmp_path):
         )
         clock, prober, host = Clock(), FakeProber(), FakeHost()
         sup = FakeSupervisor(clock)
-        loop = HealthLoop(layout, settings, SLOTS, sup, prober, host, clock=clock, rng=random.Random(0))
+        loop = HealthLoop(
+            layout,
+            settings,
+            SLOTS,
+            sup,
+            prober,
+            host,
+            clock=clock,
+            rng=random.Random(0),
+            files=StateDir(layout),  # (the real state files: they are the protocol tested here)
+            open_board=create_board,
+        )
         loops.append(loop)
         rig = Rig(loop, layout, sup, prober, host, clock)
         if serving:

@@ -264,28 +264,34 @@ def seen(states: dict[str, str], tracks: dict[str, Track], probes: dict[str, Pro
     return Seen(SLOTS, processes, probes, tracks, frozenset({I0}), surge, spares=0)
 
 
-def test_follow_load_starts_what_the_room_allows_and_takes_back_the_rest(tmp_path):
+def test_follow_load_starts_what_the_room_allows_and_takes_back_the_rest():
     tracks = {I0: Track(in_rotation=True, ever_ready=True), I1: Track(), I2: Track(), I3: Track()}
     saw = seen({I0: "RUNNING", I1: "STOPPED", I2: "STOPPED", I3: "STOPPED"}, tracks, {I0: BUSY})
     bounds = Bounds(low=1, high=4, scale_up_after=2.0, idle_release=600.0)
     busy = Scale(target=2, busy_since=100.0)  # two wanted already, one more due now
     started: list[str] = []
+    offered: list[list[str]] = []  # the parked slots the room was asked about
+
+    def room(running, parked):
+        offered.append([s.name for s in parked])
+        return list(parked[:1])
+
     followed = follow_load(
         saw,
         busy,
         bounds,
-        room=lambda running, parked: list(parked[:1]),
-        layout=Layout(tmp_path),
+        room=room,
+        drained_by_hand=lambda name: name == I2,  # (a drained one is never started)
         start=started.append,
         short_of_room=False,
         now=110.0,
     )
-    assert started == [I1]
+    assert started == [I1] and offered == [[I1, I3]]
     assert followed.scale.target == 2 and followed.short_of_room  # 3 decided, 1 had no memory
     assert followed.drains == {}
 
 
-def test_follow_load_drains_the_last_one_when_fewer_are_wanted(tmp_path):
+def test_follow_load_drains_the_last_one_when_fewer_are_wanted():
     tracks = {name: Track(in_rotation=True, ever_ready=True) for name in (I0, I1)} | {I2: Track(), I3: Track()}
     saw = seen({I0: "RUNNING", I1: "RUNNING", I2: "STOPPED", I3: "STOPPED"}, tracks, {I0: READY, I1: READY})
     bounds = Bounds(low=1, high=4, scale_up_after=2.0, idle_release=5.0)
@@ -294,7 +300,7 @@ def test_follow_load_drains_the_last_one_when_fewer_are_wanted(tmp_path):
         Scale(target=2, idle_since=100.0),
         bounds,
         room=lambda running, parked: pytest.fail("no slot to start"),
-        layout=Layout(tmp_path),
+        drained_by_hand=lambda name: False,
         start=lambda name: pytest.fail(f"{name} started"),
         short_of_room=True,
         now=110.0,
