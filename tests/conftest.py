@@ -21,7 +21,8 @@ import requests
 import yaml
 from upstream_support import upstream, upstream_bistream, upstream_vllm  # noqa: F401 - the session fixtures
 
-from cosyvoice_lb.launcher.cluster.ports import free_port_block, port_free  # noqa: F401 - the tests' port picker
+from cosyvoice_lb.launcher.cluster import ports
+from cosyvoice_lb.launcher.cluster.ports import port_free  # noqa: F401 - the tests' port check
 
 TESTS = Path(__file__).resolve().parent  # (the test files sit in folders below, by what they test)
 ROOT = TESTS.parent
@@ -260,12 +261,58 @@ class Load:
                     self.failures.append(detail)
 
 
+# What each of the slowest test files took on 2 cores (seconds, setup included, CI's whole run
+# of 2026-12-07), to start the longest first: the files are dealt out to the workers in this
+# order, so no long file starts last while the other worker idles. A file not listed counts as
+# UNLISTED (integration) or 0 (the quick ones, which fill the gaps at the end). Rough figures
+# do: only the order matters.
+FILE_SECONDS = {
+    "test_capacity.py": 190,
+    "test_vllm_cluster.py": 160,
+    "test_upstream_concurrency.py": 150,
+    "test_gpu_bench_smoke.py": 140,
+    "test_canary_rollout.py": 130,
+    "test_image.py": 130,
+    "test_work_routing.py": 120,
+    "test_up_errors.py": 110,
+    "test_upstream_env.py": 100,
+    "test_listen_switch.py": 100,
+    "test_jobs_cluster.py": 95,
+    "test_browser.py": 90,
+    "test_zero_loss.py": 80,
+    "test_bench_chaos.py": 70,
+    "test_whole_answers.py": 70,
+    "test_cluster.py": 70,
+    "test_service_boot.py": 70,
+    "test_upstream_cluster.py": 60,
+    "test_upstream_stream.py": 60,
+    "test_recycling.py": 50,
+    "test_code_rollout.py": 50,
+    "test_observability.py": 50,
+    "test_long_text_memory.py": 50,
+    "test_speech_cluster.py": 45,
+    "test_poison.py": 40,
+    "test_alert_delivery.py": 40,
+    "test_cosyvoice_cluster.py": 40,
+    "test_upstream_contract.py": 40,
+}
+UNLISTED = 20
+
+
+def expected_seconds(path: Path) -> int:
+    if "integration" not in path.parts:
+        return 0
+    return FILE_SECONDS.get(path.name, UNLISTED)
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/integration/ starts real processes: marked, so that
-    ``-m "not integration"`` is the quick loop."""
+    ``-m "not integration"`` is the quick loop. The files then run longest first (a stable
+    sort: each file's own tests keep their order)."""
     for item in items:
         if "integration" in Path(str(item.fspath)).parts:
             item.add_marker(pytest.mark.integration)
+    items.sort(key=lambda item: -expected_seconds(Path(str(item.fspath))))
 
 
 QUICK_LOOP = "not integration"
@@ -273,18 +320,43 @@ QUICK_LOOP = "not integration"
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """The quick loop (``-m "not integration"``) spreads over the cores: pytest-xdist's workers,
-    a test file each at a time (its module fixtures built once), unless ``-n`` says otherwise
-    (``-n 0``: one process). The integration tests keep one process: their clusters and
-    timings assume the box to themselves."""
+    """A run of the whole suite, or of the quick loop (``-m "not integration"``), spreads over
+    the cores: pytest-xdist's workers, a test file each at a time (its module fixtures built
+    once), unless ``-n`` says otherwise (``-n 0``: one process). The quick loop takes up to 4
+    workers; a run with the integration tests 2, as their clusters share the box with the
+    other worker's (each picks its ports from its own stripes: :func:`free_port_block`).
+    A run of named files stays in one process."""
     option = config.option
-    if config.getoption("markexpr", "") != QUICK_LOOP or not config.pluginmanager.hasplugin("xdist"):
+    if not config.pluginmanager.hasplugin("xdist"):
         return
     if getattr(option, "numprocesses", None) is not None or option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
         return
+    quick = config.getoption("markexpr", "") == QUICK_LOOP
+    if not quick and config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cores > 1:
-        option.numprocesses, option.dist = min(cores, 4), "loadfile"
+        option.numprocesses, option.dist = min(cores, 4 if quick else 2), "loadfile"
+
+
+STRIPE = 500  # ports: each xdist worker picks its blocks from every n-th stripe of these
+
+
+def free_port_block(count: int) -> int:
+    """The first of ``count`` free loopback ports for a cluster of the tests (outside the
+    ephemeral range: see ``cluster/ports.py``). Under xdist, worker k of n picks only where
+    ``port // STRIPE % n == k``, so two workers never pick the same block between the check
+    and their cluster's start."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or workers < 2:
+        return ports.free_port_block(count)
+    mine = int(worker[2:]) % workers
+
+    def free(port: int) -> bool:
+        return port // STRIPE % workers == mine and ports.port_free(port)
+
+    return ports.free_port_block(count, free=free, tries=2000)
 
 
 @pytest.hookimpl(trylast=True)
