@@ -207,6 +207,15 @@ def diagnose(seen: Observation) -> ClusterStatus:
     return result
 
 
+def shown_reason(track: Track, *, canary: bool, parked: bool, in_rotation: bool) -> str:
+    """Why an instance is out, as status and the panel show it (empty: in rotation)."""
+    if canary:
+        return "canary (model roll-out)"
+    if parked:
+        return str(OnPurpose.PARKED)
+    return "" if in_rotation else track.reason_words
+
+
 def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStatus:
     """One slot: what supervisord, its /ping and the health loop's track say of it."""
     proc = seen.programs.get(slot.name)
@@ -234,15 +243,13 @@ def instance_status(seen: Observation, slot: Slot, track: Track) -> InstanceStat
         in_rotation=in_rotation,
         restarts=max(0, seen.starts.get(slot.name, 0) - 1),
         uptime=round(proc.uptime, 1) if proc and proc.state in OCCUPIED else 0.0,  # (a stopped one: its last run)
-        reason=str(
-            "canary (model roll-out)" if canary else OnPurpose.PARKED if parked else "" if in_rotation else track.reason
-        ),
+        reason=shown_reason(track, canary=canary, parked=parked, in_rotation=in_rotation),
         inflight=int(body.get("inflight", 0)),
         waiting=int(body.get("waiting", 0)),
         failed=failed,
         failed_at=track.failed_at if track.failed else 0.0,
         drained=slot.name in seen.drained,
-        spare=ready and not in_rotation and track.reason is OnPurpose.SPARE,
+        spare=ready and not in_rotation and track.on_purpose is OnPurpose.SPARE,
         parked=parked,
         code=str(body.get("code", "")),
         bad_audio={str(k): int(v) for k, v in counts.items() if isinstance(v, int)} if isinstance(counts, dict) else {},

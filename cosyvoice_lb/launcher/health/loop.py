@@ -177,7 +177,7 @@ class HealthLoop:
             track = count_crashes(verdict.track, starts)
             # Drained by hand (the panel, `drain`): kept out while it would serve, process and all.
             if track.in_rotation and self.files.drained_by_hand(name):
-                track = dataclasses.replace(track, in_rotation=False, reason=OnPurpose.DRAINED)
+                track = dataclasses.replace(track, in_rotation=False, on_purpose=OnPurpose.DRAINED, reason="")
             if verdict.give_up:
                 if not before.failed:
                     log.error(
@@ -263,7 +263,8 @@ class HealthLoop:
         standing_by = frozenset(
             name
             for name, t in self.tracks.items()
-            if t.reason is OnPurpose.SPARE or (name in processes and is_parked(processes[name].state, bool(t.failed)))
+            if t.on_purpose is OnPurpose.SPARE
+            or (name in processes and is_parked(processes[name].state, bool(t.failed)))
         )
         picked = pick_recycle(candidates, self.tracks, uptimes, drained, standing_by)
         if picked:
@@ -300,7 +301,9 @@ class HealthLoop:
         before = [name for name in eligible if name in self.serving_before]
         chosen = rotation(eligible, before, self.wanted + self.surge)
         for name in spares_of(eligible, chosen):
-            self.tracks[name] = dataclasses.replace(self.tracks[name], in_rotation=False, reason=OnPurpose.SPARE)
+            self.tracks[name] = dataclasses.replace(
+                self.tracks[name], in_rotation=False, on_purpose=OnPurpose.SPARE, reason=""
+            )
         self.serving_before = frozenset(chosen)
 
     def log_rotation(self, before: dict[str, Track]) -> None:
@@ -311,7 +314,7 @@ class HealthLoop:
                     "%s: %s rotation%s",
                     slot.name,
                     "back in" if now.in_rotation else "out of",
-                    f" ({now.reason})" if now.reason and not now.in_rotation else "",
+                    f" ({now.reason_words})" if now.reason_words and not now.in_rotation else "",
                 )
 
     def finish_draining(self, probes: dict[str, Probe], now: float) -> None:

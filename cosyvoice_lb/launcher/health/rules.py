@@ -110,12 +110,7 @@ def judge(
                     f"it exited {crashes} times in a row without getting ready (--start-retries {policy.start_retries})"
                 )
             return _give_up(track, why, now)
-        # (STOPPED: never started, or stopped on purpose: a parked slot)
-        return Verdict(
-            dataclasses.replace(
-                track, reason=OnPurpose.PARKED if state == ProgramState.STOPPED else f"process {state.lower()}"
-            )
-        )
+        return Verdict(_not_running(track, state))
     if track.failed:  # given up on, yet running (supervisord restarted it meanwhile): stop it again
         return Verdict(dataclasses.replace(track, in_rotation=False, pid=process.pid), give_up=track.failed)
     if process.pid != track.pid:  # a new process: earns its place like any newcomer
@@ -157,6 +152,7 @@ def judge(
                 ever_ready=True,
                 in_rotation=back,
                 ready_starts=starts or track.ready_starts,
+                on_purpose=None if back else track.on_purpose,
                 reason="" if back else track.reason,
             )
         )
@@ -166,7 +162,9 @@ def judge(
     if not track.ever_ready and crashes > policy.start_retries:
         return _give_up(track, _never_ready(crashes, policy), now)
     if loading:  # still loading its model (or not listening yet): never killed for being slow
-        return Verdict(dataclasses.replace(track, in_rotation=False, fails=0, goods=0, reason="loading"))
+        return Verdict(
+            dataclasses.replace(track, in_rotation=False, fails=0, goods=0, on_purpose=None, reason="loading")
+        )
     if probe.status == ProbeStatus.LOADING:
         detail = (
             f"not ready after the startup timeout ({policy.startup_timeout:.0f}s)"
@@ -178,6 +176,14 @@ def judge(
     if fails >= policy.fail_threshold:
         return _restart(track, f"{fails} probes failed in a row: {probe.detail}", "probe_failures")
     return Verdict(dataclasses.replace(track, fails=fails, goods=0))
+
+
+def _not_running(track: Track, state: str) -> Track:
+    """Why it is out while its process does not run: STOPPED, never started or stopped on
+    purpose, is a parked slot; any other state is words for people."""
+    if state == ProgramState.STOPPED:
+        return dataclasses.replace(track, on_purpose=OnPurpose.PARKED, reason="")
+    return dataclasses.replace(track, on_purpose=None, reason=f"process {state.lower()}")
 
 
 def _never_ready(crashes: int, policy: Policy) -> str:
@@ -253,6 +259,7 @@ def start_drain(track: Track, reason: str, action: DrainAction, now: float, kind
         track,
         in_rotation=False,
         goods=0,
+        on_purpose=None,
         reason=reason,
         drain_signal=action,
         draining_since=track.draining_since or now,
@@ -263,7 +270,13 @@ def start_drain(track: Track, reason: str, action: DrainAction, now: float, kind
 def _restart(track: Track, reason: str, kind: str, drain: bool = False) -> Verdict:
     return Verdict(
         dataclasses.replace(
-            count_restart(track, kind), in_rotation=False, fails=0, goods=0, reason=reason, restarts=track.restarts + 1
+            count_restart(track, kind),
+            in_rotation=False,
+            fails=0,
+            goods=0,
+            on_purpose=None,
+            reason=reason,
+            restarts=track.restarts + 1,
         ),
         restart=reason,
         kind=kind,
@@ -300,6 +313,7 @@ def _give_up(track: Track, why: str, now: float) -> Verdict:
             in_rotation=False,
             fails=0,
             goods=0,
+            on_purpose=None,
             reason=reason,
             failed=reason,
             failed_at=now,

@@ -22,30 +22,30 @@ VERSION = 1
 
 
 class OnPurpose(StrEnum):
-    """Why a ready instance is out of rotation on purpose (a track's ``reason``); any other
-    reason is an explanation for people (not ready, hung, draining...). Its value is its words,
-    as status and the logs show them and health.json keeps them."""
+    """Why a ready instance is out of rotation on purpose (a track's ``on_purpose``); any other
+    reason is an explanation for people (a track's ``reason``: not ready, hung, draining...).
+    Its value is its words, as status and the logs show them and health.json keeps them."""
 
     SPARE = "warm spare: ready, enters rotation when an instance is taken out"
     PARKED = "parked: not started (a slot for surges, or scaled in)"
     DRAINED = "drained by hand (undrain to return it)"
 
 
-# A track's reason: on purpose (an OnPurpose, which code tells apart), or words for people
-# (not ready, hung, draining, given up...). One at a time: a new reason replaces the last.
-Reason = OnPurpose | str
-
-
 @dataclass(frozen=True)
 class Track:
-    """What the loop remembers about one instance between probes."""
+    """What the loop remembers about one instance between probes.
+
+    Why it is out: ``on_purpose`` (a state code tells apart) or ``reason`` (words for people:
+    not ready, hung, draining, given up...), one at a time: whoever sets one clears the other,
+    as a new reason replaces the last. health.json keeps either under its one ``"reason"``."""
 
     in_rotation: bool = False
     fails: int = 0
     goods: int = 0
     pid: int = 0
     ever_ready: bool = False  # this pid has answered ready at least once
-    reason: Reason = ""  # why it is out of rotation (an OnPurpose when on purpose), or why it was last restarted
+    on_purpose: OnPurpose | None = None  # out of rotation on purpose (then ``reason`` is empty)
+    reason: str = ""  # why it is out of rotation, or why it was last restarted (words for people)
     restarts: int = 0  # restarts the loop ordered
     recycle_at: int = 0  # requests after which this process is recycled (0: not set yet)
     # A planned stop: out of rotation since (epoch s; 0: none), then this action once the
@@ -61,6 +61,18 @@ class Track:
     bad_audio: str = ""  # what its /ping last said of bad audio (its warm-up's or a canary's), if ever
     bad_audio_at: float = 0.0  # when the loop saw it (epoch s)
 
+    def __post_init__(self) -> None:
+        if self.on_purpose is not None and self.reason:
+            raise ValueError(
+                f"out on purpose ({self.on_purpose.name}) and for a reason ({self.reason!r}): one at a time"
+            )
+
+    @property
+    def reason_words(self) -> str:
+        """Why it is out as people read it, and health.json keeps it: an OnPurpose's words,
+        or the reason."""
+        return str(self.on_purpose) if self.on_purpose is not None else self.reason
+
 
 def track_from_dict(saved: dict) -> Track:
     """A track back from health.json (unknown keys from another version ignored)."""
@@ -68,23 +80,23 @@ def track_from_dict(saved: dict) -> Track:
     values = {k: v for k, v in saved.items() if k in fields}
     signal = values.get("drain_signal")
     values["drain_signal"] = DrainAction(signal) if signal in tuple(a.value for a in DrainAction) else None
-    reason = values.get("reason", "")
-    values["reason"] = parse_reason(reason)
+    values["on_purpose"], values["reason"] = parse_reason(values.get("reason", ""))
     return Track(**values)
 
 
-def parse_reason(text: object) -> Reason:
-    """A reason as health.json keeps it: the words of an :class:`OnPurpose` are that member,
-    any other text stays text."""
+def parse_reason(text: object) -> tuple[OnPurpose | None, str]:
+    """A reason as health.json keeps it, as ``(on_purpose, reason)``: the words of an
+    :class:`OnPurpose` are that member (and no reason), any other text stays text."""
     if not isinstance(text, str):
-        return ""
-    return OnPurpose(text) if text in OnPurpose._value2member_map_ else text
+        return None, ""
+    return (OnPurpose(text), "") if text in OnPurpose._value2member_map_ else (None, text)
 
 
 def track_to_dict(track: Track) -> dict:
     values = dataclasses.asdict(track)
+    del values["on_purpose"]  # (kept under "reason", as its words: the format has one key for both)
     values["drain_signal"] = track.drain_signal.value if track.drain_signal else ""
-    values["reason"] = str(track.reason)  # (an OnPurpose as its words)
+    values["reason"] = track.reason_words
     return values
 
 

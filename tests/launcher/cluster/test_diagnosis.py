@@ -72,7 +72,7 @@ def test_a_failed_instance_says_how_to_bring_it_back():
 def test_parked_slots_and_spares_are_on_purpose_not_problems():
     programs = {**seen().programs, "instance-2": proc("instance-2", 0, "STOPPED")}
     health = dataclasses.replace(
-        with_track("instance-1", in_rotation=False, pid=101, reason=OnPurpose.SPARE), pool={"wanted": 1}
+        with_track("instance-1", in_rotation=False, pid=101, on_purpose=OnPurpose.SPARE), pool={"wanted": 1}
     )
     current = diagnose(seen(programs=programs, health=health, roles=Roles(serving=1, spares=1)))
     assert current.instance("instance-2").parked and current.instance("instance-2").reason == OnPurpose.PARKED

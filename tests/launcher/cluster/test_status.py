@@ -252,7 +252,7 @@ def test_a_parked_slot_is_no_problem_unless_fewer_serve_than_wanted(monkeypatch,
 
     layout = running_cluster(monkeypatch, tmp_path)
     monkeypatch.setattr(status_module, "Supervisor", OneParked)
-    tracks = {"instance-0": Track(in_rotation=True, pid=4242), "instance-1": Track(reason=OnPurpose.PARKED)}
+    tracks = {"instance-0": Track(in_rotation=True, pid=4242), "instance-1": Track(on_purpose=OnPurpose.PARKED)}
     write_report(layout, HealthReport(updated=time.time(), tracks=tracks, pool={"wanted": wanted, "surge": 0}))
     current = status(layout, Answering(), NO_TELEMETRY)  # type: ignore[arg-type]
     parked = current.instance("instance-1")

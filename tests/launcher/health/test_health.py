@@ -299,14 +299,44 @@ def test_a_process_that_is_not_running_is_out_of_rotation_without_a_restart(stat
     assert (verdict.track.fails, verdict.track.goods, verdict.track.pid, verdict.track.ever_ready) == (0, 0, 0, False)
     assert verdict.track.restarts == 4
     # (stopped on purpose, by the launcher or the elastic scaler: a parked slot)
-    assert verdict.track.reason == (
-        OnPurpose.PARKED if state == "STOPPED" else f"process {(state or 'missing').lower()}"
+    assert (verdict.track.on_purpose, verdict.track.reason) == (
+        (OnPurpose.PARKED, "") if state == "STOPPED" else (None, f"process {(state or 'missing').lower()}")
     )
 
 
 def test_running_without_a_pid_counts_as_not_running():
     verdict = judge(serving(), process(pid=0, state="RUNNING"), READY, POLICY)
     assert verdict.restart == "" and not verdict.track.in_rotation and verdict.track.goods == 0
+
+
+# A warm spare (ready, out on purpose) as the loop leaves it between steps
+SPARE = serving(in_rotation=False, on_purpose=OnPurpose.SPARE)
+HUNG = Probe("ready", stalled=(500.0,))
+
+
+@pytest.mark.parametrize(
+    "verdict, reason",
+    [
+        (judge(SPARE, process(pid=0, state="EXITED"), READY, POLICY), "process exited"),
+        (judge(SPARE, process(pid=200, uptime=1.0), READY, POLICY), "started"),
+        (judge(SPARE, process(pid=200, uptime=1.0), LOADING, POLICY), "loading"),
+        (run(SPARE, [FAILED] * 3)[-1], "3 probes failed in a row: /ping: ConnectionError"),
+        (judge(SPARE, process(), HUNG, POLICY), "a synthesis has made no progress for 500s (hang timeout 120s)"),
+        (judge(SPARE, process(pid=0, state="FATAL"), FAILED, POLICY), "failed: supervisord gave up starting it"),
+    ],
+)
+def test_a_reason_for_people_replaces_being_out_on_purpose(verdict, reason):
+    assert (verdict.track.on_purpose, verdict.track.reason) == (None, reason)
+    assert verdict.track.reason_words == reason  # (what status, the logs and health.json say)
+
+
+def test_being_out_on_purpose_replaces_a_reason_for_people_and_back_in_rotation_clears_both():
+    parked = judge(serving(reason="process exited"), process(pid=0, state="STOPPED"), READY, POLICY).track
+    assert (parked.on_purpose, parked.reason, parked.reason_words) == (OnPurpose.PARKED, "", OnPurpose.PARKED.value)
+    drained = start_drain(SPARE, "recycling: served 11 requests", DrainAction.TERM, NOW)
+    assert (drained.on_purpose, drained.reason) == (None, "recycling: served 11 requests")
+    back = run(SPARE, [READY] * POLICY.recover_threshold)[-1].track
+    assert back.in_rotation and (back.on_purpose, back.reason) == (None, "")
 
 
 # --- restart bookkeeping ------------------------------------------------------------------

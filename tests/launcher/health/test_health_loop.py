@@ -530,13 +530,13 @@ def test_an_instance_drained_by_hand_stays_out_with_its_process_until_undrained(
     rig = make_rig()
     markers.drain_by_hand(rig.layout, A)
     rig.step()
-    assert rig.down() == {A} and rig.track(A).reason is OnPurpose.DRAINED
+    assert rig.down() == {A} and rig.track(A).on_purpose is OnPurpose.DRAINED and rig.track(A).reason == ""
     rig.step(5)  # still ready, still out: nothing signalled, nothing restarted
     assert rig.down() == {A} and rig.sup.calls == [HUP]
     assert rig.track(A).restarts == 0 and rig.track(B).in_rotation
     assert markers.undrain(rig.layout, A) and not markers.undrain(rig.layout, A)
     rig.step()
-    assert rig.down() == set() and rig.track(A).in_rotation and rig.track(A).reason == ""
+    assert rig.down() == set() and rig.track(A).in_rotation and rig.track(A).reason_words == ""
 
 
 def test_a_drained_instance_that_fails_is_restarted_like_any_other(make_rig):

@@ -178,7 +178,7 @@ def test_an_instance_drained_by_hand_stays_out_while_it_would_serve(rigs):
     rig.step(2)
     rig.files.drained.add(A)
     rig.step()
-    assert rig.files.report.tracks[A].reason is OnPurpose.DRAINED and rig.files.down() == {A}
+    assert rig.files.report.tracks[A].on_purpose is OnPurpose.DRAINED and rig.files.down() == {A}
     rig.files.drained.discard(A)
     rig.step(2)
     assert rig.files.down() == set()

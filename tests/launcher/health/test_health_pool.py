@@ -94,8 +94,8 @@ class Rig:
         api = self.layout.upstreams_conf.read_text().split("upstream cvlb_ui")[0]
         return [name for mark, name in re.findall(r"max_fails=0( down)?;\s+# (\S+)", api) if not mark]
 
-    def reason(self, name: str) -> str:
-        return self.loop.tracks[name].reason
+    def on_purpose(self, name: str) -> OnPurpose | None:
+        return self.loop.tracks[name].on_purpose
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_a_warm_spare_takes_a_crashed_instances_place_in_the_same_step(tmp_path,
     rig = rigs(tmp_path, Roles(serving=2, spares=1), running=3)
     rig.step(2)
     assert rig.serving() == [I0, I1]
-    assert rig.reason(I2) == OnPurpose.SPARE and rig.reason(I3) == OnPurpose.PARKED
+    assert rig.on_purpose(I2) is OnPurpose.SPARE and rig.on_purpose(I3) is OnPurpose.PARKED
     assert read_report(rig.layout).pool["wanted"] == 2
 
     rig.sup.set(I0, "BACKOFF")  # it crashed; supervisord brings it back
@@ -126,7 +126,7 @@ def test_a_warm_spare_takes_a_crashed_instances_place_in_the_same_step(tmp_path,
     rig.start(I0, 200)
     rig.step(2)  # loaded again and ready: it is the spare now
     assert rig.serving() == [I1, I2]
-    assert rig.reason(I0) == OnPurpose.SPARE
+    assert rig.on_purpose(I0) is OnPurpose.SPARE
     assert not rig.loop.tracks[I0].in_rotation
 
 
@@ -192,7 +192,7 @@ def test_elastic_starts_a_parked_slot_after_a_busy_period_and_stops_one_when_idl
     assert ("stop", I1, False) in rig.sup.calls
     rig.sup.set(I1, "STOPPED")
     rig.step()
-    assert rig.reason(I1) == OnPurpose.PARKED and rig.loop.tracks[I1].ordered == {"scaled_in": 1}
+    assert rig.on_purpose(I1) is OnPurpose.PARKED and rig.loop.tracks[I1].ordered == {"scaled_in": 1}
     assert rig.loop.tracks[I1].crashes == 0
 
 
@@ -223,7 +223,12 @@ def test_no_scaling_during_a_roll_out(tmp_path, rigs):
 
 
 def test_pick_recycle_counts_spares_and_parked_slots_aside():
-    tracks = {I0: Track(in_rotation=True), I1: Track(in_rotation=True), I2: Track(reason=OnPurpose.SPARE), I3: Track()}
+    tracks = {
+        I0: Track(in_rotation=True),
+        I1: Track(in_rotation=True),
+        I2: Track(on_purpose=OnPurpose.SPARE),
+        I3: Track(),
+    }
     due = {I0: "served 11 requests", I1: "", I2: "", I3: ""}
     assert pick_recycle(due, tracks, {}) is None  # without knowing, a spare looks like a missing instance
     assert pick_recycle(due, tracks, {}, standing_by=frozenset({I2, I3})) == (I0, "served 11 requests")
@@ -232,7 +237,7 @@ def test_pick_recycle_counts_spares_and_parked_slots_aside():
 def test_elastic_with_a_spare_judges_the_load_by_the_serving_ones_only(tmp_path, rigs):
     rig = rigs(tmp_path, Roles(serving=3, spares=1, min_serving=1), running=2, scale_up_after=3, idle_release=600)
     rig.step(2)
-    assert rig.serving() == [I0] and rig.reason(I1) == OnPurpose.SPARE
+    assert rig.serving() == [I0] and rig.on_purpose(I1) is OnPurpose.SPARE
     rig.prober.set(I0, BUSY)  # the spare is idle, as spares are: it does not make the load look light
     rig.step(4)
     assert rig.loop.scale.target == 2
@@ -249,7 +254,7 @@ def test_a_roll_out_marker_left_by_a_launcher_that_is_gone_is_dropped(tmp_path, 
     rig = rigs(tmp_path, Roles(serving=2, spares=1), running=3)
     rig.layout.rollout.write_text(json.dumps({"surge": 1, "since": 0, "pid": int(gone.stdout)}))
     rig.step(2)
-    assert rig.serving() == [I0, I1] and rig.reason(I2) == OnPurpose.SPARE  # the spare stays a spare
+    assert rig.serving() == [I0, I1] and rig.on_purpose(I2) is OnPurpose.SPARE  # the spare stays a spare
     assert not rig.layout.rollout.exists()
     markers.start_rollout(rig.layout, 1)  # this process: alive
     rig.step()

@@ -3,7 +3,10 @@ a format version, and the files 0.1 wrote still read."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+
+import pytest
 
 from cosyvoice_lb.launcher.state.health_report import (
     VERSION,
@@ -22,13 +25,13 @@ def test_a_report_reads_back_as_it_was_written(tmp_path):
     layout.run.mkdir()
     tracks = {
         "instance-0": Track(in_rotation=True, pid=42, ordered={"hang": 1}),
-        "instance-1": Track(reason=OnPurpose.SPARE, drain_signal=DrainAction.HOLD, signalled_at=5.0),
+        "instance-1": Track(on_purpose=OnPurpose.SPARE, drain_signal=DrainAction.HOLD, signalled_at=5.0),
     }
     written = HealthReport(updated=100.0, tracks=tracks, probe_seconds={"instance-0": 0.01}, pool={"wanted": 1})
     write_report(layout, written)
     assert json.loads(layout.health_json.read_text())["version"] == VERSION
     assert read_report(layout) == written
-    assert read_report(layout).track("instance-1").reason is OnPurpose.SPARE  # a state, not words to compare
+    assert read_report(layout).track("instance-1").on_purpose is OnPurpose.SPARE  # a state, not words to compare
     assert read_report(layout).out_of_rotation == {"instance-1"}
 
 
@@ -44,7 +47,7 @@ def test_a_report_of_0_1_reads_as_version_0_with_its_fields(tmp_path):
     layout.health_json.write_text(json.dumps(old))
     report = read_report(layout)
     assert report.version == 0 and report.updated == 50.0 and report.pool == {"wanted": 2}
-    assert report.track("instance-0") == Track(pid=7, reason=OnPurpose.PARKED)  # (an unknown key ignored)
+    assert report.track("instance-0") == Track(pid=7, on_purpose=OnPurpose.PARKED)  # (an unknown key ignored)
 
 
 def test_no_report_or_a_broken_one_is_an_empty_report(tmp_path):
@@ -119,8 +122,36 @@ def test_a_report_written_before_reads_with_its_states_and_is_written_again_byte
     layout.health_json.write_text(WRITTEN_BEFORE)
     report = read_report(layout)
     spare, given_up = report.track("instance-1"), report.track("instance-2")
-    assert spare.reason is OnPurpose.SPARE and spare.drain_signal is DrainAction.HOLD
-    assert given_up.reason == "failed: supervisord gave up starting it" and not isinstance(given_up.reason, OnPurpose)
+    assert (spare.on_purpose, spare.reason) == (OnPurpose.SPARE, "") and spare.drain_signal is DrainAction.HOLD
+    assert (given_up.on_purpose, given_up.reason) == (None, "failed: supervisord gave up starting it")
     layout.health_json.unlink()
     write_report(layout, report)
     assert layout.health_json.read_text() == WRITTEN_BEFORE
+
+
+SPARE_WORDS = f'"reason": "{OnPurpose.SPARE.value}"'
+GIVEN_UP_WORDS = '"reason": "failed: supervisord gave up starting it"'
+
+
+def test_a_new_reason_replaces_the_last_and_is_written_as_before(tmp_path):
+    """On purpose, then words for people, and the other way round: one at a time, and
+    health.json keeps either as before, under its one "reason"."""
+    layout = Layout(tmp_path)
+    layout.run.mkdir()
+    layout.health_json.write_text(WRITTEN_BEFORE)
+    report = read_report(layout)
+    spare, given_up = report.track("instance-1"), report.track("instance-2")
+    with pytest.raises(ValueError, match="one at a time"):
+        dataclasses.replace(spare, reason="process exited")  # (a setter that forgot to clear the other)
+
+    exited = dataclasses.replace(spare, on_purpose=None, reason="process exited")
+    parked = dataclasses.replace(given_up, on_purpose=OnPurpose.PARKED, reason="")
+    assert (exited.on_purpose, exited.reason_words) == (None, "process exited")
+    assert (parked.on_purpose, parked.reason_words) == (OnPurpose.PARKED, OnPurpose.PARKED.value)
+    write_report(layout, dataclasses.replace(report, tracks={"instance-1": exited, "instance-2": parked}))
+    expected = WRITTEN_BEFORE.replace(SPARE_WORDS, '"reason": "process exited"')
+    expected = expected.replace(GIVEN_UP_WORDS, f'"reason": "{OnPurpose.PARKED.value}"')
+    assert expected.count('"reason": ') == 2 and SPARE_WORDS not in expected and GIVEN_UP_WORDS not in expected
+    assert layout.health_json.read_text() == expected
+    again = read_report(layout)
+    assert (again.track("instance-1").on_purpose, again.track("instance-2").on_purpose) == (None, OnPurpose.PARKED)
