@@ -25,6 +25,28 @@ def outlive_uvicorns_signal() -> None:
         signal.signal(number, lambda *_: None)
 
 
+class Tally:
+    """Work a drain waits for besides admission's syntheses (the long texts an instance is
+    fanning out: their segments run elsewhere), counted while a ``with`` holds it, from the
+    event loop and the UI's threads alike."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Tally:
+        with self._lock:
+            self._count += 1
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        with self._lock:
+            self._count -= 1
+
+    def count(self) -> int:
+        return self._count
+
+
 def draining_server(
     config: Any, admission: Admission, drain_timeout: float, coordinating: Callable[[], int] = lambda: 0
 ) -> Any:

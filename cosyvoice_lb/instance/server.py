@@ -8,7 +8,8 @@ client sends can take the process down.
 
 This module is the HTTP edge: ``/v1/tts`` decodes JSON or a form and hands it to the one
 pipeline (``pipeline.py``), whose exceptions become answers through one table registered
-here once; the UI (``ui.py``) is another adapter onto the same pipeline.
+here once; the UI (``ui.py``) is another adapter onto the same pipeline. What the pipeline
+is built with comes from the command line through ``wiring.py``.
 
 It runs in the model's Python environment (for CosyVoice: upstream's pins, gradio 5.x),
 which has none of the launcher's packages: only the standard library, numpy, soundfile,
@@ -19,14 +20,11 @@ imported here.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 import cosyvoice_lb
-from cosyvoice_lb import __version__
 from cosyvoice_lb.common.checks import parse_voice_map
-from cosyvoice_lb.common.concurrency import concurrency
 from cosyvoice_lb.common.error_body import error_body, error_headers
 from cosyvoice_lb.common.instance_argv import parse_instance_args
-from cosyvoice_lb.common.settings import Settings
-from cosyvoice_lb.common.sizes import parse_size
 from cosyvoice_lb.common.timeouts import GRACEFUL_SHUTDOWN
 from cosyvoice_lb.instance.access.auth import PolicyFile
 from cosyvoice_lb.instance.access.gate import Gate
@@ -51,24 +45,15 @@ from cosyvoice_lb.instance.api.forms import read_form
 from cosyvoice_lb.instance.api.openai import add_openai_routes
 from cosyvoice_lb.instance.api.speech_socket import StreamLimits, add_stream_route
 from cosyvoice_lb.instance.api.streams import AudioStream, audio_source, collect_wav, first_of, streaming_headers
-from cosyvoice_lb.instance.audio.outputs import Outputs
 from cosyvoice_lb.instance.audio.wav import pcm16, wav_header
-from cosyvoice_lb.instance.engines import create_engine
 from cosyvoice_lb.instance.lifetime import close_engine, draining_server, outlive_uvicorns_signal
-from cosyvoice_lb.instance.metrics import MISSING, Metrics, RequestMetrics
-from cosyvoice_lb.instance.quality.checker import SpeechChecker
+from cosyvoice_lb.instance.metrics import MISSING, RequestMetrics
 from cosyvoice_lb.instance.quality.cohort import Cohort, mount_cohort
-from cosyvoice_lb.instance.quality.isolated import Isolated
-from cosyvoice_lb.instance.quality.recognizers import choose
-from cosyvoice_lb.instance.quality.speaker import speaker_model_for
-from cosyvoice_lb.instance.routing.board import Opener
-from cosyvoice_lb.instance.routing.router import Router
-from cosyvoice_lb.instance.speech.admission import Admission, Phase, Snapshot
+from cosyvoice_lb.instance.speech.admission import Snapshot
 from cosyvoice_lb.instance.speech.canary import start_canary
 from cosyvoice_lb.instance.speech.failures import ERRORS, Declined, describe
-from cosyvoice_lb.instance.speech.fanout import SEGMENT_HEADER, Balancer, FanOut
+from cosyvoice_lb.instance.speech.fanout import SEGMENT_HEADER, FanOut
 from cosyvoice_lb.instance.speech.pipeline import Pipeline
-from cosyvoice_lb.instance.speech.poison import Ledger
 from cosyvoice_lb.instance.speech.validation import (
     FIELDS,
     MAX_SPEED,
@@ -81,9 +66,9 @@ from cosyvoice_lb.instance.speech.validation import (
     request_schema,
     safe,
 )
-from cosyvoice_lb.instance.speech.voices import Registry
 from cosyvoice_lb.instance.ui.absent import answer_without_ui
 from cosyvoice_lb.instance.ui.errors import UIErrors
+from cosyvoice_lb.instance.wiring import build_instance
 
 log = logging.getLogger("cosyvoice_lb.instance")
 
@@ -356,61 +341,6 @@ def build_app(
     return app
 
 
-def build_pipeline(settings: Settings, port: int, ledger_dir: str = "") -> Pipeline:
-    """The instance's pipeline for its settings (as parsed from its command line)."""
-    # (the launcher passes a number; ``auto`` here: an instance started by hand, pinned to a
-    # GPU when CUDA_VISIBLE_DEVICES names one)
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() not in ("", "-1")
-    slots = concurrency(settings.instance_concurrency, settings.resolved_engine, settings.load_vllm, gpu)
-    engine = create_engine(settings.resolved_engine, **{**asdict(settings), "concurrency": slots, "port": port})
-    limits = Limits(
-        max_chars=settings.max_chars,
-        max_long_chars=settings.max_long_chars,
-        max_prompt_seconds=settings.max_prompt_seconds,
-        max_upload_bytes=parse_size(settings.max_upload),
-    )
-    outputs = Outputs(settings.outputs_dir, port, settings.outputs_max_age, parse_size(settings.outputs_max_size))
-    # Prompt uploads are written for upstream as files; leftovers of a killed run go at start.
-    scratch = os.path.join(settings.outputs_dir, ".prompts") if settings.outputs_dir else tempfile.gettempdir()
-    os.makedirs(scratch, exist_ok=True, mode=0o700)
-    for stale in os.listdir(scratch):
-        if stale.startswith(f"prompt-{port}-"):
-            try:
-                os.unlink(os.path.join(scratch, stale))
-            except FileNotFoundError:
-                pass
-    admission = Admission(slots, settings.max_queue)
-    ledger = Ledger(ledger_dir) if ledger_dir else None
-    registry = Registry(settings.voices_dir) if settings.voices_dir else None
-    metrics = Metrics(engine.name, __version__)
-    if not metrics.enabled:
-        log.warning("no metrics: %s", MISSING)
-    if hasattr(engine, "on_first_chunk"):  # an engine that times its first chunk's parts
-        setattr(engine, "on_first_chunk", metrics.first_chunk_parts)  # noqa: B010
-    if hasattr(engine, "on_batch"):  # an engine that batches syntheses
-        setattr(engine, "on_batch", metrics.batched)  # noqa: B010
-    make, unavailable, language = choose(settings.asr, settings.resolved_engine, settings.asr_model)
-    speaker = speaker_model_for(settings.model_dir)  # upstream's campplus.onnx: the answers' speaker similarity
-    isolated = functools.partial(Isolated, make) if make is not None else None  # (it holds the GIL: see isolated)
-    speech = SpeechChecker(
-        isolated, settings.asr_sample, settings.asr_max_error, language, unavailable=unavailable, speaker=speaker
-    )
-    return Pipeline(
-        engine,
-        admission,
-        limits,
-        outputs,
-        scratch,
-        port=port,
-        request_timeout=settings.request_timeout,
-        ledger=ledger,
-        registry=registry,
-        metrics=metrics,
-        speech=speech,
-        check_prompt=(settings.canary_prompt, settings.canary_prompt_text),
-    )
-
-
 def main(argv: list[str] | None = None) -> None:
     settings, args = parse_instance_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s instance:{args.port} %(levelname)s %(message)s")
@@ -421,32 +351,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    pipeline = build_pipeline(settings, args.port, args.ledger_dir)
-    pipeline.probe.measured_only = args.canary  # (a model canary: its speech is compared, not gated)
+    pipeline, fanout = build_instance(settings, args)
     policy = PolicyFile(args.auth_file) if args.auth_file else None
-    fanout = None
-    if args.balancer and settings.max_long_chars:
-        key = ""
-        if args.segment_key_file:
-            with open(args.segment_key_file, encoding="utf-8") as handle:
-                key = handle.read().strip()
-        balancer = Balancer(args.balancer, args.peers, min(settings.segment_chars, settings.max_chars), key)
-        fanout = FanOut(balancer, pipeline.admission.clock)
-    else:  # nowhere to send segments: texts past --max-chars are refused
-        pipeline.limits = replace(pipeline.limits, max_long_chars=0)
-    if args.board and args.slot >= 0:
-        admission = pipeline.admission
-        pipeline.router = Router(
-            args.slot,
-            os.getpid(),
-            admission.load,
-            lambda: admission.phase is Phase.READY,
-            pipeline.rate,
-            admission.clock,
-            Opener(args.board),
-            admission.reserve,
-        )
-        admission.on_change = pipeline.router.publish
     voice_map = parse_voice_map(settings.openai_voices)
     app = build_app(
         pipeline,
@@ -489,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
     )
     outlive_uvicorns_signal()
-    draining_server(config, pipeline.admission, settings.drain_timeout, lambda: pipeline.coordinating).run()
+    draining_server(config, pipeline.admission, settings.drain_timeout, pipeline.coordinating.count).run()
     if pipeline.ledger is not None and not pipeline.admission.snapshot().inflight:
         pipeline.ledger.clear_own()  # a graceful stop: what it cut short harmed nothing
     # (a synthesis still running past the drain timeout may be stuck: its mark stays as evidence)

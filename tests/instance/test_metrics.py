@@ -280,7 +280,7 @@ def test_the_cosyvoice_engines_first_chunk_parts_reach_the_instance_metrics(tmp_
     """build_pipeline hands the engine the metrics' observer: what the layer reports (it calls
     the engine's ``_first_chunk``, see upstream_tts.install) is a histogram per part."""
     from cosyvoice_lb.common.settings import Settings
-    from cosyvoice_lb.instance.server import build_pipeline
+    from cosyvoice_lb.instance.wiring import build_pipeline
 
     settings = Settings(engine="cosyvoice3", model_dir=str(tmp_path / "not-loaded"), outputs_dir=str(tmp_path))
     p = build_pipeline(settings, port=1)

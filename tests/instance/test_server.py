@@ -198,6 +198,28 @@ def test_the_drain_is_bounded():
     assert server.should_exit is True and admission.snapshot().inflight == 1
 
 
+def test_the_drain_waits_for_the_long_texts_the_instance_coordinates():
+    import signal
+    import time
+
+    import uvicorn
+
+    from cosyvoice_lb.instance.lifetime import Tally, draining_server
+
+    admission = Admission()
+    admission.become_ready()
+    long_texts = Tally()
+    server = draining_server(uvicorn.Config(app=lambda *a: None), admission, 5.0, long_texts.count)
+    with long_texts:  # a long text's segments are out at other instances: nothing in flight here
+        server.handle_exit(signal.SIGTERM, None)
+        time.sleep(0.3)
+        assert server.should_exit is False and long_texts.count() == 1
+    deadline = time.monotonic() + 2
+    while not server.should_exit and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.should_exit is True and long_texts.count() == 0
+
+
 def test_draining_instance_answers_503_so_nginx_tries_another(loaded):
     draining = pipeline(loaded.engine, port=7864)
     draining.admission.drain()
@@ -701,17 +723,16 @@ def test_a_busy_instance_declines_for_a_freer_one_at_once_and_the_last_resort_is
 
     from cosyvoice_lb.instance.engines.simulated import SimulatedEngine
     from cosyvoice_lb.instance.routing.board import Board
-    from cosyvoice_lb.instance.routing.router import Router
     from cosyvoice_lb.instance.routing.rule import Backlog
+    from cosyvoice_lb.instance.wiring import routed_admission
 
     board = Board.create(tmp_path / "routing.board")
     board.configure(True, 0.05)
     board.set_rotation([0, 1])
     board.publish(1, os.getpid(), True, Backlog(0.0, False), 0.004)
-    p = pipeline(SimulatedEngine(simulated_ms_per_char=4), max_queue=8, limits=Limits(max_chars=1000))
-    a = p.admission
-    p.router = Router(0, os.getpid(), a.load, lambda: a.snapshot().ready, p.rate, a.clock, lambda: board, a.reserve)
-    a.on_change = p.router.publish
+    a, router = routed_admission(1, 8, 0, lambda: board)
+    a.become_ready()
+    p = Pipeline(SimulatedEngine(simulated_ms_per_char=4), a, Limits(max_chars=1000), port=7860, router=router)
     with TestClient(app(p), raise_server_exceptions=False) as c:
         assert c.post("/v1/tts", json={"text": "a" * 10}).status_code == 200  # idle: taken
         assert c.get("/ping").json()["routing"]["seconds_per_char"] == pytest.approx(0.004, rel=0.2)

@@ -95,7 +95,7 @@ async def serve(
     lease: Lease | None = None
     if not token_needed:
         try:
-            lease = pipeline.admission.lease(pipeline.rate.estimate(SESSION_CHARS))
+            lease = pipeline.lease(SESSION_CHARS)
         except Exception as exc:  # noqa: BLE001 - not ready, or no slot: the API's 503
             failure = describe(exc)
             status = failure.status if failure else 503
@@ -222,7 +222,7 @@ class Session:
         if not bistream:
             pipeline.finish(job)
         if self.lease is None:  # (a token proven in the first message: its slot now)
-            self.lease = pipeline.admission.lease(pipeline.rate.estimate(SESSION_CHARS))
+            self.lease = pipeline.lease(SESSION_CHARS)
         encoder = Encoder(fmt, pipeline.engine.sample_rate)
         await self.ws.send_text(
             json.dumps(

@@ -85,14 +85,11 @@ def audio_source(
 
 async def coordinated(pipeline: Pipeline, source: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
     """Counts a long text in flight while its audio is being made (a drain waits for it)."""
-    with pipeline.coordinating_lock:
-        pipeline.coordinating += 1
     try:
-        async for chunk in source:
-            yield chunk
+        with pipeline.coordinating:
+            async for chunk in source:
+                yield chunk
     finally:
-        with pipeline.coordinating_lock:
-            pipeline.coordinating -= 1
         await source.aclose()  # type: ignore[attr-defined]
         # its segments went through the heap: give those pages back (off the loop: tens of ms)
         await asyncio.get_running_loop().run_in_executor(None, release)

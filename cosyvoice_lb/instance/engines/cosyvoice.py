@@ -88,6 +88,8 @@ class CosyVoiceEngine:
         concurrency: int = 1,
         token2wav_batch: str | int = "auto",
         token2wav_window: float = 20.0,
+        on_first_chunk: Callable[[float, float], None] | None = None,
+        on_batch: Callable[[str, int], None] | None = None,
     ):
         if not model_dir:
             raise EngineError("the cosyvoice3 engine needs --model-dir")
@@ -123,11 +125,11 @@ class CosyVoiceEngine:
         self.voice_cache_hits = 0  # saved voices spoken from the cache / put in it (metrics)
         self.voice_cache_misses = 0
         # Hears (llm seconds, audio seconds) of each stream's first chunk, on our layer (the
-        # instance sets it to its metrics; see ``upstream_tts.install``).
-        self.on_first_chunk: Callable[[float, float], None] | None = None
-        # Hears (stage, syntheses) of each batched step: llm (vLLM), flow, hift (the instance
-        # sets it to its metrics).
-        self.on_batch: Callable[[str, int], None] | None = None
+        # instance's metrics; see ``upstream_tts.install``).
+        self.on_first_chunk = on_first_chunk
+        # Hears (stage, syntheses) of each batched step: llm (vLLM), flow, hift (the instance's
+        # metrics).
+        self.on_batch = on_batch
 
     def _modes(self, speakers: list[str]) -> tuple[str, ...]:
         modes = ["zero_shot", "cross_lingual"]

@@ -107,13 +107,13 @@ def judged(check: Check | None, no_recognizer: str) -> Verdict:
 class Probe:
     """The warm-up and the canary of one pipeline, and the verdict of the last of them."""
 
-    def __init__(self, pipeline: Any, check_prompt: tuple[str, str] = ("", "")):
+    def __init__(self, pipeline: Any, check_prompt: tuple[str, str] = ("", ""), measured_only: bool = False):
         self.pipeline = pipeline
         self.check_prompt = check_prompt  # --canary-prompt and its transcript
         self.verdict = Verdict(unchecked="not checked yet")
         # A model roll-out's canary (``--canary``) is measured, not gated, on what it says: its
         # speech failing the check is shown (/ping, the comparison), and it keeps its traffic.
-        self.measured_only = False
+        self.measured_only = measured_only
 
     def load(self) -> None:
         """Load the engine, run the warm-up, then turn ready (unless a drain came first: a

@@ -207,6 +207,7 @@ class Admission:
         clock: Clock = time.monotonic,
         background_wait: float = BACKGROUND_WAIT,
         background_queue: int | None = None,
+        on_change: Callable[[], None] = lambda: None,
     ):
         self.concurrency = max(1, concurrency)
         self.max_queue = max_queue  # interactive requests allowed to wait when bounded; None: no bound
@@ -214,7 +215,7 @@ class Admission:
         self.background_wait = max(0.0, background_wait)
         # background requests allowed to wait (default: one per engine slot)
         self.background_queue = self.concurrency if background_queue is None else max(0, background_queue)
-        self.on_change: Callable[[], None] = lambda: None
+        self.on_change = on_change
         self._lock = threading.Lock()
         self._free = self.concurrency  # engine slots nobody holds (while any is free, nobody waits)
         # key -> [start, last chunk (inf: with the reader), estimated seconds]

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import os
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -32,18 +31,14 @@ from cosyvoice_lb.instance.audio.outputs import Outputs
 from cosyvoice_lb.instance.audio.prompts import read_prompt
 from cosyvoice_lb.instance.audio.wav import WavBuilder, wav_bytes, write_wav
 from cosyvoice_lb.instance.engines import CLONING, Engine, SynthesisRequest, clones
+from cosyvoice_lb.instance.lifetime import Tally
 from cosyvoice_lb.instance.metrics import Metrics
 from cosyvoice_lb.instance.quality.checker import NO_TAP, Check, SpeechChecker, Tap
 from cosyvoice_lb.instance.quality.compared import ContextPool, compared_wait
 from cosyvoice_lb.instance.quality.probe import Probe
 from cosyvoice_lb.instance.routing.router import Router
 from cosyvoice_lb.instance.routing.rule import LAST_HEADER, TRY_HEADER, Rate
-from cosyvoice_lb.instance.speech.admission import (
-    Admission,
-    Clock,
-    TimedOut,
-    deadline_for,
-)
+from cosyvoice_lb.instance.speech.admission import Admission, Clock, Lease, TimedOut, deadline_for
 from cosyvoice_lb.instance.speech.canary import AudioWatch
 from cosyvoice_lb.instance.speech.failures import BadAudio, Declined, NoAudio, StorageFailed
 from cosyvoice_lb.instance.speech.poison import Ledger, fingerprint
@@ -96,6 +91,8 @@ class Pipeline:
         metrics: Metrics | None = None,
         speech: SpeechChecker | None = None,
         check_prompt: tuple[str, str] = ("", ""),
+        measured_only: bool = False,
+        router: Router | None = None,
     ):
         self.engine = engine
         self.admission = admission or Admission()
@@ -111,14 +108,14 @@ class Pipeline:
         self.speech = speech  # the speech check (``quality``); None: none here
         if speech is not None:
             speech.listen(self.heard)
-        self.probe = Probe(self, check_prompt)  # the warm-up and the canary, and their verdict
+        self.probe = Probe(self, check_prompt, measured_only)  # the warm-up and the canary, and their verdict
         self.watch = AudioWatch(self.admission.clock, self.metrics.bad_audio)  # bad audio found (see ``canary``)
-        self.rate = Rate()  # this engine's seconds per character, measured
-        self.router: Router | None = None  # routing by work (see ``routing``); None: never declines
+        self.router = router  # routing by work (see ``routing``); None: never declines
+        # this engine's seconds per character, measured (the router's: what it publishes)
+        self.rate = router.rate if router is not None else Rate()
         self.storage_problem = ""  # why the last result could not be kept; "" once one was
         self.metrics.watch(self.live)
-        self.coordinating = 0  # long texts this instance is fanning out (a drain waits for them)
-        self.coordinating_lock = threading.Lock()  # (from the event loop and the UI's threads)
+        self.coordinating = Tally()  # long texts this instance is fanning out (a drain waits for them)
         # API syntheses run here rather than in the server's shared pool: a request whose
         # time ran out is answered while a stuck engine call keeps only its own thread.
         self.workers = ContextPool(max_workers=32, thread_name_prefix="synthesis")
@@ -139,7 +136,7 @@ class Pipeline:
             "ready": float(snapshot.ready),
             "inflight": snapshot.inflight,
             "waiting": snapshot.waiting,
-            "long_texts": self.coordinating,
+            "long_texts": self.coordinating.count(),
             "speech_unchecked": float(bool(self.probe.verdict.unchecked)),
             "outputs_failing": float(bool(self.storage_problem)),
             "voice_cache_hits": getattr(self.engine, "voice_cache_hits", 0),
@@ -415,6 +412,10 @@ class Pipeline:
                     # it ended, and this process lives: no evidence; spoken to the end, it
                     # clears the deaths its request was present at (see ``poison``)
                     ledger.leave(mark, spoken=outcome is True)
+
+    def lease(self, chars: int) -> Lease:
+        """An engine slot for a streaming session, its cost estimated for ``chars`` (see ``Admission.lease``)."""
+        return self.admission.lease(self.rate.estimate(chars))
 
     def tap(self, request: SynthesisRequest, count: bool) -> Tap:
         """Where a live answer's audio goes for the speech check, after it was sent (a share of

@@ -204,9 +204,8 @@ def test_the_deadline_counts_from_nginx_stamp():
 
 def test_the_backlog_counts_estimated_work_in_flight_and_waiting():
     clock = Clock()
-    admission = ready(clock=clock)
     changes = []
-    admission.on_change = lambda: changes.append(admission.load())
+    admission = ready(clock=clock, on_change=lambda: changes.append(admission.load()))
     ticket = admission.admit(cost=0.4)
     assert admission.load().until == pytest.approx(100.4) and admission.load().busy
     clock.now += 0.1
@@ -251,12 +250,10 @@ def test_a_taken_request_counts_until_it_queues_or_for_a_second_at_most():
 
 
 def test_a_failing_publisher_never_costs_an_engine_slot():
-    admission = ready()
-
     def broken() -> None:
         raise ValueError("mmap closed or invalid")
 
-    admission.on_change = broken
+    admission = ready(on_change=broken)
     for _ in range(3):  # (one slot: a leaked ticket would block the second admit for good)
         admission.admit(cost=0.1).release(True)
     admission.reserve(0.1)
@@ -264,9 +261,8 @@ def test_a_failing_publisher_never_costs_an_engine_slot():
 
 
 def test_phase_changes_are_published():
-    admission = Admission()
     seen = []
-    admission.on_change = lambda: seen.append(admission.phase)
+    admission = Admission(on_change=lambda: seen.append(admission.phase))
     admission.become_ready()
     admission.drain()
     admission.fail("boom")

@@ -42,10 +42,9 @@ class Watched:
     """An admission whose waiters run on threads; :meth:`until` waits for its change notices."""
 
     def __init__(self, **kwargs):
-        self.admission = Admission(clock=Clock(), **kwargs)
-        assert self.admission.become_ready()
         self.changed = threading.Condition()
-        self.admission.on_change = self.notify
+        self.admission = Admission(clock=Clock(), on_change=self.notify, **kwargs)
+        assert self.admission.become_ready()
         self.got: list[tuple[str, Ticket]] = []
         self.refused: list[tuple[str, Exception]] = []
         self.threads: list[threading.Thread] = []

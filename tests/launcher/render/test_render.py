@@ -1130,7 +1130,7 @@ def test_a_given_vllm_share_and_a_plan_without_vllm_render_as_such():
 
 def test_the_rendered_concurrency_becomes_the_instances_admission_slots(tmp_path):
     from cosyvoice_lb.common.instance_argv import parse_instance_args
-    from cosyvoice_lb.instance.server import build_pipeline
+    from cosyvoice_lb.instance.wiring import build_pipeline
 
     cards = Inventory(gpus=(Gpu(0, 80 * GiB, 80 * GiB),), cpu_cores=8, ram_total=64 * GiB, ram_available=64 * GiB)
     the_plan = plan(cards, Budget(5 * GiB, 512 * MiB, concurrency=6), instances=1)
