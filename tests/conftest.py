@@ -130,16 +130,29 @@ def uvicorn_serving(app, uds: str | None = None) -> Iterator[str]:
         thread.join(10)
 
 
+FAKE_COSYVOICE = TESTS / "fake_cosyvoice"
+FAKE_V3 = TESTS / "fake_models" / "Fun-CosyVoice3-0.5B"
+# `up`'s engine options for the CosyVoice3 contract fake (it yields torch tensors)
+FAKE_COSYVOICE3 = ("--engine", "cosyvoice3", "--model-dir", str(FAKE_V3), "--cosyvoice-root", str(FAKE_COSYVOICE))
+
+
 @contextmanager
-def simulated_cluster(*args: str, instances: int = 2, env: dict[str, str] | None = None) -> Iterator[dict]:
-    """A real cluster of ``instances`` simulated-engine instances (`up` with ``args`` added, on
-    free ports, in a fresh state dir under /tmp); always taken down and removed after."""
+def simulated_cluster(
+    *args: str,
+    instances: int = 2,
+    env: dict[str, str] | None = None,
+    engine: tuple[str, ...] = ("--engine", "simulated"),
+    timeout: float = 240,
+) -> Iterator[dict]:
+    """A real cluster of ``instances`` instances of ``engine`` (the simulated one unless
+    said: :data:`FAKE_COSYVOICE3`), `up` with ``args`` added, on free ports, in a fresh
+    state dir under /tmp; always taken down and removed after."""
     state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
     port, base = free_port_block(1), free_port_block(instances)
-    command = ["up", "--engine", "simulated", "--instances", str(instances), "--port", str(port)]
+    command = ["up", *engine, "--instances", str(instances), "--port", str(port)]
     command += ["--base-port", str(base), "--state-dir", str(state_dir), *args]
     try:
-        done = cli(*command, env=env, timeout=240)
+        done = cli(*command, env=env, timeout=timeout)
         assert done.returncode == 0, done.stdout + done.stderr
         yield {"state_dir": state_dir, "url": f"http://127.0.0.1:{port}", "port": port, "base": base}
     finally:
@@ -380,24 +393,18 @@ def pytest_unconfigure(config):
     gc.freeze()
 
 
-PROMETHEUS = shutil.which("prometheus")
-
-
 @contextmanager
 def real_prometheus(config: Path, data: Path) -> Iterator[str]:
     """Debian's Prometheus on loopback with ``config``, its TSDB and log (prometheus.log) in
     ``data``; yields its API's base URL once it says it is ready, and stops it after. A skip
     that says why without the binary (a failure with CVLB_REQUIRE_BROWSER, as in CI)."""
-    if PROMETHEUS is None:
-        if os.environ.get("CVLB_REQUIRE_BROWSER"):
-            raise RuntimeError("prometheus is required here: apt-get install prometheus (./run.sh test does)")
-        pytest.skip("prometheus is not installed (./run.sh test installs Debian's prometheus package)")
+    prometheus = installed("prometheus", "prometheus")
     port = free_port_block(1)
     log = data / "prometheus.log"
     with open(log, "w") as err:
         process = subprocess.Popen(
             [
-                PROMETHEUS,
+                prometheus,
                 f"--config.file={config}",
                 f"--web.listen-address=127.0.0.1:{port}",
                 f"--storage.tsdb.path={data / 'data'}",
@@ -425,16 +432,20 @@ def real_prometheus(config: Path, data: Path) -> Iterator[str]:
             process.wait(10)
 
 
-PROMTOOL = shutil.which("promtool")
+def installed(program: str, package: str) -> str:
+    """Where ``program`` is; without it a skip that names the Debian package ``./run.sh test``
+    installs, or a failure with CVLB_REQUIRE_BROWSER (CI must run what needs it)."""
+    found = shutil.which(program)
+    if found is None:
+        if os.environ.get("CVLB_REQUIRE_BROWSER"):
+            raise RuntimeError(f"{program} is required here (CVLB_REQUIRE_BROWSER): apt-get install {package}")
+        pytest.skip(f"{program} is not installed (./run.sh test installs Debian's {package} package)")
+    return found
 
 
 @pytest.fixture
 def promtool() -> str:
-    if not PROMTOOL:
-        if os.environ.get("CVLB_REQUIRE_BROWSER"):
-            raise RuntimeError("promtool is required here (CVLB_REQUIRE_BROWSER): apt-get install prometheus")
-        pytest.skip("promtool is not installed (./run.sh test installs Debian's prometheus package)")
-    return PROMTOOL
+    return installed("promtool", "prometheus")
 
 
 def document(files: dict[str, str], name: str) -> dict:

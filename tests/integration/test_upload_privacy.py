@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -17,34 +15,18 @@ import numpy as np
 import pytest
 import requests
 import soundfile
-from conftest import ROOT, clean_env, cli, free_port_block, status, unexpected_tracebacks, wait_for
+from conftest import FAKE_COSYVOICE3, clean_env, cli, simulated_cluster, status, unexpected_tracebacks, wait_for
 
 from cosyvoice_lb.instance.ui.owners import RECORDS, key_of
 
 pytest.importorskip("torch", reason="the contract fake yields torch tensors, like upstream")
 
-FAKE = ROOT / "tests" / "fake_cosyvoice"
-V3 = ROOT / "tests" / "fake_models" / "Fun-CosyVoice3-0.5B"
-
 
 @pytest.fixture(scope="module")
 def cluster():
-    state_dir = Path(tempfile.mkdtemp(prefix="cvlb-", dir="/tmp"))
-    port, base = free_port_block(1), free_port_block(1)
-    try:
-        done = cli(
-            "up",
-            *("--engine", "cosyvoice3", "--model-dir", str(V3), "--cosyvoice-root", str(FAKE)),
-            *("--instances", "1", "--host", "127.0.0.1", "--port", str(port), "--base-port", str(base)),
-            *("--state-dir", str(state_dir)),
-            env=clean_env(FAKE_COSYVOICE_CHUNK_SECONDS="0.05"),
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-        yield {"state_dir": state_dir, "url": f"http://127.0.0.1:{port}"}
-    finally:
-        cli("down", "--state-dir", str(state_dir), timeout=120)
-        shutil.rmtree(state_dir, ignore_errors=True)
+    chunks = clean_env(FAKE_COSYVOICE_CHUNK_SECONDS="0.05")
+    with simulated_cluster("--host", "127.0.0.1", instances=1, engine=FAKE_COSYVOICE3, env=chunks, timeout=300) as up:
+        yield up
 
 
 def session() -> requests.Session:

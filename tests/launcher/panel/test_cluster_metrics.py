@@ -3,11 +3,8 @@ cluster, GPUs present only with a GPU, nginx's stub_status read, names passing p
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
-import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,7 +14,6 @@ from cosyvoice_lb.launcher.panel.metrics import ClusterView, NginxCounters, View
 from cosyvoice_lb.launcher.plan.gpu import GpuReading
 from cosyvoice_lb.launcher.state.health_report import HealthReport, Track
 
-PROMTOOL = shutil.which("promtool")
 STUB = "Active connections: 3 \nserver accepts handled requests\n 120 119 4567 \nReading: 0 Writing: 2 Waiting: 1 \n"
 H100 = GpuReading(0, "NVIDIA H100 80GB HBM3", "GPU-8932f937", 20 * 2**30, 80 * 2**30, 0.37, 54.0, 312.0)
 MIG = GpuReading(1, "NVIDIA A100 MIG", "GPU-1111", 2**30, 40 * 2**30, None, 41.0, None)
@@ -140,10 +136,7 @@ def test_nginx_counters_and_nginx_down():
     assert down[("cosyvoice_lb_nginx_up", ())] == 0 and ("cosyvoice_lb_nginx_requests_total", ()) not in down
 
 
-@pytest.mark.skipif(PROMTOOL is None and not os.environ.get("CVLB_REQUIRE_BROWSER"), reason="promtool missing")
-def test_names_and_units_pass_promtools_lint():
+def test_names_and_units_pass_promtools_lint(promtool):
     text = scrape(view(gpus=(H100, MIG), nginx=parse_stub_status(STUB)))
-    done = subprocess.run(
-        [PROMTOOL or "promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
-    )
+    done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr

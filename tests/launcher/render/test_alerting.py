@@ -9,17 +9,15 @@ tests/integration/test_alert_delivery.py."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import cli_here, document
+from conftest import cli_here, document, installed
 from test_render import gpu_plan, supervisor_sections
 
 from cosyvoice_lb.common.setting_errors import setting_errors
@@ -35,7 +33,6 @@ from cosyvoice_lb.launcher.state.processes import is_cluster_program
 from cosyvoice_lb.launcher.state.supervision import ProcessInfo
 
 ROOT = Path("/tmp/cvlb-alert-t")  # never created: pure renders only
-AMTOOL = shutil.which("amtool")
 PROGRAMS = Programs(
     app="/x/app.py",
     launcher_python=sys.executable,
@@ -189,11 +186,7 @@ def test_the_command_keeps_every_path_one_argument():
 
 @pytest.fixture
 def amtool() -> str:
-    if not AMTOOL:
-        if os.environ.get("CVLB_REQUIRE_BROWSER"):
-            raise RuntimeError("amtool is required here: apt-get install prometheus-alertmanager")
-        pytest.skip("amtool is not installed (./run.sh test installs Debian's prometheus-alertmanager package)")
-    return AMTOOL
+    return installed("amtool", "prometheus-alertmanager")
 
 
 def write(root: Path, files: dict[str, str]) -> Layout:

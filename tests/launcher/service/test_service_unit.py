@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import installed
 
 from cosyvoice_lb.common.settings import Settings, declarations, envvar
 from cosyvoice_lb.common.timeouts import Timeouts
@@ -28,7 +28,6 @@ from cosyvoice_lb.launcher.service.unit import (
     service_env,
 )
 
-SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 LAUNCHER = launcher_command(sys.executable)
 HOSTILE = 'a b "q" $HOME `x` \\ 100% it\'s'
 
@@ -144,12 +143,8 @@ def test_who_a_system_unit_runs_as():
 
 
 def verify(unit: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    if SYSTEMD_ANALYZE is None:
-        if os.environ.get("CVLB_REQUIRE_BROWSER"):
-            raise RuntimeError("systemd-analyze is required here: apt-get install systemd (./run.sh test does)")
-        pytest.skip("systemd-analyze is not installed (./run.sh test installs Debian's systemd package)")
     return subprocess.run(
-        [SYSTEMD_ANALYZE, *extra, "verify", str(unit)],
+        [installed("systemd-analyze", "systemd"), *extra, "verify", str(unit)],
         capture_output=True,
         text=True,
         timeout=60,
